@@ -1,0 +1,152 @@
+"""Driver entry points: fit, run and predict. Composes config, data feed, launch and inference."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sparkdl.config import RunConfig
+from sparkdl.errors import ConfigError, ModelError, SchemaError
+
+
+@dataclass
+class FitResult:
+    module: Any  # the trained torch.nn.Module on the driver
+    history: list[dict[str, Any]]
+    layout: Any  # FeedLayout
+    output_kind: str
+    config: RunConfig
+    run_id: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _spark(df: Any = None) -> Any:
+    if df is not None:
+        return df.sparkSession
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+
+
+def _label_is_integral(df: Any, label_col: str | None) -> bool:
+    from pyspark.sql import types as T
+
+    if label_col is None or label_col not in df.columns:
+        return False
+    return isinstance(df.schema[label_col].dataType, (T.IntegralType, T.BooleanType))
+
+
+def output_kind(config: RunConfig, classification: bool, out_width: int) -> str:
+    if config.train.loss == "bce_with_logits":
+        return "binary"
+    if classification:
+        return "class" if out_width > 1 else "binary"
+    return "value" if out_width == 1 else "values"
+
+
+def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, int]:
+    """Build the model on the driver and run one zero batch through it, so a wrong model or input
+    width fails here in seconds instead of on every executor."""
+    import torch
+
+    from sparkdl.launch.objectives import build_model
+
+    module = build_model(model, config.train.seed)
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(2, num_features))
+    except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
+        raise ModelError(f"the model cannot take a batch of {num_features} features "
+                         f"(from feature_cols {list(config.data.feature_cols)}): {type(exc).__name__}: {exc}",
+                         hint="make the first layer's input width match the number of feature values") from None
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != 2:
+        raise ModelError("the model must return one tensor with the batch as its first dimension",
+                         hint="return logits/values of shape (batch, outputs)")
+    return module, int(out[0].numel())
+
+
+def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
+    from sparkdl.data.feed import check_columns, prepare
+    from sparkdl.launch.driver import new_run_id, submit
+    from sparkdl.launch.objectives import is_classification
+    from sparkdl.launch.spec import TrainSpec
+
+    config.validate()
+    if model is None:
+        raise ModelError("no model was given", hint="pass model=nn.Module(...) or a zero-argument callable")
+    data = config.data
+    if data.label_col is None:
+        raise ConfigError("data.label_col is None, but fitting needs a label",
+                          hint="pass label_col=..., or use sparkdl.run for a custom loop without labels")
+    check_columns(df, list(data.feature_cols) + [data.label_col])
+    classification = is_classification(config.train, _label_is_integral(df, data.label_col))
+    prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
+                       num_workers=config.launch.num_workers)
+    module, out_width = probe_model(model, config, prepared.layout.num_features)
+    if classification and out_width > 1 and prepared.layout.num_classes and prepared.layout.num_classes > out_width:
+        raise ModelError(f"label column {data.label_col!r} holds {prepared.layout.num_classes} classes but the "
+                         f"model outputs {out_width} logits", hint=f"make the last layer output {prepared.layout.num_classes}")
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model)
+    state, history = submit(_spark(df), prepared.df, spec)
+    module.load_state_dict(state)
+    module.eval()
+    return FitResult(module=module, history=history, layout=prepared.layout,
+                     output_kind=output_kind(config, classification, out_width), config=config, run_id=spec.run_id)
+
+
+def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
+    """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
+    from sparkdl.data.feed import prepare
+    from sparkdl.launch.driver import new_run_id, submit
+    from sparkdl.launch.spec import TrainSpec
+
+    if not callable(train_fn):
+        raise ConfigError(f"train_fn must be callable, got {type(train_fn).__name__}",
+                          hint="def train_fn(ctx): ... ; sparkdl.run(train_fn, df=df)")
+    config = RunConfig.from_kwargs(num_workers=num_workers, **options)
+    if df is not None:
+        label = config.data.label_col if config.data.label_col in df.columns else None
+        features = config.data.feature_cols or tuple(c for c in df.columns if c != label)
+        config = config.merged({"data": {"feature_cols": tuple(features), "label_col": label}})
+    if df is not None:
+        config.validate()
+    else:
+        # No DataFrame: the data section (feature columns) does not apply.
+        config.train.validate()
+        config.launch.validate()
+    spark = _spark(df)
+    if df is not None:
+        classification = config.train.task == "classification" or (
+            config.train.task == "auto" and _label_is_integral(df, config.data.label_col))
+        prepared = prepare(df, config.data.feature_cols, config.data.label_col,
+                           classification=classification, num_workers=num_workers)
+        job_df, layout = prepared.df, prepared.layout
+    else:
+        job_df, layout = spark.range(0, num_workers, 1, num_workers), None
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
+    result, _ = submit(spark, job_df, spec)
+    return result
+
+
+def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = "prediction",
+            batch_size: int = 1024) -> Any:
+    """Append `prediction_col` computed on the executors through mapInArrow; every input column kept."""
+    from pyspark.sql import types as T
+
+    from sparkdl.data.feed import check_columns, features_expression
+    from sparkdl.data.layout import FEATURES_COLUMN
+    from sparkdl.inference import make_predict_fn
+    from sparkdl.launch.worker import _dumps_any
+
+    cols = list(layout.source_feature_cols)
+    check_columns(df, cols)
+    if prediction_col in df.columns:
+        raise SchemaError(f"the DataFrame already has a column named {prediction_col!r}",
+                          hint="drop it first or pass another prediction column name")
+    prediction_type = {"class": T.LongType(), "binary": T.LongType(), "value": T.DoubleType(),
+                       "values": T.ArrayType(T.FloatType())}[kind]
+    out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True)])
+    spark = df.sparkSession
+    module_bytes = spark.sparkContext.broadcast(_dumps_any(module))
+    fn = make_predict_fn(module_bytes, FEATURES_COLUMN, layout.num_features, kind, prediction_col, batch_size)
+    return df.withColumn(FEATURES_COLUMN, features_expression(df, cols)).mapInArrow(fn, out_schema)

@@ -1,0 +1,110 @@
+"""The Communicator interface every backend implements, and the WorldInfo it is built from.
+
+Strategies talk only to this interface, so a strategy never depends on a backend. Backends count
+the bytes their rank sends from tensor sizes, so every strategy reports exact traffic.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ALLREDUCE = "allreduce"
+BROADCAST = "broadcast"
+ALLGATHER = "allgather"
+SEND_RECV = "send_recv"
+BARRIER = "barrier"
+SUBGROUP = "subgroup"
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this rank sits; built by the rendezvous, identical on every rank except `rank`."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    hosts: tuple[str, ...]  # host of every rank, indexed by rank
+    master_addr: str
+    master_port: int
+    gpus: tuple[str, ...] = field(default_factory=tuple)  # this task's GPU addresses
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+
+class Communicator(abc.ABC):
+    """Collectives over the ranks of one run. `ops` lists what the backend supports so planning can
+    reject a strategy the backend cannot serve before any job starts."""
+
+    ops: frozenset[str] = frozenset()
+
+    def __init__(self, world: WorldInfo) -> None:
+        self.world = world
+        self.bytes_sent = 0
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    @property
+    def device(self) -> "torch.device":
+        import torch
+
+        return torch.device("cpu")
+
+    @abc.abstractmethod
+    def allreduce(self, tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":
+        """In place over all ranks; op is "sum", "avg", "max" or "min". Returns the tensor."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: "torch.Tensor", src: int = 0) -> "torch.Tensor":
+        """In place: every rank ends with src's values."""
+
+    @abc.abstractmethod
+    def allgather(self, tensor: "torch.Tensor") -> list["torch.Tensor"]:
+        """Every rank's tensor (same shape on all ranks), indexed by rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Small picklable objects from every rank, built on allgather of byte tensors."""
+        import pickle
+
+        import torch
+
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64))
+        longest = int(max(int(s.item()) for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = self.allgather(padded)
+        return [pickle.loads(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
+
+    def close(self) -> None:
+        """Release the backend; safe to call twice."""
+
+    def _count_allreduce(self, nbytes: int) -> None:
+        # A ring allreduce sends 2 (W-1)/W of the buffer from each rank (reduce-scatter + allgather).
+        if self.size > 1:
+            self.bytes_sent += 2 * (self.size - 1) * nbytes // self.size
+
+    def _count_broadcast(self, nbytes: int, src: int) -> None:
+        # Counted as the root pushing the buffer to every peer; the others send nothing.
+        if self.rank == src:
+            self.bytes_sent += (self.size - 1) * nbytes
+
+    def _count_allgather(self, nbytes: int) -> None:
+        # A ring allgather forwards W-1 blocks of this size from each rank.
+        self.bytes_sent += (self.size - 1) * nbytes

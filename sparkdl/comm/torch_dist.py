@@ -1,0 +1,68 @@
+"""torch.distributed backend: gloo on CPU, NCCL when the task owns GPUs; finite timeouts always."""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator, WorldInfo
+from sparkdl.errors import ConfigError
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchDistCommunicator(Communicator):
+    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV, SUBGROUP})
+
+    def __init__(self, world: WorldInfo, timeout_s: float) -> None:
+        super().__init__(world)
+        self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
+        backend = "nccl" if self._use_gpu else "gloo"
+        if self._use_gpu:
+            torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            # A reused Python worker may still hold the group of a task that died mid-run.
+            dist.destroy_process_group()
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{world.master_addr}:{world.master_port}",
+            rank=world.rank,
+            world_size=world.size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        if self._use_gpu:
+            return torch.device("cuda", int(self.world.gpus[0]))
+        return torch.device("cpu")
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self._count_allreduce(tensor.numel() * tensor.element_size())
+        if op == "avg":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor.div_(self.size)
+            return tensor
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"allreduce op {op!r} is not supported", hint="use sum, avg, max or min")
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op])
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._count_broadcast(tensor.numel() * tensor.element_size(), src)
+        dist.broadcast(tensor, src=src)
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._count_allgather(tensor.numel() * tensor.element_size())
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor.contiguous())
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,257 @@
+"""Run configuration: frozen dataclasses, TOML loading, `a.b=c` overrides and flat keyword mapping.
+
+The same RunConfig comes from estimator keyword arguments, from `sparkdl.run(**options)` and from a
+TOML file plus `--set` overrides on the CLI, so the three entry points can never drift apart.
+Imports nothing from sparkdl but errors (layering rule).
+"""
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from sparkdl.errors import ConfigError
+
+LOSSES = ("cross_entropy", "mse", "bce_with_logits")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+STRATEGIES = ("data_parallel",)
+BACKENDS = ("torch",)
+TASKS = ("auto", "classification", "regression")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    feature_cols: tuple[str, ...] = ()
+    label_col: str | None = "label"
+    batch_size: int = 64
+    shuffle: bool = True
+    drop_last: bool = False
+    prediction_col: str = "prediction"
+    spool_dir: str | None = None
+
+    def validate(self) -> None:
+        if isinstance(self.feature_cols, str):
+            raise ConfigError(f"data.feature_cols must be a list of column names, got the string "
+                              f"{self.feature_cols!r}", hint=f"write feature_cols=[{self.feature_cols!r}]")
+        if not self.feature_cols:
+            raise ConfigError("data.feature_cols is empty",
+                              hint="pass feature_cols=['f0', 'f1', ...] or one array/vector column")
+        for name in self.feature_cols:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"data.feature_cols holds {name!r}, not a column name",
+                                  hint="every entry must be a non-empty string")
+        if len(set(self.feature_cols)) != len(self.feature_cols):
+            raise ConfigError(f"data.feature_cols lists a column twice: {list(self.feature_cols)}",
+                              hint="list each feature column once")
+        if self.label_col is not None and self.label_col in self.feature_cols:
+            raise ConfigError(f"data.label_col {self.label_col!r} is also a feature column",
+                              hint="remove the label from feature_cols")
+        _positive_int("data.batch_size", self.batch_size)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 5
+    lr: float = 1e-3
+    optimizer: str | Callable[..., Any] = "adam"
+    loss: str | Callable[..., Any] = "cross_entropy"
+    task: str = "auto"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    strategy: str = "data_parallel"
+
+    def validate(self) -> None:
+        _positive_int("train.epochs", self.epochs)
+        if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
+            raise ConfigError(f"train.lr must be a positive number, got {self.lr!r}", hint="for example lr=1e-3")
+        _choice("train.optimizer", self.optimizer, OPTIMIZERS, callable_ok=True)
+        _choice("train.loss", self.loss, LOSSES, callable_ok=True)
+        _choice("train.task", self.task, TASKS)
+        _choice("train.strategy", self.strategy, STRATEGIES)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_workers: int = 2
+    backend: str = "torch"
+    timeout_s: float = 600.0
+    slot_wait_s: float = 30.0
+    threads_per_worker: int | None = None
+    run_dir: str | None = None
+
+    def validate(self) -> None:
+        _positive_int("launch.num_workers", self.num_workers)
+        _choice("launch.backend", self.backend, BACKENDS)
+        for key in ("timeout_s", "slot_wait_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"launch.{key} must be a positive number of seconds, got {value!r}")
+        if self.threads_per_worker is not None:
+            _positive_int("launch.threads_per_worker", self.threads_per_worker)
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """Where the CLI reads its DataFrame from: a table name or a Parquet/CSV path."""
+
+    table: str | None = None
+    path: str | None = None
+    format: str = "auto"
+
+    def validate(self) -> None:
+        _choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    model_path: str | None = None
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        if self.model_path is not None and not isinstance(self.model_path, str):
+            raise ConfigError(f"output.model_path must be a path string, got {self.model_path!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> "RunConfig":
+        for section in _sections(self):
+            getattr(self, section).validate()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict; callables are shown by their qualified name."""
+        out: dict[str, dict[str, Any]] = {}
+        for section in _sections(self):
+            part = getattr(self, section)
+            out[section] = {f.name: _plain(getattr(part, f.name)) for f in fields(part)}
+        return out
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key` -> value, for logging every option under one name."""
+        return {f"{s}.{k}": v for s, d in self.to_dict().items() for k, v in d.items()}
+
+    def with_overrides(self, overrides: Sequence[str]) -> "RunConfig":
+        """Apply `section.key=value` strings; values are TOML literals, else plain strings."""
+        updates: dict[str, dict[str, Any]] = {}
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep or "." not in key:
+                raise ConfigError(f"override {item!r} is not of the form section.key=value",
+                                  hint="for example --set train.epochs=3")
+            section, _, name = key.strip().partition(".")
+            updates.setdefault(section, {})[name] = _parse_literal(raw.strip())
+        return self.merged(updates)
+
+    def merged(self, nested: Mapping[str, Mapping[str, Any]]) -> "RunConfig":
+        """A copy with `{section: {key: value}}` applied; unknown names raise with a suggestion."""
+        config = self
+        sections = _sections(self)
+        for section, values in nested.items():
+            if section not in sections:
+                raise ConfigError(f"unknown config section {section!r}", hint=_suggest(section, sections))
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"config section {section!r} must be a table of options, got {values!r}")
+            part = getattr(config, section)
+            names = [f.name for f in fields(part)]
+            for name in values:
+                if name not in names:
+                    raise ConfigError(f"unknown option {section}.{name}", hint=_suggest(name, names))
+            coerced = {k: _coerce(part, k, v) for k, v in values.items()}
+            config = replace(config, **{section: replace(part, **coerced)})
+        return config
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: Sequence[str] = ()) -> "RunConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist",
+                              hint="pass --conf with the path of a TOML file, e.g. conf/examples/digits.toml")
+        try:
+            nested = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        return cls().merged(nested).with_overrides(overrides).validate()
+
+    @classmethod
+    def from_kwargs(cls, base: "RunConfig | None" = None, **kwargs: Any) -> "RunConfig":
+        """Map flat keyword arguments (`batch_size=64`, `num_workers=2`) onto their sections."""
+        config = base or cls()
+        owner = option_owners(config)
+        nested: dict[str, dict[str, Any]] = {}
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise ConfigError(f"unknown option {name!r}", hint=_suggest(name, list(owner)))
+            nested.setdefault(owner[name], {})[name] = value
+        return config.merged(nested)
+
+
+def option_owners(config: RunConfig | None = None) -> dict[str, str]:
+    """Flat option name -> section name; option names are unique across sections by design."""
+    config = config or RunConfig()
+    owners: dict[str, str] = {}
+    for section in _sections(config):
+        for f in fields(getattr(config, section)):
+            owners[f.name] = section
+    return owners
+
+
+def _sections(config: RunConfig) -> list[str]:
+    return [f.name for f in fields(config)]
+
+
+def _coerce(part: Any, name: str, value: Any) -> Any:
+    if name == "feature_cols" and isinstance(value, list):
+        return tuple(value)
+    current = getattr(part, name)
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _parse_literal(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _plain(value: Any) -> Any:
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    listing = ", ".join(sorted(known))
+    return f"did you mean {close[0]!r}? Known: {listing}" if close else f"known: {listing}"
+
+
+def _positive_int(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
+    if callable_ok and callable(value):
+        return
+    if value not in allowed:
+        extra = " or a callable" if callable_ok else ""
+        raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}{extra}; got {value!r}",
+                          hint=_suggest(str(value), allowed))
+
+

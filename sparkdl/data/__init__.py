@@ -1,0 +1,1 @@
+"""Data path: driver-side feed preparation and worker-side spooling and batching."""

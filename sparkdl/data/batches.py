@@ -1,0 +1,397 @@
+"""Worker data path: Arrow batches -> local memory-mapped spool -> torch batches, equal steps per rank.
+
+A mapInArrow iterator is single-pass, so `Spool.write` copies it once into a local Arrow IPC file
+(features as fixed-size lists: one contiguous float32 block per chunk) that later epochs read from
+the page cache. Collectives hang when ranks disagree on the step count, so every rank runs
+`steps_per_epoch(all row counts)` steps with equal batch sizes, smaller ranks wrapping around their
+rows; equal samples per step also keep plain gradient averaging exact. No pyspark, pandas or
+per-row Python here: this runs inside executors.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import uuid
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from sparkdl.data.layout import FeedLayout
+from sparkdl.errors import (ArrayLengthError, ColumnTypeError, ConfigError, EmptyDataError,
+                            MissingColumnError, NullValuesError)
+
+Batch = tuple[torch.Tensor, torch.Tensor | None]
+Arrays = tuple[np.ndarray, np.ndarray | None]
+
+_LABEL_DTYPES = {"int64": np.dtype(np.int64), "float32": np.dtype(np.float32)}
+_PREPARE_HINT = "feed the DataFrame through sparkdl.data.feed.prepare, which selects and casts columns"
+
+
+def steps_per_epoch(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
+    """Steps every rank runs this epoch, from all ranks' row counts (the same list on each rank).
+
+    Sized by the largest rank so that none of its rows is left out; smaller ranks wrap around.
+    """
+    _check_batch_size(batch_size)
+    n_max = max(row_counts, default=0)
+    if n_max == 0:
+        return 0
+    return n_max // batch_size if drop_last else math.ceil(n_max / batch_size)
+
+
+def last_batch_size(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
+    """Rows in the epoch's last step on every rank; 0 when the epoch has no steps.
+
+    Without drop_last the largest rank sees each row once, so its last step holds the remainder;
+    the other ranks use the same size so that every step has the same number of samples.
+    """
+    steps = steps_per_epoch(row_counts, batch_size, drop_last)
+    if steps == 0 or drop_last:
+        return batch_size if steps else 0
+    return max(row_counts) - (steps - 1) * batch_size
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}",
+                          hint="set a positive per-worker batch_size in the training config")
+
+
+def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
+    index = batch.schema.get_field_index(name)
+    if index < 0:
+        raise MissingColumnError(f"column {name!r} is missing from the Arrow batches reaching the "
+                                 f"worker (columns: {batch.schema.names})", hint=_PREPARE_HINT)
+    return batch.column(index)
+
+
+def _feature_rows(column: pa.Array, name: str, num_features: int) -> np.ndarray:
+    """(rows, num_features) float32 view of a list, large_list or fixed_size_list column."""
+    if column.null_count:
+        raise NullValuesError(f"column {name!r} holds {column.null_count} null feature rows",
+                              hint="drop rows with null features before training (df.dropna())")
+    if pa.types.is_fixed_size_list(column.type):
+        width = column.type.list_size
+        if width != num_features and len(column):
+            raise ArrayLengthError(f"column {name!r} holds arrays of length {width}, expected "
+                                   f"{num_features}", hint="prepare the feed again for this DataFrame")
+        # .values ignores the array's own offset (a sliced array): slice the values ourselves.
+        values = column.values.slice(column.offset * width, len(column) * width)
+    elif pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        # .offsets already honours the array's offset, but need not start at 0 in .values.
+        offsets = column.offsets.to_numpy()
+        lengths = np.diff(offsets)
+        bad = np.flatnonzero(lengths != num_features)
+        if bad.size:
+            raise ArrayLengthError(
+                f"column {name!r}: {bad.size} rows of a batch do not hold {num_features} values "
+                f"(the first holds {int(lengths[bad[0]])})",
+                hint="every row's feature array must have the same length: pad or filter the rows")
+        values = column.values.slice(int(offsets[0]), len(column) * num_features)
+    else:
+        raise ColumnTypeError(f"column {name!r} has Arrow type {column.type}, expected a list of "
+                              "float32", hint=_PREPARE_HINT)
+    if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
+        raise ColumnTypeError(f"column {name!r} holds arrays of {values.type}, expected float32",
+                              hint=_PREPARE_HINT)
+    if values.null_count:
+        raise NullValuesError(f"column {name!r} holds {values.null_count} nulls inside its arrays",
+                              hint="fill or drop rows whose feature arrays contain nulls")
+    # float32 (what prepare sends) stays a view; anything else is converted once, here.
+    flat = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    return flat.reshape(len(column), num_features)
+
+
+def _label_rows(column: pa.Array, name: str, dtype: np.dtype) -> np.ndarray:
+    if column.null_count:
+        raise NullValuesError(f"column {name!r} holds {column.null_count} null labels",
+                              hint="drop rows without a label before training")
+    integral = pa.types.is_integer(column.type)
+    if not (integral or pa.types.is_floating(column.type)) or (dtype.kind == "i" and not integral):
+        raise ColumnTypeError(f"column {name!r} has Arrow type {column.type}, expected {dtype}",
+                              hint=_PREPARE_HINT)
+    return column.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _label_dtype(layout: FeedLayout) -> np.dtype | None:
+    if layout.label_dtype not in (None, *_LABEL_DTYPES):
+        raise ConfigError(f"label_dtype must be one of {sorted(_LABEL_DTYPES)}, got {layout.label_dtype!r}")
+    return None if layout.label_dtype is None else _LABEL_DTYPES[layout.label_dtype]
+
+
+def _incoming(batch: pa.RecordBatch, layout: FeedLayout) -> Arrays:
+    features = _feature_rows(_column(batch, layout.feature_column), layout.feature_column,
+                             layout.num_features)
+    dtype = _label_dtype(layout)
+    if dtype is None:
+        return features, None
+    return features, _label_rows(_column(batch, layout.label_column), layout.label_column, dtype)
+
+
+def _spool_schema(layout: FeedLayout) -> pa.Schema:
+    fields = [pa.field(layout.feature_column, pa.list_(pa.float32(), layout.num_features), False)]
+    dtype = _label_dtype(layout)
+    if dtype is not None:
+        fields.append(pa.field(layout.label_column, pa.from_numpy_dtype(dtype), False))
+    return pa.schema(fields)
+
+
+class _ChunkWriter:
+    """Re-chunks Spark's small (10k-row) batches into contiguous blocks of about chunk_bytes, so
+    reads touch few blocks and most in-order batches are zero-copy. The one buffer is reused: the
+    IPC writer has copied it into the file by the time write_batch returns."""
+
+    def __init__(self, writer: pa.ipc.RecordBatchFileWriter, layout: FeedLayout, chunk_bytes: int):
+        self._writer, self._schema, self._width = writer, _spool_schema(layout), layout.num_features
+        self._label_dtype = _label_dtype(layout)
+        row_bytes = 4 * self._width + (self._label_dtype.itemsize if self._label_dtype else 0)
+        self._capacity = max(1, chunk_bytes // max(1, row_bytes))
+        self._features: np.ndarray | None = None
+        self._labels: np.ndarray | None = None
+        self._fill = 0
+
+    def add(self, features: np.ndarray, labels: np.ndarray | None) -> None:
+        done = 0
+        while done < len(features):
+            if self._features is None:  # lazily, so that a 0-row partition allocates nothing
+                self._features = np.empty((self._capacity, self._width), np.float32)
+                if self._label_dtype is not None:
+                    self._labels = np.empty(self._capacity, self._label_dtype)
+            take = min(len(features) - done, self._capacity - self._fill)
+            self._features[self._fill : self._fill + take] = features[done : done + take]
+            if self._labels is not None and labels is not None:
+                self._labels[self._fill : self._fill + take] = labels[done : done + take]
+            self._fill, done = self._fill + take, done + take
+            if self._fill == self._capacity:
+                self.flush()
+
+    def flush(self) -> None:
+        if self._fill == 0 or self._features is None:
+            return
+        values = pa.array(self._features[: self._fill].reshape(-1))
+        columns = [pa.FixedSizeListArray.from_arrays(values, self._width)]
+        if self._labels is not None:
+            columns.append(pa.array(self._labels[: self._fill]))
+        self._writer.write_batch(pa.record_batch(columns, schema=self._schema))
+        self._fill = 0
+
+
+class _Rows:
+    """A partition's rows as per-chunk numpy blocks: features (n_i, d) and labels (n_i,)."""
+
+    def __init__(self, features: list[np.ndarray], labels: list[np.ndarray] | None, width: int):
+        self.features, self.labels, self.width = features, labels, width
+        # Chunk i holds global rows bounds[i]:bounds[i + 1].
+        self.bounds = np.cumsum([0, *(len(block) for block in features)], dtype=np.int64)
+        self.num_rows = int(self.bounds[-1])
+
+    def take_ranges(self, ranges: list[tuple[int, int]]) -> Arrays:
+        """Row ranges, in order: a zero-copy view when they are one range inside one chunk."""
+        if len(ranges) == 1:
+            start, stop = ranges[0]
+            chunk = int(np.searchsorted(self.bounds, start, side="right")) - 1
+            if stop <= self.bounds[chunk + 1]:
+                lo, hi = start - int(self.bounds[chunk]), stop - int(self.bounds[chunk])
+                return self.features[chunk][lo:hi], None if self.labels is None else self.labels[chunk][lo:hi]
+        # Straddling chunks or wrapping around: a copy either way, so reuse the gather.
+        return self.gather(np.concatenate([np.arange(start, stop) for start, stop in ranges]))
+
+    def gather(self, index: np.ndarray) -> Arrays:
+        """Rows at any global indices, in index order: one numpy take per chunk touched."""
+        if len(self.features) == 1:
+            labels = None if self.labels is None else np.take(self.labels[0], index)
+            return np.take(self.features[0], index, axis=0), labels
+        features = np.empty((len(index), self.width), np.float32)
+        labels = None if self.labels is None else np.empty(len(index), self.labels[0].dtype)
+        chunk_of = np.searchsorted(self.bounds, index, side="right") - 1
+        order = np.argsort(chunk_of, kind="stable")
+        for positions in np.split(order, np.flatnonzero(np.diff(chunk_of[order])) + 1):
+            chunk = int(chunk_of[positions[0]])  # loops over chunks touched, not rows
+            local = index[positions] - self.bounds[chunk]
+            features[positions] = np.take(self.features[chunk], local, axis=0)
+            if labels is not None and self.labels is not None:
+                labels[positions] = np.take(self.labels[chunk], local)
+        return features, labels
+
+
+def _batch_sizes(batch_size: int, steps: int, drop_last: bool, last: int | None) -> Iterator[int]:
+    _check_batch_size(batch_size)
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    final = batch_size if drop_last or last is None else last  # drop_last: every step is full
+    if steps and not 1 <= final <= batch_size:
+        raise ValueError(f"last_batch_size must be in [1, {batch_size}], got {final}")
+    return itertools.chain(itertools.repeat(batch_size, max(steps - 1, 0)), [final][:steps])
+
+
+def _in_order_ranges(num_rows: int, sizes: Iterable[int]) -> Iterator[list[tuple[int, int]]]:
+    """Each batch's row ranges, cycling over 0..n-1 as often as the epoch needs."""
+    position = 0
+    for size in sizes:
+        ranges = []
+        while size:
+            take = min(size, num_rows - position)
+            ranges.append((position, position + take))
+            position, size = (position + take) % num_rows, size - take
+        yield ranges
+
+
+def _shuffled_indices(num_rows: int, sizes: Iterable[int], rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Each batch's row indices, from successive permutations of the rank's rows."""
+    permutation, position = rng.permutation(num_rows), 0
+    for size in sizes:
+        parts = []
+        while size:
+            if position == num_rows:  # a pass is done: wrap around with a fresh permutation
+                permutation, position = rng.permutation(num_rows), 0
+            take = min(size, num_rows - position)
+            parts.append(permutation[position : position + take])
+            position, size = position + take, size - take
+        yield parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    # A view of the read-only mapping: sharing it is the point, so silence torch rather than copy.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _tensors(arrays: Arrays) -> Batch:
+    features, labels = arrays
+    return _tensor(features), None if labels is None else _tensor(labels)
+
+
+def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int,
+                  rank: int, drop_last: bool, last_batch_size: int | None) -> Iterator[Batch]:
+    # Checked now rather than at the first next(), so a bad rank fails before its training loop.
+    sizes = _batch_sizes(batch_size, steps, drop_last, last_batch_size)
+    if steps and rows.num_rows == 0:
+        raise EmptyDataError(f"rank {rank} received no rows, but every rank must run {steps} steps "
+                             "this epoch", hint="use fewer workers, or repartition the DataFrame so "
+                             "that every partition holds rows")
+    if shuffle:
+        rng = np.random.default_rng([seed, epoch, rank])
+        return (_tensors(rows.gather(index)) for index in _shuffled_indices(rows.num_rows, sizes, rng))
+    return (_tensors(rows.take_ranges(ranges)) for ranges in _in_order_ranges(rows.num_rows, sizes))
+
+
+class Spool:
+    """One partition's rows in a local, memory-mapped Arrow IPC file, built by `Spool.write`.
+
+    `close()` (or leaving a `with` block, or garbage collection) unmaps and deletes the file."""
+
+    def __init__(self, path: str | Path, layout: FeedLayout) -> None:
+        self._path = Path(path)
+        mapping = pa.memory_map(str(self._path), "r")
+        try:
+            reader = pa.ipc.open_file(mapping)
+            chunks = map(reader.get_batch, range(reader.num_record_batches))
+            self._rows: _Rows | None = _rows_of(chunks, layout)
+        except BaseException:
+            mapping.close()
+            raise
+        # From here on the spool owns the file.
+        self._release = weakref.finalize(self, _unmap_and_delete, mapping, self._path)
+
+    @classmethod
+    def write(cls, batches: Iterable[pa.RecordBatch], layout: FeedLayout, directory: str | Path, *,
+              chunk_bytes: int = 64 << 20) -> Spool:
+        """Consume `batches` (a single-pass mapInArrow iterator) into a new file under `directory`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        final = directory / f"sparkdl-spool-{uuid.uuid4().hex}.arrow"
+        # A task killed mid-write leaves a .tmp name, never a truncated file that looks complete.
+        partial = final.with_name(final.name + ".tmp")
+        try:
+            with pa.OSFile(str(partial), "wb") as sink, \
+                    pa.ipc.new_file(sink, _spool_schema(layout)) as out:
+                chunks = _ChunkWriter(out, layout, chunk_bytes)
+                for batch in batches:
+                    chunks.add(*_incoming(batch, layout))
+                chunks.flush()
+            os.replace(partial, final)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        return cls(final, layout)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def num_rows(self) -> int:
+        return self._live().num_rows
+
+    def batches(self, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int, rank: int,
+                drop_last: bool, last_batch_size: int | None = None) -> Iterator[Batch]:
+        """Exactly `steps` batches of (features float32 (b, d), labels (b,) or None).
+
+        Take `steps` and `last_batch_size` from `steps_per_epoch` and `last_batch_size` over all
+        ranks' `num_rows`, so that every rank agrees. Each batch stays valid after the next one is
+        produced, and after close().
+
+        READ-ONLY: without shuffle, a batch inside one chunk is a zero-copy view of the read-only
+        mapping, and writing into it in place (x -= mean, x.clamp_()) kills the process with a
+        segfault. Compute out of place (x = (x - mean) / std) or .clone() first.
+        """
+        return _iter_batches(self._live(), epoch, batch_size=batch_size, steps=steps, shuffle=shuffle,
+                             seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)
+
+    def close(self) -> None:
+        """Unmap and delete the file; batches handed out earlier stay readable. Idempotent."""
+        self._rows = None
+        self._release()
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _live(self) -> _Rows:
+        if self._rows is None:
+            raise ValueError(f"spool {self._path} is closed")
+        return self._rows
+
+
+def _rows_of(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> _Rows:
+    """Zero-copy numpy views of fixed_size_list batches (of a mapped file: read on use, not now)."""
+    features: list[np.ndarray] = []
+    labels: list[np.ndarray] | None = None if layout.label_dtype is None else []
+    for block, label_block in (_incoming(batch, layout) for batch in batches if batch.num_rows):
+        features.append(block)
+        if labels is not None and label_block is not None:
+            labels.append(label_block)
+    return _Rows(features, labels, layout.num_features)
+
+
+def _unmap_and_delete(mapping: pa.MemoryMappedFile, path: Path) -> None:
+    # Arrow keeps a mapped region alive while any buffer points into it, so this cannot invalidate
+    # batches a caller still holds; unlinking a mapped file is fine on POSIX.
+    mapping.close()
+    path.unlink(missing_ok=True)
+
+
+def table_batches(table: pa.Table, layout: FeedLayout, epoch: int, *, batch_size: int, steps: int,
+                  shuffle: bool, seed: int, rank: int, drop_last: bool,
+                  last_batch_size: int | None = None) -> Iterator[Batch]:
+    """The batches `Spool.batches` yields, from a table already in memory (the in-memory limit).
+
+    The table holds the layout's columns (fixed_size_list features are used without a copy); it is
+    combined into one chunk first, which costs nothing when it already is one.
+    """
+    rows = _rows_of(table.combine_chunks().to_batches(), layout)
+    return _iter_batches(rows, epoch, batch_size=batch_size, steps=steps, shuffle=shuffle, seed=seed,
+                         rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)

@@ -1,0 +1,162 @@
+"""Driver side of the data path: validate the schema, select and cast columns, shard by world size.
+
+Every problem a user can cause with their DataFrame is raised here, on the driver, before any
+barrier job starts; one aggregation job gathers all the statistics the checks need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from sparkdl.data.layout import FEATURES_COLUMN, LABEL_COLUMN, FeedLayout
+from sparkdl.errors import (
+    ArrayLengthError,
+    ColumnTypeError,
+    EmptyDataError,
+    MissingColumnError,
+    NullValuesError,
+)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    df: DataFrame  # two columns: features array<float>, label (int64/float32) when training
+    layout: FeedLayout
+    num_rows: int
+
+
+def check_columns(df: DataFrame, columns: Sequence[str]) -> None:
+    available = df.columns
+    for name in columns:
+        if name not in available:
+            raise MissingColumnError(
+                f"column {name!r} is not in the DataFrame; available columns: {', '.join(available)}",
+                hint="fix feature_cols/label_col, or add the column before fitting")
+
+
+def feature_kind(df: DataFrame, name: str) -> str:
+    """"scalar", "array" or "vector"; anything else raises naming the column and its type."""
+    dtype = df.schema[name].dataType
+    if isinstance(dtype, T.NumericType) or isinstance(dtype, T.BooleanType):
+        return "scalar"
+    if isinstance(dtype, T.ArrayType) and isinstance(dtype.elementType, T.NumericType):
+        return "array"
+    if isinstance(dtype, VectorUDT):
+        return "vector"
+    raise ColumnTypeError(
+        f"feature column {name!r} has type {dtype.simpleString()}, which is not numeric",
+        hint="use numeric scalar columns, one array<numeric> column or a Spark ML vector; "
+             "encode strings first (e.g. StringIndexer, OneHotEncoder)")
+
+
+def label_type(df: DataFrame, name: str) -> T.DataType:
+    dtype = df.schema[name].dataType
+    if not isinstance(dtype, (T.NumericType, T.BooleanType)):
+        raise ColumnTypeError(
+            f"label column {name!r} has type {dtype.simpleString()}, which is not numeric",
+            hint="index string labels first, e.g. pyspark.ml.feature.StringIndexer")
+    return dtype
+
+
+def features_expression(df: DataFrame, feature_cols: Sequence[str]) -> Column:
+    """One array<float> column from any mix of scalar, array and vector columns, in the given order."""
+    parts: list[Column] = []
+    for name in feature_cols:
+        kind = feature_kind(df, name)
+        if kind == "scalar":
+            parts.append(F.array(F.col(name).cast("float")))
+        elif kind == "array":
+            parts.append(F.col(name).cast(T.ArrayType(T.FloatType(), containsNull=False)))
+        else:
+            parts.append(vector_to_array(F.col(name), "float32"))
+    return parts[0] if len(parts) == 1 else F.concat(*parts)
+
+
+def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
+           classification: bool) -> dict[str, int | None]:
+    aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
+    for i, name in enumerate(feature_cols):
+        aggs.append(F.sum(F.col(name).isNull().cast("long")).alias(f"null_{i}"))
+        kind = feature_kind(df, name)
+        if kind in ("array", "vector"):
+            arr = F.col(name) if kind == "array" else vector_to_array(F.col(name))
+            aggs += [F.min(F.size(arr)).alias(f"min_{i}"), F.max(F.size(arr)).alias(f"max_{i}")]
+            if kind == "array":
+                aggs.append(F.sum(F.exists(arr, lambda x: x.isNull()).cast("long")).alias(f"inner_{i}"))
+    if label_col is not None:
+        aggs.append(F.sum(F.col(label_col).isNull().cast("long")).alias("null_label"))
+        if classification:
+            # Spark ML labels are doubles: accepted for classification when they hold whole numbers.
+            label = F.col(label_col).cast("double")
+            aggs += [F.min(label).alias("label_min"), F.max(label).alias("label_max"),
+                     F.sum((label != F.floor(label)).cast("long")).alias("label_fractional")]
+    row = df.agg(*aggs).collect()[0]
+    return row.asDict()
+
+
+def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
+            num_workers: int) -> PreparedData:
+    used = list(feature_cols) + ([label_col] if label_col is not None else [])
+    check_columns(df, used)
+    kinds = [feature_kind(df, name) for name in feature_cols]
+    label_dtype = None
+    if label_col is not None:
+        label_type(df, label_col)
+        label_dtype = "int64" if classification else "float32"
+    stats = _stats(df, feature_cols, label_col, classification)
+    if not stats["rows"]:
+        raise EmptyDataError("the DataFrame has no rows", hint="check the filters or the input path")
+    num_features = 0
+    for i, (name, kind) in enumerate(zip(feature_cols, kinds)):
+        nulls = stats[f"null_{i}"] or 0
+        if nulls:
+            raise NullValuesError(f"feature column {name!r} has {nulls} null value(s) in {stats['rows']} rows",
+                                  hint=f"drop or fill them first, e.g. df.na.drop(subset=[{name!r}]) or df.na.fill(...)")
+        if kind == "scalar":
+            num_features += 1
+            continue
+        inner = stats.get(f"inner_{i}") or 0
+        if inner:
+            raise NullValuesError(f"array column {name!r} has {inner} row(s) holding null elements",
+                                  hint="fill the null elements, e.g. with F.transform(col, lambda x: F.coalesce(x, F.lit(0.0)))")
+        low, high = stats[f"min_{i}"], stats[f"max_{i}"]
+        if low != high:
+            raise ArrayLengthError(f"{kind} column {name!r} holds rows of different lengths (from {low} to {high})",
+                                   hint="every row must have the same number of values; pad or filter the rows")
+        num_features += int(high)
+    if num_features == 0:
+        raise ArrayLengthError(f"feature columns {list(feature_cols)} hold no values (length 0)",
+                               hint="pass non-empty array/vector columns")
+    num_classes = None
+    if label_col is not None:
+        nulls = stats["null_label"] or 0
+        if nulls:
+            raise NullValuesError(f"label column {label_col!r} has {nulls} null value(s) in {stats['rows']} rows",
+                                  hint=f"drop them first, e.g. df.na.drop(subset=[{label_col!r}])")
+        if classification:
+            low, high = stats["label_min"], stats["label_max"]
+            if low < 0 or stats["label_fractional"]:
+                raise ColumnTypeError(
+                    f"label column {label_col!r} must hold class indices 0..C-1 for a classification loss "
+                    f"(found values from {low} to {high})",
+                    hint="index the labels (StringIndexer) or use loss='mse' for regression")
+            num_classes = int(high) + 1
+    selected = [features_expression(df, feature_cols).alias(FEATURES_COLUMN)]
+    if label_col is not None:
+        cast = "long" if label_dtype == "int64" else "float"
+        selected.append(F.col(label_col).cast(cast).alias(LABEL_COLUMN))
+    prepared = df.select(*selected)
+    if prepared.rdd.getNumPartitions() != num_workers:
+        # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
+        # exactly num_workers partitions keeps its partitioning and row order.
+        prepared = prepared.repartition(num_workers)
+    layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
+                        source_feature_cols=tuple(feature_cols), source_label_col=label_col,
+                        num_classes=num_classes)
+    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]))

@@ -1,0 +1,59 @@
+"""Errors sparkdl raises on purpose.
+
+Every message names the column or option at fault and ends with a HINT saying what to do, so a
+user reading a notebook cell's output can fix the problem without reading sparkdl's source.
+"""
+from __future__ import annotations
+
+
+class SparkdlError(Exception):
+    """Base class of every error sparkdl raises on purpose."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\nHINT: {hint}")
+
+
+class ConfigError(SparkdlError):
+    """An option has a bad value, a bad type, or is unknown."""
+
+
+class SchemaError(SparkdlError):
+    """The DataFrame does not fit the requested columns."""
+
+
+class MissingColumnError(SchemaError):
+    """A requested column is not in the DataFrame."""
+
+
+class ColumnTypeError(SchemaError):
+    """A used column has a type sparkdl cannot feed to torch."""
+
+
+class NullValuesError(SchemaError):
+    """A used column holds nulls."""
+
+
+class ArrayLengthError(SchemaError):
+    """An array or vector feature column holds rows of different lengths."""
+
+
+class EmptyDataError(SchemaError):
+    """The DataFrame has no rows."""
+
+
+class ResourceError(SparkdlError):
+    """Spark cannot give the run what it needs (slots, GPUs)."""
+
+
+class InsufficientSlotsError(ResourceError):
+    """More workers were asked for than Spark can run at once."""
+
+
+class TrainingError(SparkdlError):
+    """A worker failed during training; the message carries the failing rank's exception."""
+
+
+class ModelError(SparkdlError):
+    """The model, loss or optimizer given cannot be used."""

@@ -1,0 +1,151 @@
+"""TorchEstimator and TorchModel: sparkdl as pyspark.ml stages (fit/transform, Pipelines, save/load)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from dataclasses import asdict
+from typing import Any
+
+from pyspark.ml import Estimator, Model
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+from pyspark.sql import DataFrame
+
+from sparkdl import api
+from sparkdl.config import RunConfig
+from sparkdl.data.layout import FeedLayout
+from sparkdl.errors import SparkdlError
+
+FORMAT_VERSION = 1
+
+
+class TorchEstimator(Estimator, MLWritable):
+    """`TorchEstimator(model=net, feature_cols=[...], label_col="label", ...).fit(df) -> TorchModel`.
+
+    Keyword options are those of RunConfig (see conf/defaults.toml); unknown ones raise at once.
+    """
+
+    def __init__(self, model: Any = None, *, config: RunConfig | None = None, **options: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.config = RunConfig.from_kwargs(base=config, **options)
+
+    def _fit(self, dataset: DataFrame) -> "TorchModel":
+        result = api.fit(dataset, self.model, self.config)
+        return TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
+                          history=result.history, prediction_col=self.config.data.prediction_col,
+                          run_id=result.run_id, options=self.config.flat())
+
+    def write(self) -> MLWriter:
+        raise SparkdlError("TorchEstimator is not saved; save the fitted TorchModel instead",
+                           hint="model = estimator.fit(df); model.save(path)")
+
+
+class TorchModel(Model, MLWritable, MLReadable):
+    """A trained module plus what it needs to score a DataFrame like the one it was trained on."""
+
+    def __init__(self, module: Any = None, layout: FeedLayout | None = None, output_kind: str = "class",
+                 history: list[dict[str, Any]] | None = None, prediction_col: str = "prediction",
+                 run_id: str | None = None, options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._module = module
+        self.layout = layout
+        self.output_kind = output_kind
+        self.history = list(history or [])
+        self.prediction_col = prediction_col
+        self.run_id = run_id
+        self.options = dict(options or {})
+
+    def torch_module(self) -> Any:
+        return self._module
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        if self._module is None or self.layout is None:
+            raise SparkdlError("this TorchModel holds no trained module", hint="fit an estimator or TorchModel.load(path)")
+        return api.predict(dataset, self._module, self.layout, self.output_kind, self.prediction_col)
+
+    def write(self) -> MLWriter:
+        return _TorchModelWriter(self)
+
+    @classmethod
+    def read(cls) -> MLReader:
+        return _TorchModelReader(cls)
+
+
+def _filesystem(path: str) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    if "://" not in path:
+        path = os.path.abspath(path)
+    return pafs.FileSystem.from_uri(path)
+
+
+class _TorchModelWriter(MLWriter):
+    """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
+    data/: a cloudpickled module for its structure and a weights-only state file for its weights."""
+
+    def __init__(self, instance: TorchModel) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        import torch
+
+        from sparkdl.launch.worker import _dumps_any
+
+        model = self.instance
+        if model.torch_module() is None or model.layout is None:
+            raise SparkdlError("cannot save a TorchModel that holds no trained module")
+        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession.sparkContext,
+                                         extraMetadata={"sparkdlFormat": FORMAT_VERSION})
+        fs, root = _filesystem(path)
+        data_dir = f"{root}/data"
+        fs.create_dir(data_dir, recursive=True)
+        state = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in model.torch_module().state_dict().items()}, state)
+        info = {"format": FORMAT_VERSION, "layout": asdict(model.layout), "output_kind": model.output_kind,
+                "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
+                "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
+        for name, payload in (("module.pkl", _dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
+                              ("sparkdl.json", json.dumps(info, indent=1).encode())):
+            with fs.open_output_stream(f"{data_dir}/{name}") as out:
+                out.write(payload)
+
+
+class _TorchModelReader(MLReader):
+    def __init__(self, cls: type) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> TorchModel:
+        import torch
+
+        DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
+        fs, root = _filesystem(path)
+
+        def read(name: str) -> bytes:
+            try:
+                with fs.open_input_stream(f"{root}/data/{name}") as stream:
+                    return stream.read()
+            except FileNotFoundError:
+                raise SparkdlError(f"{path!r} is not a saved TorchModel: data/{name} is missing",
+                                   hint="pass the directory written by TorchModel.save") from None
+
+        info = json.loads(read("sparkdl.json"))
+        module = pickle.loads(read("module.pkl"))
+        module.load_state_dict(torch.load(io.BytesIO(read("state.pt")), weights_only=True))
+        module.eval()
+        layout = info["layout"]
+        layout["source_feature_cols"] = tuple(layout["source_feature_cols"])
+        return TorchModel(module=module, layout=FeedLayout(**layout), output_kind=info["output_kind"],
+                          history=info["history"], prediction_col=info["prediction_col"],
+                          run_id=info.get("run_id"), options=info.get("options"))
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False

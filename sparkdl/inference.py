@@ -1,0 +1,84 @@
+"""Executor side of TorchModel.transform: run the module over Arrow batches, append predictions.
+
+Worker-side module: never imports pyspark.sql. The module arrives as cloudpickled bytes in a
+broadcast variable and is unpickled once per Python worker, not once per task or batch.
+"""
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+OUTPUT_KINDS = ("class", "binary", "value", "values")
+_MODULE_CACHE: dict[int, Any] = {}
+
+
+def prediction_arrow_type(output_kind: str) -> pa.DataType:
+    if output_kind in ("class", "binary"):
+        return pa.int64()
+    if output_kind == "value":
+        return pa.float64()
+    return pa.list_(pa.float32())
+
+
+def features_matrix(column: pa.Array | pa.ChunkedArray, num_features: int) -> np.ndarray:
+    """(rows, num_features) float32 from a list<float> column, straight from its values buffer."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise ValueError(f"{column.null_count} row(s) have null features; fill or drop them before transform")
+    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    if flat.size != len(column) * num_features:
+        raise ValueError(f"feature rows must have {num_features} values each (the model was trained on "
+                         f"{num_features}); got {flat.size} values for {len(column)} rows")
+    return flat.reshape(len(column), num_features)
+
+
+def to_predictions(output: Any, output_kind: str) -> pa.Array:
+    import torch
+
+    out = output.detach().float().cpu()
+    if output_kind == "class":
+        return pa.array(out.argmax(dim=1).numpy().astype(np.int64))
+    if output_kind == "binary":
+        return pa.array((out.reshape(-1) > 0).numpy().astype(np.int64))
+    if output_kind == "value":
+        return pa.array(out.reshape(-1).double().numpy())
+    values = out.reshape(out.shape[0], -1).numpy()
+    offsets = pa.array(np.arange(0, values.size + 1, values.shape[1], dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), pa.float32()))
+
+
+def make_predict_fn(module_broadcast: Any, feature_column: str, num_features: int, output_kind: str,
+                    prediction_col: str, batch_size: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def sparkdl_predict(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import torch
+
+        key = module_broadcast.id if hasattr(module_broadcast, "id") else id(module_broadcast)
+        if key not in _MODULE_CACHE:
+            _MODULE_CACHE.clear()  # one model per worker at a time keeps executor memory bounded
+            module = pickle.loads(module_broadcast.value)
+            module.eval()
+            _MODULE_CACHE[key] = module
+        module = _MODULE_CACHE[key]
+        for batch in batches:
+            index = batch.schema.get_field_index(feature_column)
+            matrix = features_matrix(batch.column(index), num_features)
+            kept = batch.remove_column(index)
+            outputs = []
+            with torch.inference_mode(), warnings.catch_warnings():
+                # The Arrow buffers are read-only; inference never writes to its input.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                for start in range(0, max(len(matrix), 1), batch_size):
+                    chunk = matrix[start: start + batch_size]
+                    if len(chunk) == 0:
+                        continue
+                    outputs.append(to_predictions(module(torch.from_numpy(chunk)),
+                                                  output_kind))
+            predictions = pa.concat_arrays(outputs) if outputs else pa.array([], prediction_arrow_type(output_kind))
+            yield kept.append_column(prediction_col, predictions)
+
+    return sparkdl_predict

@@ -1,0 +1,1 @@
+"""Launch: the TrainSpec crossing to executors, the barrier job, the rendezvous and the in-task main."""

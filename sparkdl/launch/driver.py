@@ -1,0 +1,86 @@
+"""Driver side of a launch: check slots, submit the barrier mapInArrow job, collect rank 0's result.
+
+Spark retries a barrier stage that cannot get all its slots for ~10 minutes before failing, so the
+slot count is checked first and a shortfall fails within `launch.slot_wait_s` with both numbers.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+
+from sparkdl.errors import InsufficientSlotsError, TrainingError
+from sparkdl.launch.spec import RESULT_SCHEMA, TrainSpec
+from sparkdl.launch.worker import FAILURE_MARKER, loads_result, make_task
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def concurrent_slots(spark: SparkSession) -> int:
+    """Tasks Spark can run at once now, as its own barrier check counts them."""
+    sc = spark.sparkContext
+    try:
+        jsc = sc._jsc.sc()  # noqa: SLF001 - Spark exposes this count only on the JVM side
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        return int(jsc.maxNumConcurrentTasks(profile))
+    except Exception:  # noqa: BLE001 - Spark Connect or an older Spark: fall back to the public figure
+        return int(sc.defaultParallelism)
+
+
+def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float) -> int:
+    """Wait (executors may still be registering) up to wait_s for num_workers slots, else raise."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        slots = concurrent_slots(spark)
+        if slots >= num_workers or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if slots < num_workers:
+        master = spark.sparkContext.master
+        raise InsufficientSlotsError(
+            f"num_workers={num_workers} needs {num_workers} task slots at once, but Spark ({master}) "
+            f"can run only {slots} tasks at the same time",
+            hint=f"lower num_workers to {max(slots, 1)}, or give Spark more executor cores "
+                 f"(e.g. master local[{num_workers}] or more executors); a barrier job needs every slot at once")
+    return slots
+
+
+def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the barrier job; returns (rank 0's payload, history)."""
+    ensure_slots(spark, spec.world_size, spec.config.launch.slot_wait_s)
+    job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True)
+    sc = spark.sparkContext
+    sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "
+                   f"({spec.world_size} workers)", interruptOnCancel=True)
+    try:
+        rows = job.collect()
+    except Exception as exc:  # noqa: BLE001 - turned into one readable error below
+        raise training_error(exc) from None
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        sc.setLocalProperty("spark.job.description", None)
+    parts: dict[str, list[tuple[int, bytes]]] = {}
+    for row in rows:
+        parts.setdefault(row["kind"], []).append((row["seq"], bytes(row["payload"])))
+    return loads_result(parts, custom=spec.train_fn is not None)
+
+
+_FAILURE = re.compile(FAILURE_MARKER + r" rank=(\d+): (.*)")
+
+
+def training_error(exc: BaseException) -> TrainingError:
+    """The failing rank and its exception line, pulled out of Spark's long stack trace."""
+    text = str(exc)
+    match = _FAILURE.search(text)
+    if match:
+        rank, line = match.group(1), match.group(2).strip()
+        return TrainingError(f"training failed on rank {rank}: {line}",
+                             hint="the full worker traceback is in the executor log (stderr of the task)")
+    summary = next((ln.strip() for ln in text.splitlines() if "Exception" in ln or "Error" in ln), text[:500])
+    return TrainingError(f"the training job failed: {summary}",
+                         hint="see the executor logs for the full traceback")

@@ -1,0 +1,69 @@
+"""Turn the model, loss and optimizer options into torch objects (on workers and the driver)."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkdl.config import TrainConfig
+from sparkdl.errors import ModelError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_model(model: Any, seed: int) -> nn.Module:
+    """A fresh module: a copy of the given instance, or the factory's result under the run seed."""
+    if isinstance(model, nn.Module):
+        return copy.deepcopy(model)
+    if callable(model):
+        torch.manual_seed(seed)
+        built = model()
+        if not isinstance(built, nn.Module):
+            raise ModelError(f"model factory returned {type(built).__name__}, not a torch.nn.Module",
+                             hint="pass an nn.Module, or a zero-argument callable returning one")
+        return built
+    raise ModelError(f"model must be a torch.nn.Module or a zero-argument callable, got {type(model).__name__}",
+                     hint="for example model=nn.Sequential(nn.Linear(64, 10))")
+
+
+def _mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.reshape(label.shape) if output.numel() == label.numel() else output, label)
+
+
+def _bce(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(output.reshape(label.shape) if output.numel() == label.numel()
+                                              else output, label)
+
+
+LOSSES: dict[str, LossFn] = {"cross_entropy": F.cross_entropy, "mse": _mse, "bce_with_logits": _bce}
+
+
+def loss_function(train: TrainConfig) -> LossFn:
+    return train.loss if callable(train.loss) else LOSSES[train.loss]
+
+
+def build_optimizer(train: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    params = list(params)
+    if callable(train.optimizer):
+        optimizer = train.optimizer(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ModelError(f"optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer",
+                             hint="pass e.g. optimizer=lambda p: torch.optim.SGD(p, lr=0.1)")
+        return optimizer
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+    return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
+
+
+def is_classification(train: TrainConfig, label_is_integral: bool) -> bool:
+    """Class labels are int64 (cross entropy); every other loss trains on float32 values."""
+    if train.task != "auto":
+        return train.task == "classification"
+    if callable(train.loss):
+        return label_is_integral
+    return train.loss == "cross_entropy"

@@ -1,0 +1,178 @@
+"""In-task main of every rank: rendezvous -> spool -> communicator -> strategy or user loop -> result.
+
+Runs inside a barrier mapInArrow task. Never imports pyspark.sql (worker-side module); the only
+Spark object it touches is the BarrierTaskContext.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import tempfile
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import pyarrow as pa
+
+from sparkdl.comm.base import Communicator, WorldInfo
+from sparkdl.launch.spec import RESULT_CHUNK_BYTES, TrainSpec
+
+FAILURE_MARKER = "SPARKDL_RANK_FAILED"
+
+
+@dataclass
+class WorkerContext:
+    """What a custom loop (`sparkdl.run(train_fn)`) receives on every rank."""
+
+    world: WorldInfo
+    comm: Communicator
+    spec: TrainSpec
+    row_counts: list[int] = field(default_factory=list)
+    _spool: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def device(self) -> Any:
+        return self.comm.device
+
+    @property
+    def config(self) -> Any:
+        return self.spec.config
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of this rank's shard."""
+        return self.row_counts[self.rank] if self.row_counts else 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        from sparkdl.data.batches import steps_per_epoch
+
+        data = self.spec.config.data
+        return steps_per_epoch(self.row_counts, data.batch_size, data.drop_last) if self.row_counts else 0
+
+    def batches(self, epoch: int = 0) -> Iterator[tuple[Any, Any]]:
+        """(features, labels) torch batches of this rank's shard; the same step count on every rank."""
+        from sparkdl.data.batches import last_batch_size
+
+        if self._spool is None:
+            raise RuntimeError("this run has no DataFrame: pass df= to sparkdl.run to get batches")
+        data = self.spec.config.data
+        yield from self._spool.batches(
+            epoch, batch_size=data.batch_size, steps=self.steps_per_epoch, shuffle=data.shuffle,
+            seed=self.spec.config.train.seed, rank=self.rank, drop_last=data.drop_last,
+            last_batch_size=last_batch_size(self.row_counts, data.batch_size, data.drop_last))
+
+
+def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The function handed to mapInArrow; it closes over the spec only."""
+
+    def sparkdl_barrier_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark.taskcontext import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        rank = context.partitionId()
+        try:
+            yield from run_rank(spec, context, batches)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the rank named for the driver
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            raise RuntimeError(f"{FAILURE_MARKER} rank={rank}: {detail}\n{traceback.format_exc()}") from None
+
+    return sparkdl_barrier_task
+
+
+def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    from sparkdl import comm as comm_registry
+    from sparkdl.launch.rendezvous import rendezvous
+
+    world = rendezvous(context)
+    _limit_threads(spec, world)
+    with ExitStack() as stack:
+        spool = None
+        if spec.layout is not None:
+            from sparkdl.data.batches import Spool
+
+            directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+            spool = stack.enter_context(Spool.write(batches, spec.layout, directory))
+        else:
+            for _ in batches:  # the dummy input still has to be drained
+                pass
+        comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s)
+        stack.callback(comm.close)
+        row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
+        context_obj = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, _spool=spool)
+        if spec.train_fn is not None:
+            result = spec.train_fn(context_obj)
+            payload = _dumps_any(result) if world.rank == 0 else None
+            history: list[dict[str, Any]] = []
+        else:
+            from sparkdl.launch.loop import train
+
+            state, history = train(context_obj)
+            payload = _dumps_state(state) if world.rank == 0 else None
+        comm.barrier()
+    if world.rank == 0:
+        yield _result_batch(world.rank, "history", 0, json.dumps(history).encode())
+        for seq, start in enumerate(range(0, max(len(payload), 1), RESULT_CHUNK_BYTES)):
+            yield _result_batch(world.rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES])
+
+
+def _limit_threads(spec: TrainSpec, world: WorldInfo) -> None:
+    import torch
+
+    threads = spec.config.launch.threads_per_worker
+    if threads is None:
+        # Ranks sharing a host would otherwise each start one thread per core and thrash.
+        threads = max(1, (os.cpu_count() or 1) // max(world.local_size, 1))
+    torch.set_num_threads(threads)
+
+
+def _dumps_state(state: dict[str, Any]) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _dumps_any(obj: Any) -> bytes:
+    try:
+        import cloudpickle  # shipped with pyspark as pyspark.cloudpickle; the plain one if present
+
+        return cloudpickle.dumps(obj)
+    except ImportError:
+        from pyspark import cloudpickle as spark_cloudpickle
+
+        return spark_cloudpickle.dumps(obj)
+
+
+def _result_batch(rank: int, kind: str, seq: int, payload: bytes) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [pa.array([rank], pa.int32()), pa.array([kind], pa.string()), pa.array([seq], pa.int32()),
+         pa.array([payload], pa.binary())],
+        names=["rank", "kind", "seq", "payload"])
+
+
+def loads_result(kind_payloads: dict[str, list[tuple[int, bytes]]], custom: bool) -> tuple[Any, list[dict]]:
+    """Driver side: reassemble rank 0's chunks (kept here beside the writer so both stay in step)."""
+    history = json.loads(b"".join(p for _, p in sorted(kind_payloads.get("history", []))) or b"[]")
+    payload = b"".join(p for _, p in sorted(kind_payloads.get("payload", [])))
+    if custom:
+        return (pickle.loads(payload) if payload else None), history
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=True), history

@@ -1,0 +1,23 @@
+"""Shared, Spark-free test setup (Spark fixtures live in tests/spark/conftest.py).
+
+Executors must run the same Python as the driver (DESIGN.md): set it before anything imports
+pyspark, so `pytest` works the same whether or not it was started through `make test`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root (holds conf/, sparkdl/, tests/)."""
+    return REPO_ROOT
