@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError, SchemaError
+from sparkdl.launch.shipping import ship_by_value
 
 
 @dataclass
@@ -86,6 +87,7 @@ def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
     if classification and out_width > 1 and prepared.layout.num_classes and prepared.layout.num_classes > out_width:
         raise ModelError(f"label column {data.label_col!r} holds {prepared.layout.num_classes} classes but the "
                          f"model outputs {out_width} logits", hint=f"make the last layer output {prepared.layout.num_classes}")
+    ship_by_value(model, config.train.loss, config.train.optimizer)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model)
     state, history = submit(_spark(df), prepared.df, spec)
     module.load_state_dict(state)
@@ -123,6 +125,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         job_df, layout = prepared.df, prepared.layout
     else:
         job_df, layout = spark.range(0, num_workers, 1, num_workers), None
+    ship_by_value(train_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
     result, _ = submit(spark, job_df, spec)
     return result
@@ -147,6 +150,7 @@ def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = 
                        "values": T.ArrayType(T.FloatType())}[kind]
     out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True)])
     spark = df.sparkSession
+    ship_by_value(module)
     module_bytes = spark.sparkContext.broadcast(_dumps_any(module))
     fn = make_predict_fn(module_bytes, FEATURES_COLUMN, layout.num_features, kind, prediction_col, batch_size)
     return df.withColumn(FEATURES_COLUMN, features_expression(df, cols)).mapInArrow(fn, out_schema)

@@ -105,6 +105,9 @@ class InputConfig:
 
     def validate(self) -> None:
         _choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
+        if self.table and self.path:
+            raise ConfigError(f"input.table ({self.table!r}) and input.path ({self.path!r}) are both set",
+                              hint="set only one of them")
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,9 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         for section in _sections(self):
-            getattr(self, section).validate()
+            part = getattr(self, section)
+            _check_types(section, part)
+            part.validate()
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -179,7 +184,8 @@ class RunConfig:
             raise ConfigError(f"config file {str(path)!r} does not exist",
                               hint="pass --conf with the path of a TOML file, e.g. conf/examples/digits.toml")
         try:
-            nested = tomllib.loads(path.read_text())
+            with path.open("rb") as stream:
+                nested = tomllib.load(stream)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
         return cls().merged(nested).with_overrides(overrides).validate()
@@ -207,13 +213,44 @@ def option_owners(config: RunConfig | None = None) -> dict[str, str]:
     return owners
 
 
+_SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,), "int": (int,), "float": (int, float), "str": (str,),
+}
+
+
+def _check_types(section: str, part: Any) -> None:
+    """Options read from TOML or `--set` arrive untyped: check each against its annotation."""
+    for f in fields(part):
+        annotation = str(f.type).replace(" ", "")
+        optional = annotation.endswith("|None")
+        base = annotation[: -len("|None")] if optional else annotation
+        allowed = _SIMPLE_TYPES.get(base)
+        if allowed is None:
+            continue
+        value = getattr(part, f.name)
+        if value is None and optional:
+            continue
+        bad_bool = isinstance(value, bool) and base != "bool"
+        if bad_bool or not isinstance(value, allowed):
+            expected = base + (" or None" if optional else "")
+            raise ConfigError(f"{section}.{f.name} must be of type {expected}, got {value!r}",
+                              hint=f"see conf/defaults.toml for {section}.{f.name}")
+    if section == "train":
+        for key in ("momentum", "weight_decay"):
+            if getattr(part, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(part, key)!r}")
+
+
 def _sections(config: RunConfig) -> list[str]:
     return [f.name for f in fields(config)]
 
 
 def _coerce(part: Any, name: str, value: Any) -> Any:
-    if name == "feature_cols" and isinstance(value, list):
-        return tuple(value)
+    if name == "feature_cols" and not isinstance(value, (str, tuple)):
+        try:
+            return tuple(value)
+        except TypeError:
+            raise ConfigError(f"data.feature_cols must be a list of column names, got {value!r}") from None
     current = getattr(part, name)
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import os
 import uuid
 import warnings
@@ -31,14 +32,13 @@ Batch = tuple[torch.Tensor, torch.Tensor | None]
 Arrays = tuple[np.ndarray, np.ndarray | None]
 
 _LABEL_DTYPES = {"int64": np.dtype(np.int64), "float32": np.dtype(np.float32)}
+_GROUP_BYTES = 1 << 19  # shuffled rows gathered per numpy call, see _gathered
 _PREPARE_HINT = "feed the DataFrame through sparkdl.data.feed.prepare, which selects and casts columns"
 
 
 def steps_per_epoch(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
     """Steps every rank runs this epoch, from all ranks' row counts (the same list on each rank).
-
-    Sized by the largest rank so that none of its rows is left out; smaller ranks wrap around.
-    """
+    Sized by the largest rank so that none of its rows is left out; smaller ranks wrap around."""
     _check_batch_size(batch_size)
     n_max = max(row_counts, default=0)
     if n_max == 0:
@@ -47,11 +47,8 @@ def steps_per_epoch(row_counts: Sequence[int], batch_size: int, drop_last: bool)
 
 
 def last_batch_size(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
-    """Rows in the epoch's last step on every rank; 0 when the epoch has no steps.
-
-    Without drop_last the largest rank sees each row once, so its last step holds the remainder;
-    the other ranks use the same size so that every step has the same number of samples.
-    """
+    """Rows in the epoch's last step on every rank (0 without steps). Without drop_last the largest
+    rank sees each row once, so its last step holds the remainder; the others use the same size."""
     steps = steps_per_epoch(row_counts, batch_size, drop_last)
     if steps == 0 or drop_last:
         return batch_size if steps else 0
@@ -91,7 +88,7 @@ def _feature_rows(column: pa.Array, name: str, num_features: int) -> np.ndarray:
         bad = np.flatnonzero(lengths != num_features)
         if bad.size:
             raise ArrayLengthError(
-                f"column {name!r}: {bad.size} rows of a batch do not hold {num_features} values "
+                f"column {name!r}: {bad.size} row(s) of a batch do not hold {num_features} values "
                 f"(the first holds {int(lengths[bad[0]])})",
                 hint="every row's feature array must have the same length: pad or filter the rows")
         values = column.values.slice(int(offsets[0]), len(column) * num_features)
@@ -127,12 +124,9 @@ def _label_dtype(layout: FeedLayout) -> np.dtype | None:
 
 
 def _incoming(batch: pa.RecordBatch, layout: FeedLayout) -> Arrays:
-    features = _feature_rows(_column(batch, layout.feature_column), layout.feature_column,
-                             layout.num_features)
-    dtype = _label_dtype(layout)
-    if dtype is None:
-        return features, None
-    return features, _label_rows(_column(batch, layout.label_column), layout.label_column, dtype)
+    features, labels, dtype = layout.feature_column, layout.label_column, _label_dtype(layout)
+    rows = _feature_rows(_column(batch, features), features, layout.num_features)
+    return rows, None if dtype is None else _label_rows(_column(batch, labels), labels, dtype)
 
 
 def _spool_schema(layout: FeedLayout) -> pa.Schema:
@@ -154,13 +148,13 @@ class _ChunkWriter:
         row_bytes = 4 * self._width + (self._label_dtype.itemsize if self._label_dtype else 0)
         self._capacity = max(1, chunk_bytes // max(1, row_bytes))
         self._features: np.ndarray | None = None
-        self._labels: np.ndarray | None = None
+        self._labels: np.ndarray | None = None  # both allocated on the first row
         self._fill = 0
 
     def add(self, features: np.ndarray, labels: np.ndarray | None) -> None:
         done = 0
         while done < len(features):
-            if self._features is None:  # lazily, so that a 0-row partition allocates nothing
+            if self._features is None:  # so that a 0-row partition allocates nothing
                 self._features = np.empty((self._capacity, self._width), np.float32)
                 if self._label_dtype is not None:
                     self._labels = np.empty(self._capacity, self._label_dtype)
@@ -191,6 +185,11 @@ class _Rows:
         # Chunk i holds global rows bounds[i]:bounds[i + 1].
         self.bounds = np.cumsum([0, *(len(block) for block in features)], dtype=np.int64)
         self.num_rows = int(self.bounds[-1])
+        # The spool writes equal chunks and a smaller last one: then a division, far cheaper than a
+        # search, finds a row's chunk. 0 for other layouts (say, a file written elsewhere).
+        sizes = np.diff(self.bounds)
+        equal = len(sizes) > 1 and np.all(sizes[:-1] == sizes[0]) and sizes[-1] <= sizes[0]
+        self.chunk_rows = int(sizes[0]) if equal else 0
 
     def take_ranges(self, ranges: list[tuple[int, int]]) -> Arrays:
         """Row ranges, in order: a zero-copy view when they are one range inside one chunk."""
@@ -210,10 +209,10 @@ class _Rows:
             return np.take(self.features[0], index, axis=0), labels
         features = np.empty((len(index), self.width), np.float32)
         labels = None if self.labels is None else np.empty(len(index), self.labels[0].dtype)
-        chunk_of = np.searchsorted(self.bounds, index, side="right") - 1
-        order = np.argsort(chunk_of, kind="stable")
-        for positions in np.split(order, np.flatnonzero(np.diff(chunk_of[order])) + 1):
-            chunk = int(chunk_of[positions[0]])  # loops over chunks touched, not rows
+        chunk_of = (index // self.chunk_rows if self.chunk_rows
+                    else np.searchsorted(self.bounds, index, side="right") - 1)
+        for chunk in np.flatnonzero(np.bincount(chunk_of)):  # loops over chunks touched, not rows
+            positions = np.flatnonzero(chunk_of == chunk)
             local = index[positions] - self.bounds[chunk]
             features[positions] = np.take(self.features[chunk], local, axis=0)
             if labels is not None and self.labels is not None:
@@ -267,8 +266,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def _tensors(arrays: Arrays) -> Batch:
-    features, labels = arrays
-    return _tensor(features), None if labels is None else _tensor(labels)
+    return _tensor(arrays[0]), None if arrays[1] is None else _tensor(arrays[1])
 
 
 def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int,
@@ -281,35 +279,44 @@ def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuff
                              "that every partition holds rows")
     if shuffle:
         rng = np.random.default_rng([seed, epoch, rank])
-        return (_tensors(rows.gather(index)) for index in _shuffled_indices(rows.num_rows, sizes, rng))
+        indices = _shuffled_indices(rows.num_rows, sizes, rng)
+        per_group = max(1, _GROUP_BYTES // (batch_size * 4 * max(1, rows.width)))
+        return map(_tensors, _gathered(rows, indices, per_group))
     return (_tensors(rows.take_ranges(ranges)) for ranges in _in_order_ranges(rows.num_rows, sizes))
+
+
+def _gathered(rows: _Rows, indices: Iterator[np.ndarray], per_group: int) -> Iterator[Arrays]:
+    """Gathers a few batches per call (about _GROUP_BYTES: small enough to stay in cache), so the
+    per-call cost hardly counts for small batches. Each batch slices a fresh, never reused array."""
+    while group := list(itertools.islice(indices, per_group)):
+        features, labels = rows.gather(np.concatenate(group))
+        ends = np.cumsum([len(index) for index in group]).tolist()
+        for start, stop in zip([0, *ends[:-1]], ends):
+            yield features[start:stop], None if labels is None else labels[start:stop]
 
 
 class Spool:
     """One partition's rows in a local, memory-mapped Arrow IPC file, built by `Spool.write`.
-
     `close()` (or leaving a `with` block, or garbage collection) unmaps and deletes the file."""
 
     def __init__(self, path: str | Path, layout: FeedLayout) -> None:
         self._path = Path(path)
-        mapping = pa.memory_map(str(self._path), "r")
+        mapping = _copy_on_write_map(self._path)
         try:
-            reader = pa.ipc.open_file(mapping)
+            reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapping)))
             chunks = map(reader.get_batch, range(reader.num_record_batches))
             self._rows: _Rows | None = _rows_of(chunks, layout)
         except BaseException:
             mapping.close()
             raise
-        # From here on the spool owns the file.
         self._release = weakref.finalize(self, _unmap_and_delete, mapping, self._path)
 
     @classmethod
     def write(cls, batches: Iterable[pa.RecordBatch], layout: FeedLayout, directory: str | Path, *,
               chunk_bytes: int = 64 << 20) -> Spool:
         """Consume `batches` (a single-pass mapInArrow iterator) into a new file under `directory`."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        final = directory / f"sparkdl-spool-{uuid.uuid4().hex}.arrow"
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        final = Path(directory) / f"sparkdl-spool-{uuid.uuid4().hex}.arrow"
         # A task killed mid-write leaves a .tmp name, never a truncated file that looks complete.
         partial = final.with_name(final.name + ".tmp")
         try:
@@ -335,15 +342,13 @@ class Spool:
 
     def batches(self, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int, rank: int,
                 drop_last: bool, last_batch_size: int | None = None) -> Iterator[Batch]:
-        """Exactly `steps` batches of (features float32 (b, d), labels (b,) or None).
-
-        Take `steps` and `last_batch_size` from `steps_per_epoch` and `last_batch_size` over all
-        ranks' `num_rows`, so that every rank agrees. Each batch stays valid after the next one is
-        produced, and after close().
+        """Exactly `steps` batches of (features float32 (b, d), labels (b,) or None). Take `steps` and
+        `last_batch_size` from `steps_per_epoch` and `last_batch_size` over all ranks' `num_rows`.
+        Each batch stays valid while later ones are produced, and after close().
 
         READ-ONLY: without shuffle, a batch inside one chunk is a zero-copy view of the read-only
-        mapping, and writing into it in place (x -= mean, x.clamp_()) kills the process with a
-        segfault. Compute out of place (x = (x - mean) / std) or .clone() first.
+        mapping: writing into it in place (x -= mean, x.clamp_()) kills the process with SIGSEGV.
+        Compute out of place (x = (x - mean) / std) or .clone() first. Shuffled batches are copies.
         """
         return _iter_batches(self._live(), epoch, batch_size=batch_size, steps=steps, shuffle=shuffle,
                              seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)
@@ -377,10 +382,20 @@ def _rows_of(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> _Rows:
     return _Rows(features, labels, layout.num_features)
 
 
-def _unmap_and_delete(mapping: pa.MemoryMappedFile, path: Path) -> None:
-    # Arrow keeps a mapped region alive while any buffer points into it, so this cannot invalidate
-    # batches a caller still holds; unlinking a mapped file is fine on POSIX.
-    mapping.close()
+def _copy_on_write_map(path: Path) -> mmap.mmap:
+    """A private (copy-on-write) mapping: batches handed out are zero-copy views, and a caller that
+    writes into one in place changes only its own pages instead of faulting on a read-only map."""
+    with open(path, "rb") as stream:
+        return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def _unmap_and_delete(mapping: mmap.mmap, path: Path) -> None:
+    # While a caller still holds a batch the mapping stays exported and cannot close; it is then
+    # released with the last view. Unlinking a mapped file is fine on POSIX.
+    try:
+        mapping.close()
+    except BufferError:
+        pass
     path.unlink(missing_ok=True)
 
 
@@ -388,10 +403,7 @@ def table_batches(table: pa.Table, layout: FeedLayout, epoch: int, *, batch_size
                   shuffle: bool, seed: int, rank: int, drop_last: bool,
                   last_batch_size: int | None = None) -> Iterator[Batch]:
     """The batches `Spool.batches` yields, from a table already in memory (the in-memory limit).
-
-    The table holds the layout's columns (fixed_size_list features are used without a copy); it is
-    combined into one chunk first, which costs nothing when it already is one.
-    """
+    Its chunks are combined into one first (free when it has one); fixed_size_list is not copied."""
     rows = _rows_of(table.combine_chunks().to_batches(), layout)
     return _iter_batches(rows, epoch, batch_size=batch_size, steps=steps, shuffle=shuffle, seed=seed,
                          rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)

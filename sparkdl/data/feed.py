@@ -72,7 +72,7 @@ def features_expression(df: DataFrame, feature_cols: Sequence[str]) -> Column:
         if kind == "scalar":
             parts.append(F.array(F.col(name).cast("float")))
         elif kind == "array":
-            parts.append(F.col(name).cast(T.ArrayType(T.FloatType(), containsNull=False)))
+            parts.append(F.col(name).cast(T.ArrayType(T.FloatType())))
         else:
             parts.append(vector_to_array(F.col(name), "float32"))
     return parts[0] if len(parts) == 1 else F.concat(*parts)

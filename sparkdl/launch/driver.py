@@ -71,6 +71,7 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
 
 
 _FAILURE = re.compile(FAILURE_MARKER + r" rank=(\d+): (.*)")
+_CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")
 
 
 def training_error(exc: BaseException) -> TrainingError:
@@ -81,6 +82,8 @@ def training_error(exc: BaseException) -> TrainingError:
         rank, line = match.group(1), match.group(2).strip()
         return TrainingError(f"training failed on rank {rank}: {line}",
                              hint="the full worker traceback is in the executor log (stderr of the task)")
-    summary = next((ln.strip() for ln in text.splitlines() if "Exception" in ln or "Error" in ln), text[:500])
-    return TrainingError(f"the training job failed: {summary}",
-                         hint="see the executor logs for the full traceback")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("at ")]
+    causes = [ln for ln in lines if _CAUSE.match(ln) and "Job aborted" not in ln]
+    summary = " | ".join(dict.fromkeys([lines[1] if len(lines) > 1 else text[:300]] + causes[:3]))
+    return TrainingError(f"the training job failed: {summary[:2000]}",
+                         hint="see the executor logs (stderr of the failed task) for the full traceback")

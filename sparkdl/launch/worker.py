@@ -150,14 +150,10 @@ def _dumps_state(state: dict[str, Any]) -> bytes:
 
 
 def _dumps_any(obj: Any) -> bytes:
-    try:
-        import cloudpickle  # shipped with pyspark as pyspark.cloudpickle; the plain one if present
+    # pyspark's own copy, so modules registered for pickling by value (launch.shipping) apply.
+    from pyspark import cloudpickle
 
-        return cloudpickle.dumps(obj)
-    except ImportError:
-        from pyspark import cloudpickle as spark_cloudpickle
-
-        return spark_cloudpickle.dumps(obj)
+    return cloudpickle.dumps(obj)
 
 
 def _result_batch(rank: int, kind: str, seq: int, payload: bytes) -> pa.RecordBatch:

@@ -1,0 +1,46 @@
+"""Make user code reach the executors: functions and classes defined in the driver's own scripts
+or test modules are pickled by value, because executors cannot import those modules."""
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+_INSTALLED_ROOTS = tuple(
+    str(Path(p).resolve()) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                     sysconfig.get_paths()["stdlib"]})
+
+
+def _module_of(obj: Any) -> str | None:
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return None
+    name = getattr(obj, "__module__", None)
+    if name is None or name == "__main__":
+        return None  # cloudpickle already ships __main__ by value
+    return name
+
+
+def _is_installed(module: Any) -> bool:
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return True  # builtins and namespace packages: importable everywhere or not ours to ship
+    resolved = str(Path(path).resolve())
+    return resolved.startswith(_INSTALLED_ROOTS) or module.__name__.split(".")[0] in ("sparkdl", "torch", "pyspark")
+
+
+def ship_by_value(*objects: Any) -> list[str]:
+    """Register the defining modules of `objects` (and of an instance's class) for pickling by
+    value when they are not installed packages; returns the module names registered."""
+    from pyspark import cloudpickle
+
+    registered = []
+    for obj in objects:
+        for candidate in (obj, type(obj)):
+            name = _module_of(candidate)
+            module = sys.modules.get(name) if name else None
+            if module is None or _is_installed(module):
+                continue
+            cloudpickle.register_pickle_by_value(module)
+            registered.append(name)
+    return registered

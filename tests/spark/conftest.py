@@ -1,0 +1,38 @@
+"""One session-scoped SparkSession for every Spark test: two real executors (local-cluster), so
+barrier tasks, rendezvous and result collection cross process boundaries as on a cluster."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator
+
+import pytest
+
+MASTER = os.environ.get("SPARKDL_TEST_MASTER", "local-cluster[2,1,1024]")
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator["SparkSession"]:  # noqa: F821
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master(MASTER)
+        .appName("sparkdl-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.default.parallelism", "2")
+        .config("spark.executor.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def digits_df(spark):  # type: ignore[no-untyped-def]
+    from sparkdl.datasets import digits_dataframe
+
+    return digits_dataframe(spark).cache()

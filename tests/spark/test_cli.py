@@ -1,0 +1,77 @@
+"""`sparkdl train` run in-process against the session fixture (the CLI must reuse it)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparkdl import cli
+from sparkdl.datasets import digits_dataframe
+from sparkdl.estimator import TorchModel
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(spark, tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+    path = tmp_path_factory.mktemp("cli") / "digits.parquet"
+    digits_dataframe(spark).write.parquet(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def conf(repo_root: Path) -> str:
+    return str(repo_root / "conf" / "examples" / "digits.toml")
+
+
+def test_train_saves_a_loadable_model(spark, digits_parquet: str, conf: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model"
+    rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}",
+                   "--set", f"output.model_path={out}", "--set", "train.epochs=3"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    lines = printed.out.strip().splitlines()
+    assert [ln.split()[1] for ln in lines if ln.startswith("epoch ")] == ["1/3", "2/3", "3/3"]
+    summary = json.loads(lines[-1])
+    assert summary["epochs"] == 3 and summary["inputs"] == 64 and summary["outputs"] == 10
+    assert summary["model_path"] == str(out)
+
+    model = TorchModel.load(str(out))
+    assert not spark.sparkContext._jsc.sc().isStopped()  # noqa: SLF001 - the CLI must not stop our session
+    scored = model.transform(digits_dataframe(spark).limit(50))
+    assert "prediction" in scored.columns
+    assert {r["prediction"] for r in scored.select("prediction").collect()} <= set(range(10))
+
+
+def test_mlp_override_and_existing_output(spark, digits_parquet: str, conf: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    args = ["train", "--conf", conf, "--set", f"input.path={digits_parquet}", "--set", f"output.model_path={out}",
+            "--set", "train.epochs=1", "--set", "mlp.hidden=[32,16]"]
+    assert cli.main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(args + ["--set", "output.overwrite=true"]) == 0
+    module = TorchModel.load(str(out)).torch_module()
+    assert [m.out_features for m in module if hasattr(m, "out_features")] == [32, 16, 10]
+
+
+def test_missing_column_returns_2_and_names_it(spark, digits_parquet: str, conf: str,  # type: ignore[no-untyped-def]
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}",
+                   "--set", "data.label_col=nope"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error: ") and "'nope'" in err and "HINT" in err
+
+
+def test_unknown_option_returns_2_with_suggestion(conf: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["train", "--conf", conf, "--set", "train.epochz=3"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "train.epochz" in err and "did you mean 'epochs'" in err
+
+
+def test_bad_usage_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["train"]) == 2
+    assert "--conf" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+"""Every user-caused problem is a SparkdlError raised on the driver, naming the column and the fix."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch import nn
+
+import sparkdl
+from sparkdl import SparkdlError, TorchEstimator
+from sparkdl.errors import (
+    ArrayLengthError,
+    ColumnTypeError,
+    ConfigError,
+    EmptyDataError,
+    InsufficientSlotsError,
+    MissingColumnError,
+    ModelError,
+    NullValuesError,
+    TrainingError,
+)
+
+
+def estimator(**options) -> TorchEstimator:  # type: ignore[no-untyped-def]
+    defaults = dict(model=lambda: nn.Linear(2, 2), feature_cols=["a", "b"], label_col="label", epochs=1,
+                    num_workers=2, slot_wait_s=2)
+    defaults.update(options)
+    return TorchEstimator(**defaults)
+
+
+@pytest.fixture(scope="module")
+def small_df(spark):  # type: ignore[no-untyped-def]
+    return spark.createDataFrame([(float(i), float(i % 3), i % 2, f"s{i}") for i in range(20)],
+                                 ["a", "b", "label", "name"])
+
+
+def test_missing_column_is_named_with_the_available_ones(small_df) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(MissingColumnError) as info:
+        estimator(feature_cols=["a", "nope"]).fit(small_df)
+    assert "'nope'" in str(info.value) and "a, b, label, name" in str(info.value)
+    assert isinstance(info.value, SparkdlError)
+
+
+def test_non_numeric_column_is_named_with_its_type(small_df) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ColumnTypeError, match=r"'name' has type string"):
+        estimator(feature_cols=["a", "name"]).fit(small_df)
+
+
+def test_nulls_are_counted(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.createDataFrame([(1.0, None, 0), (2.0, 1.0, 1), (3.0, None, 0)], "a double, b double, label long")
+    with pytest.raises(NullValuesError, match=r"'b' has 2 null value\(s\) in 3 rows"):
+        estimator().fit(df)
+
+
+def test_arrays_of_unequal_length(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.createDataFrame([([1.0, 2.0], 0), ([1.0], 1)], "xs array<double>, label long")
+    with pytest.raises(ArrayLengthError, match=r"'xs' holds rows of different lengths \(from 1 to 2\)"):
+        estimator(feature_cols=["xs"]).fit(df)
+
+
+def test_empty_dataframe(small_df) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(EmptyDataError, match="no rows"):
+        estimator().fit(small_df.limit(0))
+
+
+def test_more_workers_than_slots_fails_fast_with_both_numbers(small_df) -> None:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    with pytest.raises(InsufficientSlotsError) as info:
+        estimator(num_workers=3).fit(small_df)
+    assert time.monotonic() - started < 30
+    assert "num_workers=3" in str(info.value) and "only 2 tasks" in str(info.value)
+    assert "HINT" in str(info.value)
+
+
+def test_unknown_option_suggests_the_right_name() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'batch_size'"):
+        TorchEstimator(model=nn.Linear(2, 2), feature_cols=["a"], batchsize=3)
+
+
+def test_model_that_does_not_fit_the_features(small_df) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ModelError, match="cannot take a batch of 2 features"):
+        estimator(model=lambda: nn.Linear(5, 2)).fit(small_df)
+
+
+def test_non_class_labels_for_cross_entropy(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.createDataFrame([(1.0, 2.0, 0.5), (2.0, 1.0, 1.0)], "a double, b double, label double")
+    with pytest.raises(ColumnTypeError, match="class indices"):
+        estimator().fit(df)
+
+
+def test_a_failing_rank_gives_a_driver_side_error_naming_it(small_df) -> None:  # type: ignore[no-untyped-def]
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        if ctx.rank == 1:
+            raise ValueError("boom from the user loop")
+        ctx.comm.barrier()
+
+    with pytest.raises(TrainingError, match=r"rank 1: ValueError: boom from the user loop"):
+        sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=30)
