@@ -5,6 +5,7 @@ slot count is checked first and a shortfall fails within `launch.slot_wait_s` wi
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -15,6 +16,9 @@ from pyspark.sql import DataFrame, SparkSession
 from sparkdl.errors import InsufficientSlotsError, TrainingError
 from sparkdl.launch.spec import RESULT_SCHEMA, TrainSpec
 from sparkdl.launch.worker import FAILURE_MARKER, loads_result, make_task
+
+
+log = logging.getLogger("sparkdl")
 
 
 def new_run_id() -> str:
@@ -58,7 +62,17 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
     sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "
                    f"({spec.world_size} workers)", interruptOnCancel=True)
     try:
-        rows = job.collect()
+        try:
+            rows = job.collect()
+        except Exception as exc:  # noqa: BLE001
+            if "BarrierJobUnsupportedRDDChainException" not in str(exc):
+                raise
+            # Spark refuses barrier stages over some RDD chains (union, partition pruning); it says so
+            # at submission, before any task runs. A shuffle boundary is always accepted.
+            log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is "
+                        "(e.g. a union); repartitioning it to %d partitions", spec.world_size)
+            job = df.repartition(spec.world_size).mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True)
+            rows = job.collect()
     except Exception as exc:  # noqa: BLE001 - turned into one readable error below
         raise training_error(exc) from None
     finally:

@@ -124,11 +124,19 @@ def test_regression_on_an_array_column_predicts_values(spark) -> None:  # type: 
 def test_skewed_partitions_finish_with_equal_steps(spark) -> None:  # type: ignore[no-untyped-def]
     import sparkdl
 
-    sc = spark.sparkContext
-    rows = [(i / 440.0, i % 2) for i in range(440)]
-    # One partition ten times the other; an RDD union keeps both partitions as they are.
-    skewed = sc.parallelize(rows[:400], 1).union(sc.parallelize(rows[400:], 1))
-    df = spark.createDataFrame(skewed, "x double, label long")
+    from pyspark.sql import functions as F
+
+    # Hash-partition on a key held by 400 rows vs 40 rows: one partition ten times the other.
+    base = spark.range(440).select((F.col("id") / 440.0).alias("x"), (F.col("id") % 2).alias("label"),
+                                   F.when(F.col("id") < 400, F.lit(0)).otherwise(F.lit(None)).alias("k"))
+    df = None
+    for other in range(1, 20):
+        candidate = base.withColumn("k", F.coalesce("k", F.lit(other))).repartition(2, "k").drop("k")
+        sizes = sorted(candidate.groupBy(F.spark_partition_id()).count().collect(), key=lambda r: r[1])
+        if [r[1] for r in sizes] == [40, 400]:
+            df = candidate
+            break
+    assert df is not None
     assert df.rdd.getNumPartitions() == 2
 
     def count_steps(ctx):  # type: ignore[no-untyped-def]
@@ -148,3 +156,13 @@ def test_skewed_partitions_finish_with_equal_steps(spark) -> None:  # type: igno
     model = TorchEstimator(model=lambda: nn.Linear(1, 2), feature_cols=["x"], label_col="label",
                            batch_size=16, epochs=1, num_workers=2).fit(df)
     assert model.history[0]["steps"] == 25
+
+
+def test_a_union_of_dataframes_still_trains(spark) -> None:  # type: ignore[no-untyped-def]
+    # A union in the last stage cannot run in barrier mode as is; sparkdl reshuffles it.
+    a = spark.range(0, 60, numPartitions=1)
+    b = spark.range(60, 100, numPartitions=1)
+    df = a.union(b).selectExpr("cast(id as double) / 100 as x", "id % 2 as label")
+    model = TorchEstimator(model=lambda: nn.Linear(1, 2), feature_cols=["x"], label_col="label",
+                           batch_size=10, epochs=1, num_workers=2).fit(df)
+    assert model.history[0]["samples"] == 100

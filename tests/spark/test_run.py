@@ -1,0 +1,39 @@
+"""sparkdl.run: custom loops on every rank, with the world, the communicator and the batches."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import sparkdl
+from sparkdl import TorchEstimator
+
+
+def test_run_without_a_dataframe_returns_rank_zeros_value(spark) -> None:  # type: ignore[no-untyped-def]
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        total = torch.tensor([float(ctx.rank + 1)])
+        ctx.comm.allreduce(total)
+        world = ctx.comm.allgather_object((ctx.rank, ctx.local_rank, ctx.world.local_size, ctx.world.hosts))
+        return {"sum": total.item(), "world": world, "size": ctx.world_size}
+
+    result = sparkdl.run(train_fn, num_workers=2)
+    assert result["sum"] == 3.0
+    assert result["size"] == 2
+    ranks = sorted(result["world"])
+    # Both executors of local-cluster live on this host: the two ranks must get distinct local ranks.
+    assert [r[1] for r in ranks] == [0, 1]
+    assert all(r[2] == 2 for r in ranks)
+
+
+def test_a_model_larger_than_one_result_chunk_comes_back(spark) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.launch.spec import RESULT_CHUNK_BYTES
+
+    width = RESULT_CHUNK_BYTES // (4 * 4) + 1000  # Linear(4, width): > one chunk of float32 weights
+    df = spark.createDataFrame([(float(i), float(-i), float(i % 3), float(i % 5), i % 2) for i in range(16)],
+                               ["a", "b", "c", "d", "label"])
+    model = TorchEstimator(model=lambda: nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2)),
+                           feature_cols=["a", "b", "c", "d"], label_col="label", optimizer="sgd", lr=0.01,
+                           batch_size=8, epochs=1, num_workers=2).fit(df)
+    module = model.torch_module()
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert total > RESULT_CHUNK_BYTES
+    assert torch.isfinite(module[0].weight).all()
