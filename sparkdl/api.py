@@ -28,7 +28,7 @@ def _spark(df: Any = None) -> Any:
     return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
 
 
-def _label_is_integral(df: Any, label_col: str | None) -> bool:
+def label_is_integral(df: Any, label_col: str | None) -> bool:
     from pyspark.sql import types as T
 
     if label_col is None or label_col not in df.columns:
@@ -73,14 +73,19 @@ def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
     from sparkdl.launch.spec import TrainSpec
 
     config.validate()
+    if model is None and config.model.factory:
+        from sparkdl.launch.objectives import import_factory
+
+        model = import_factory(config.model.factory)
     if model is None:
-        raise ModelError("no model was given", hint="pass model=nn.Module(...) or a zero-argument callable")
+        raise ModelError("no model was given", hint="pass model=nn.Module(...) or a zero-argument callable, "
+                                                    "or set model.factory='package.module:function'")
     data = config.data
     if data.label_col is None:
         raise ConfigError("data.label_col is None, but fitting needs a label",
                           hint="pass label_col=..., or use sparkdl.run for a custom loop without labels")
     check_columns(df, list(data.feature_cols) + [data.label_col])
-    classification = is_classification(config.train, _label_is_integral(df, data.label_col))
+    classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers)
     module, out_width = probe_model(model, config, prepared.layout.num_features)
@@ -119,7 +124,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     spark = _spark(df)
     if df is not None:
         classification = config.train.task == "classification" or (
-            config.train.task == "auto" and _label_is_integral(df, config.data.label_col))
+            config.train.task == "auto" and label_is_integral(df, config.data.label_col))
         prepared = prepare(df, config.data.feature_cols, config.data.label_col,
                            classification=classification, num_workers=num_workers)
         job_df, layout = prepared.df, prepared.layout

@@ -7,7 +7,11 @@ Imports nothing from sparkdl but errors (layering rule).
 from __future__ import annotations
 
 import difflib
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (Databricks runtimes before 15)
+    import tomli as tomllib  # type: ignore[no-redef]
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -121,12 +125,32 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """The model of a TOML-driven run (`sparkdl train`), since a file cannot hold an nn.Module:
+    either `factory`, the import path of a zero-argument callable returning one, or an MLP."""
+
+    factory: str | None = None  # "package.module:function"
+    hidden: tuple[int, ...] = (128,)
+    outputs: int = 0  # 0: the number of classes for a classification loss, else 1
+
+    def validate(self) -> None:
+        if self.factory is not None and (":" not in self.factory or not all(self.factory.partition(":")[::2])):
+            raise ConfigError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
+        if not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in self.hidden):
+            raise ConfigError(f"model.hidden must be a list of positive layer widths, got {list(self.hidden)!r}",
+                              hint="for example hidden = [128] or --set model.hidden=[64,64]")
+        if not isinstance(self.outputs, int) or isinstance(self.outputs, bool) or self.outputs < 0:
+            raise ConfigError(f"model.outputs must be an integer >= 0 (0 = automatic), got {self.outputs!r}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
 
     def validate(self) -> "RunConfig":
         for section in _sections(self):
@@ -156,7 +180,7 @@ class RunConfig:
                 raise ConfigError(f"override {item!r} is not of the form section.key=value",
                                   hint="for example --set train.epochs=3")
             section, _, name = key.strip().partition(".")
-            updates.setdefault(section, {})[name] = _parse_literal(raw.strip())
+            updates.setdefault(section, {})[name] = parse_literal(raw.strip())
         return self.merged(updates)
 
     def merged(self, nested: Mapping[str, Mapping[str, Any]]) -> "RunConfig":
@@ -165,14 +189,14 @@ class RunConfig:
         sections = _sections(self)
         for section, values in nested.items():
             if section not in sections:
-                raise ConfigError(f"unknown config section {section!r}", hint=_suggest(section, sections))
+                raise ConfigError(f"unknown config section {section!r}", hint=suggest(section, sections))
             if not isinstance(values, Mapping):
                 raise ConfigError(f"config section {section!r} must be a table of options, got {values!r}")
             part = getattr(config, section)
             names = [f.name for f in fields(part)]
             for name in values:
                 if name not in names:
-                    raise ConfigError(f"unknown option {section}.{name}", hint=_suggest(name, names))
+                    raise ConfigError(f"unknown option {section}.{name}", hint=suggest(name, names))
             coerced = {k: _coerce(part, k, v) for k, v in values.items()}
             config = replace(config, **{section: replace(part, **coerced)})
         return config
@@ -198,7 +222,7 @@ class RunConfig:
         nested: dict[str, dict[str, Any]] = {}
         for name, value in kwargs.items():
             if name not in owner:
-                raise ConfigError(f"unknown option {name!r}", hint=_suggest(name, list(owner)))
+                raise ConfigError(f"unknown option {name!r}", hint=suggest(name, list(owner)))
             nested.setdefault(owner[name], {})[name] = value
         return config.merged(nested)
 
@@ -246,18 +270,18 @@ def _sections(config: RunConfig) -> list[str]:
 
 
 def _coerce(part: Any, name: str, value: Any) -> Any:
-    if name == "feature_cols" and not isinstance(value, (str, tuple)):
+    if name in ("feature_cols", "hidden") and not isinstance(value, (str, tuple)):
         try:
             return tuple(value)
         except TypeError:
-            raise ConfigError(f"data.feature_cols must be a list of column names, got {value!r}") from None
+            raise ConfigError(f"{name} must be a list, got {value!r}") from None
     current = getattr(part, name)
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
 
 
-def _parse_literal(raw: str) -> Any:
+def parse_literal(raw: str) -> Any:
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -272,7 +296,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _suggest(name: str, known: Sequence[str]) -> str:
+def suggest(name: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     listing = ", ".join(sorted(known))
     return f"did you mean {close[0]!r}? Known: {listing}" if close else f"known: {listing}"
@@ -289,6 +313,6 @@ def _choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = Fa
     if value not in allowed:
         extra = " or a callable" if callable_ok else ""
         raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}{extra}; got {value!r}",
-                          hint=_suggest(str(value), allowed))
+                          hint=suggest(str(value), allowed))
 
 

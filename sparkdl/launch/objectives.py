@@ -29,6 +29,24 @@ def build_model(model: Any, seed: int) -> nn.Module:
                      hint="for example model=nn.Sequential(nn.Linear(64, 10))")
 
 
+def import_factory(path: str) -> Callable[[], nn.Module]:
+    """The callable named by "package.module:function" (model.factory in TOML configs)."""
+    import importlib
+
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise ModelError(f"model.factory {path!r} cannot be imported: {exc}",
+                         hint="the module must be importable on the driver and the executors "
+                              "(installed, or shipped with --py-files)") from None
+    if not callable(target):
+        raise ModelError(f"model.factory {path!r} is not callable")
+    return target
+
+
 def _mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.reshape(label.shape) if output.numel() == label.numel() else output, label)
 

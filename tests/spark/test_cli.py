@@ -23,8 +23,8 @@ def conf(repo_root: Path) -> str:
     return str(repo_root / "conf" / "examples" / "digits.toml")
 
 
-def test_train_saves_a_loadable_model(spark, digits_parquet: str, conf: str, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_saves_a_loadable_model(spark, digits_parquet: str, conf: str,  # type: ignore[no-untyped-def]
+                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "model"
     rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}",
                    "--set", f"output.model_path={out}", "--set", "train.epochs=3"])
@@ -43,12 +43,12 @@ def test_train_saves_a_loadable_model(spark, digits_parquet: str, conf: str, tmp
     assert {r["prediction"] for r in scored.select("prediction").collect()} <= set(range(10))
 
 
-def test_mlp_override_and_existing_output(spark, digits_parquet: str, conf: str, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_override_and_existing_output(spark, digits_parquet: str, conf: str,  # type: ignore[no-untyped-def]
+                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "model"
     out.mkdir()
     args = ["train", "--conf", conf, "--set", f"input.path={digits_parquet}", "--set", f"output.model_path={out}",
-            "--set", "train.epochs=1", "--set", "mlp.hidden=[32,16]"]
+            "--set", "train.epochs=1", "--set", "model.hidden=[32,16]"]
     assert cli.main(args) == 2
     assert "already exists" in capsys.readouterr().err
     assert cli.main(args + ["--set", "output.overwrite=true"]) == 0
@@ -75,3 +75,41 @@ def test_unknown_option_returns_2_with_suggestion(conf: str, capsys: pytest.Capt
 def test_bad_usage_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["train"]) == 2
     assert "--conf" in capsys.readouterr().err
+
+
+def test_load_config_reads_the_model_table(conf: str) -> None:
+    config = cli.load_config(conf, ["model.hidden=[64,64]", "model.outputs=12", "train.epochs=2"])
+    assert config.model.hidden == (64, 64) and config.model.outputs == 12
+    assert config.train.epochs == 2 and config.data.label_col == "label"
+
+
+def test_model_factory_import_path(spark, digits_parquet: str, conf: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "factory-model"
+    rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}", "--set", f"output.model_path={out}",
+                   "--set", "train.epochs=1", "--set", 'model.factory="sparkdl_test_models:small_digits_net"'])
+    assert rc == 0
+    module = TorchModel.load(str(out)).torch_module()
+    assert [m.out_features for m in module if hasattr(m, "out_features")] == [16, 10]
+
+
+def test_bad_model_factory_is_a_clear_error(spark, digits_parquet: str, conf: str,  # type: ignore[no-untyped-def]
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}",
+                   "--set", 'model.factory="no_such_module:net"'])
+    assert rc == 2
+    assert "model.factory 'no_such_module:net' cannot be imported" in capsys.readouterr().err
+
+
+def test_input_format_is_inferred_from_the_path(tmp_path: Path) -> None:
+    from sparkdl.config import RunConfig
+
+    cases = {"d.csv": "csv", "d.json": "json", "d.orc": "orc", "d.parquet": "parquet", "d": "parquet"}
+    for name, fmt in cases.items():
+        (tmp_path / name).mkdir()
+        assert cli.input_format(RunConfig().merged({"input": {"path": str(tmp_path / name)}})) == fmt
+    (tmp_path / "d.txt").mkdir()
+    with pytest.raises(cli.ConfigError, match="input.format"):
+        cli.input_format(RunConfig().merged({"input": {"path": str(tmp_path / "d.txt")}}))
+    with pytest.raises(cli.ConfigError, match="does not exist"):
+        cli.input_format(RunConfig().merged({"input": {"path": str(tmp_path / "missing.parquet")}}))
+    assert cli.input_format(RunConfig().merged({"input": {"path": "s3a://bucket/x.csv"}})) == "csv"
