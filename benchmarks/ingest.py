@@ -112,7 +112,7 @@ def bench_rank(rank: int, counts: list[int], batches: list[pa.RecordBatch], layo
     # Epochs 2+ replay the last spool, as training does, alternating with the in-memory runs so
     # that both see the same machine.
     with spool:
-        chunks = len(spool._live().features)
+        chunks = spool.chunk_count
         for epoch in range(2, 2 + args.repeats):
             shuffled_s.append(timed(lambda: drain(spool.batches(epoch, shuffle=True, **options)))[0])
             memory_s.append(timed(lambda: drain(table_batches(table, layout, epoch, shuffle=True,

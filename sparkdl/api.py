@@ -68,7 +68,7 @@ def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, 
 
 def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
     from sparkdl.data.feed import check_columns, prepare
-    from sparkdl.launch.driver import new_run_id, submit
+    from sparkdl.launch.driver import ensure_slots, new_run_id, submit
     from sparkdl.launch.objectives import is_classification
     from sparkdl.launch.spec import TrainSpec
 
@@ -85,6 +85,7 @@ def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
         raise ConfigError("data.label_col is None, but fitting needs a label",
                           hint="pass label_col=..., or use sparkdl.run for a custom loop without labels")
     check_columns(df, list(data.feature_cols) + [data.label_col])
+    ensure_slots(_spark(df), config.launch.num_workers, config.launch.slot_wait_s)
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers)
@@ -104,7 +105,7 @@ def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
     from sparkdl.data.feed import prepare
-    from sparkdl.launch.driver import new_run_id, submit
+    from sparkdl.launch.driver import ensure_slots, new_run_id, submit
     from sparkdl.launch.spec import TrainSpec
 
     if not callable(train_fn):
@@ -122,6 +123,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         config.train.validate()
         config.launch.validate()
     spark = _spark(df)
+    ensure_slots(spark, num_workers, config.launch.slot_wait_s)
     if df is not None:
         classification = config.train.task == "classification" or (
             config.train.task == "auto" and label_is_integral(df, config.data.label_col))

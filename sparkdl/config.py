@@ -84,7 +84,7 @@ class LaunchConfig:
     num_workers: int = 2
     backend: str = "torch"
     timeout_s: float = 600.0
-    slot_wait_s: float = 30.0
+    slot_wait_s: float = 15.0
     threads_per_worker: int | None = None
     run_dir: str | None = None
 

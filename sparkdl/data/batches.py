@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -301,15 +302,17 @@ class Spool:
 
     def __init__(self, path: str | Path, layout: FeedLayout) -> None:
         self._path = Path(path)
-        mapping = _copy_on_write_map(self._path)
+        self._layout = layout
+        self._file = open(self._path, "rb")  # noqa: SIM115 - owned until close()
         try:
-            reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapping)))
-            chunks = map(reader.get_batch, range(reader.num_record_batches))
-            self._rows: _Rows | None = _rows_of(chunks, layout)
+            rows = _map_rows(self._file, layout)
+            self._num_rows: int | None = rows.num_rows
+            self.chunk_count = len(rows.features)
+            self.chunk_rows = rows.chunk_rows  # 0 unless the chunks are equal (all but the last)
         except BaseException:
-            mapping.close()
+            self._file.close()
             raise
-        self._release = weakref.finalize(self, _unmap_and_delete, mapping, self._path)
+        self._release = weakref.finalize(self, _close_and_delete, self._file, self._path)
 
     @classmethod
     def write(cls, batches: Iterable[pa.RecordBatch], layout: FeedLayout, directory: str | Path, *,
@@ -338,7 +341,9 @@ class Spool:
 
     @property
     def num_rows(self) -> int:
-        return self._live().num_rows
+        if self._num_rows is None:
+            raise ValueError(f"spool {self._path} is closed")
+        return self._num_rows
 
     def batches(self, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int, rank: int,
                 drop_last: bool, last_batch_size: int | None = None) -> Iterator[Batch]:
@@ -346,16 +351,18 @@ class Spool:
         `last_batch_size` from `steps_per_epoch` and `last_batch_size` over all ranks' `num_rows`.
         Each batch stays valid while later ones are produced, and after close().
 
-        READ-ONLY: without shuffle, a batch inside one chunk is a zero-copy view of the read-only
-        mapping: writing into it in place (x -= mean, x.clamp_()) kills the process with SIGSEGV.
-        Compute out of place (x = (x - mean) / std) or .clone() first. Shuffled batches are copies.
+        Without shuffle, a batch inside one chunk is a zero-copy view of a private copy-on-write
+        mapping made for this call: writing into it in place (x -= mean) changes only this epoch's
+        pages, never the file or another epoch's batches. Shuffled batches are copies.
         """
-        return _iter_batches(self._live(), epoch, batch_size=batch_size, steps=steps, shuffle=shuffle,
+        if self._num_rows is None:
+            raise ValueError(f"spool {self._path} is closed")
+        return _iter_batches(_map_rows(self._file, self._layout), epoch, batch_size=batch_size, steps=steps, shuffle=shuffle,
                              seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)
 
     def close(self) -> None:
-        """Unmap and delete the file; batches handed out earlier stay readable. Idempotent."""
-        self._rows = None
+        """Close and delete the file; batches handed out earlier stay readable. Idempotent."""
+        self._num_rows = None
         self._release()
 
     def __enter__(self) -> Spool:
@@ -364,11 +371,6 @@ class Spool:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-    def _live(self) -> _Rows:
-        if self._rows is None:
-            raise ValueError(f"spool {self._path} is closed")
-        return self._rows
 
 
 def _rows_of(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> _Rows:
@@ -382,20 +384,18 @@ def _rows_of(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> _Rows:
     return _Rows(features, labels, layout.num_features)
 
 
-def _copy_on_write_map(path: Path) -> mmap.mmap:
-    """A private (copy-on-write) mapping: batches handed out are zero-copy views, and a caller that
-    writes into one in place changes only its own pages instead of faulting on a read-only map."""
-    with open(path, "rb") as stream:
-        return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY)
+def _map_rows(stream: Any, layout: FeedLayout) -> _Rows:
+    """Rows over a fresh private (copy-on-write) mapping: batches are zero-copy views, and a caller
+    writing into one in place changes only its own pages, instead of faulting on a read-only map or
+    leaking the change into later epochs. The mapping lives as long as any view of it."""
+    mapping = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY)
+    reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapping)))
+    return _rows_of(map(reader.get_batch, range(reader.num_record_batches)), layout)
 
 
-def _unmap_and_delete(mapping: mmap.mmap, path: Path) -> None:
-    # While a caller still holds a batch the mapping stays exported and cannot close; it is then
-    # released with the last view. Unlinking a mapped file is fine on POSIX.
-    try:
-        mapping.close()
-    except BufferError:
-        pass
+def _close_and_delete(stream: Any, path: Path) -> None:
+    # Mappings made from the file stay valid after it is closed and unlinked (POSIX).
+    stream.close()
     path.unlink(missing_ok=True)
 
 

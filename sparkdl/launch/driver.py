@@ -38,14 +38,15 @@ def concurrent_slots(spark: SparkSession) -> int:
 
 def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float) -> int:
     """Wait (executors may still be registering) up to wait_s for num_workers slots, else raise."""
-    deadline = time.monotonic() + wait_s
+    # Only a cluster manager adds executors over time; a local master's slot count is final.
+    master = spark.sparkContext.master
+    deadline = time.monotonic() + (0.0 if master.startswith("local[") or master == "local" else wait_s)
     while True:
         slots = concurrent_slots(spark)
         if slots >= num_workers or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     if slots < num_workers:
-        master = spark.sparkContext.master
         raise InsufficientSlotsError(
             f"num_workers={num_workers} needs {num_workers} task slots at once, but Spark ({master}) "
             f"can run only {slots} tasks at the same time",
