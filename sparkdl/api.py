@@ -1,6 +1,7 @@
 """Driver entry points: fit, run and predict. Composes config, data feed, launch and inference."""
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,6 +67,49 @@ def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, 
     return module, int(out[0].numel())
 
 
+def check_output_width(config: RunConfig, out_width: int, num_classes: int | None) -> None:
+    """The model's output must fit the built-in loss, or every executor fails on its first step."""
+    loss = config.train.loss
+    if loss == "cross_entropy":
+        need = max(2, num_classes or 2)
+        if out_width < need:
+            raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column "
+                             f"{config.data.label_col!r} holds {num_classes} classes but the model outputs "
+                             f"{out_width} value(s) per row",
+                             hint=f"make the last layer output {need}, or use loss='bce_with_logits' "
+                                  "with one output for two classes")
+    elif loss in ("mse", "bce_with_logits") and out_width != 1:
+        raise ModelError(f"loss {loss!r} compares one output per row with the scalar label column "
+                         f"{config.data.label_col!r}, but the model outputs {out_width} values per row",
+                         hint="make the last layer output 1, or pass a callable loss")
+
+
+def check_enough_rows(config: RunConfig, num_rows: int) -> None:
+    workers, batch = config.launch.num_workers, config.data.batch_size
+    if num_rows < workers:
+        raise ConfigError(f"the DataFrame has {num_rows} row(s), fewer than num_workers={workers}: "
+                          "some workers would get no data", hint=f"use num_workers <= {num_rows}")
+    if config.data.drop_last and num_rows // workers < batch:
+        raise ConfigError(f"drop_last=True with batch_size={batch} drops everything: each of the {workers} "
+                          f"workers gets about {num_rows // workers} rows",
+                          hint="lower batch_size or set drop_last=False")
+
+
+def check_picklable(spec: Any) -> None:
+    """Everything in the TrainSpec must reach the executors; say which part cannot, before the job."""
+    from sparkdl.launch.worker import _dumps_any
+
+    for name in ("model", "train_fn", "config"):
+        value = getattr(spec, name)
+        try:
+            _dumps_any(value)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            what = {"model": "the model", "train_fn": "train_fn", "config": "the loss or optimizer"}[name]
+            raise ModelError(f"{what} cannot be sent to the executors: {type(exc).__name__}: {exc}",
+                             hint="it (or something it refers to, e.g. a SparkSession, DataFrame, lock or "
+                                  "open file) must be picklable; create such objects inside the function") from None
+
+
 def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
     from sparkdl.data.feed import check_columns, prepare
     from sparkdl.launch.driver import ensure_slots, new_run_id, submit
@@ -90,11 +134,11 @@ def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers)
     module, out_width = probe_model(model, config, prepared.layout.num_features)
-    if classification and out_width > 1 and prepared.layout.num_classes and prepared.layout.num_classes > out_width:
-        raise ModelError(f"label column {data.label_col!r} holds {prepared.layout.num_classes} classes but the "
-                         f"model outputs {out_width} logits", hint=f"make the last layer output {prepared.layout.num_classes}")
+    check_output_width(config, out_width, prepared.layout.num_classes)
+    check_enough_rows(config, prepared.num_rows)
     ship_by_value(model, config.train.loss, config.train.optimizer)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model)
+    check_picklable(spec)
     state, history = submit(_spark(df), prepared.df, spec)
     module.load_state_dict(state)
     module.eval()
@@ -129,11 +173,14 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
             config.train.task == "auto" and label_is_integral(df, config.data.label_col))
         prepared = prepare(df, config.data.feature_cols, config.data.label_col,
                            classification=classification, num_workers=num_workers)
+        if prepared.num_rows < num_workers:
+            check_enough_rows(config, prepared.num_rows)
         job_df, layout = prepared.df, prepared.layout
     else:
         job_df, layout = spark.range(0, num_workers, 1, num_workers), None
     ship_by_value(train_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
+    check_picklable(spec)
     result, _ = submit(spark, job_df, spec)
     return result
 
@@ -159,5 +206,5 @@ def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = 
     spark = df.sparkSession
     ship_by_value(module)
     module_bytes = spark.sparkContext.broadcast(_dumps_any(module))
-    fn = make_predict_fn(module_bytes, FEATURES_COLUMN, layout.num_features, kind, prediction_col, batch_size)
+    fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, prediction_col, batch_size)
     return df.withColumn(FEATURES_COLUMN, features_expression(df, cols)).mapInArrow(fn, out_schema)

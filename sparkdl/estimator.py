@@ -121,7 +121,7 @@ class _TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
         import torch
 
-        DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
         fs, root = _filesystem(path)
 
         def read(name: str) -> bytes:
@@ -138,9 +138,11 @@ class _TorchModelReader(MLReader):
         module.eval()
         layout = info["layout"]
         layout["source_feature_cols"] = tuple(layout["source_feature_cols"])
-        return TorchModel(module=module, layout=FeedLayout(**layout), output_kind=info["output_kind"],
-                          history=info["history"], prediction_col=info["prediction_col"],
-                          run_id=info.get("run_id"), options=info.get("options"))
+        model = TorchModel(module=module, layout=FeedLayout(**layout), output_kind=info["output_kind"],
+                           history=info["history"], prediction_col=info["prediction_col"],
+                           run_id=info.get("run_id"), options=info.get("options"))
+        model._resetUid(metadata["uid"])  # a reloaded PipelineModel must keep its stage uids
+        return model
 
 
 def _jsonable(value: Any) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 OUTPUT_KINDS = ("class", "binary", "value", "values")
-_MODULE_CACHE: dict[int, Any] = {}
+_MODULE_CACHE: dict[str, Any] = {}
 
 
 def prediction_arrow_type(output_kind: str) -> pa.DataType:
@@ -30,10 +30,14 @@ def features_matrix(column: pa.Array | pa.ChunkedArray, num_features: int) -> np
         column = column.combine_chunks()
     if column.null_count:
         raise ValueError(f"{column.null_count} row(s) have null features; fill or drop them before transform")
-    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-    if flat.size != len(column) * num_features:
-        raise ValueError(f"feature rows must have {num_features} values each (the model was trained on "
-                         f"{num_features}); got {flat.size} values for {len(column)} rows")
+    lengths = np.diff(column.offsets.to_numpy(zero_copy_only=False))
+    if len(lengths) and (lengths.min() != num_features or lengths.max() != num_features):
+        raise ValueError(f"every row must have {num_features} feature values (the model was trained on "
+                         f"{num_features}); found rows with {lengths.min()} to {lengths.max()}")
+    values = column.flatten()
+    if values.null_count:
+        raise ValueError(f"{values.null_count} feature value(s) are null; fill or drop them before transform")
+    flat = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
     return flat.reshape(len(column), num_features)
 
 
@@ -52,12 +56,16 @@ def to_predictions(output: Any, output_kind: str) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), pa.float32()))
 
 
-def make_predict_fn(module_broadcast: Any, feature_column: str, num_features: int, output_kind: str,
-                    prediction_col: str, batch_size: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, num_features: int,
+                    output_kind: str, prediction_col: str,
+                    batch_size: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """`model_key` is unique per transform call: a reused Python worker must never score with the
+    module cached for an earlier model."""
+
     def sparkdl_predict(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import torch
 
-        key = module_broadcast.id if hasattr(module_broadcast, "id") else id(module_broadcast)
+        key = model_key
         if key not in _MODULE_CACHE:
             _MODULE_CACHE.clear()  # one model per worker at a time keeps executor memory bounded
             module = pickle.loads(module_broadcast.value)

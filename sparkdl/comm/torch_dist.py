@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -12,13 +13,23 @@ from sparkdl.errors import ConfigError
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def cuda_index(address: str) -> int:
+    """Spark's GPU address is a physical index; when the cluster manager already narrowed
+    CUDA_VISIBLE_DEVICES, torch numbers the visible devices from 0."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if address in visible:
+        return visible.index(address)
+    return int(address)
+
+
 class TorchDistCommunicator(Communicator):
     ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV, SUBGROUP})
 
     def __init__(self, world: WorldInfo, timeout_s: float) -> None:
         super().__init__(world)
         self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
-        backend = "nccl" if self._use_gpu else "gloo"
+        # With GPUs, small CPU tensors (row counts, objects) still need a CPU backend beside NCCL.
+        backend = "cpu:gloo,cuda:nccl" if self._use_gpu else "gloo"
         if self._use_gpu:
             torch.cuda.set_device(self.device)
         if dist.is_initialized():
@@ -35,7 +46,7 @@ class TorchDistCommunicator(Communicator):
     @property
     def device(self) -> torch.device:
         if self._use_gpu:
-            return torch.device("cuda", int(self.world.gpus[0]))
+            return torch.device("cuda", cuda_index(self.world.gpus[0]))
         return torch.device("cpu")
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -91,6 +91,9 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
                 aggs.append(F.sum(F.exists(arr, lambda x: x.isNull()).cast("long")).alias(f"inner_{i}"))
     if label_col is not None:
         aggs.append(F.sum(F.col(label_col).isNull().cast("long")).alias("null_label"))
+        as_double = F.col(label_col).cast("double")
+        aggs.append(F.sum((F.isnan(as_double) | (F.abs(as_double) == float("inf"))).cast("long"))
+                    .alias("nonfinite_label"))
         if classification:
             # Spark ML labels are doubles: accepted for classification when they hold whole numbers.
             label = F.col(label_col).cast("double")
@@ -139,6 +142,10 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
         if nulls:
             raise NullValuesError(f"label column {label_col!r} has {nulls} null value(s) in {stats['rows']} rows",
                                   hint=f"drop them first, e.g. df.na.drop(subset=[{label_col!r}])")
+        nonfinite = stats["nonfinite_label"] or 0
+        if nonfinite:
+            raise NullValuesError(f"label column {label_col!r} has {nonfinite} NaN or infinite value(s)",
+                                  hint=f"drop them first, e.g. df.filter(~F.isnan({label_col!r}))")
         if classification:
             low, high = stats["label_min"], stats["label_max"]
             if low < 0 or stats["label_fractional"]:

@@ -20,7 +20,11 @@ def build_model(model: Any, seed: int) -> nn.Module:
         return copy.deepcopy(model)
     if callable(model):
         torch.manual_seed(seed)
-        built = model()
+        try:
+            built = model()
+        except Exception as exc:  # noqa: BLE001 - the user's factory can raise anything
+            raise ModelError(f"the model factory {getattr(model, '__name__', model)!r} raised "
+                             f"{type(exc).__name__}: {exc}", hint="call it yourself to debug it") from exc
         if not isinstance(built, nn.Module):
             raise ModelError(f"model factory returned {type(built).__name__}, not a torch.nn.Module",
                              hint="pass an nn.Module, or a zero-argument callable returning one")

@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -21,6 +22,18 @@ from sparkdl.comm.base import Communicator, WorldInfo
 from sparkdl.launch.spec import RESULT_CHUNK_BYTES, TrainSpec
 
 FAILURE_MARKER = "SPARKDL_RANK_FAILED"
+PEER_FAILURE_DELAY_S = 5.0
+_PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                       "gloo/transport", "NCCL communicator was aborted", "Socket Timeout")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective that broke because another rank died: an echo, not the cause."""
+    import torch.distributed as dist
+
+    peer_types = tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None))
+                       if t is not None)
+    return isinstance(exc, peer_types) or any(sign in str(exc) for sign in _PEER_FAILURE_SIGNS)
 
 
 @dataclass
@@ -70,7 +83,10 @@ class WorkerContext:
         from sparkdl.data.batches import last_batch_size
 
         if self._spool is None:
-            raise RuntimeError("this run has no DataFrame: pass df= to sparkdl.run to get batches")
+            from sparkdl.errors import ConfigError
+
+            raise ConfigError("ctx.batches() needs data, but this run has no DataFrame",
+                              hint="pass df= to sparkdl.run")
         data = self.spec.config.data
         yield from self._spool.batches(
             epoch, batch_size=data.batch_size, steps=self.steps_per_epoch, shuffle=data.shuffle,
@@ -90,6 +106,10 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
             yield from run_rank(spec, context, batches)
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named for the driver
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            if is_peer_failure(exc):
+                # Spark reports the first task failure it hears of; let the rank that failed first
+                # (whose error made this collective break) be heard before this echo of it.
+                time.sleep(PEER_FAILURE_DELAY_S)
             raise RuntimeError(f"{FAILURE_MARKER} rank={rank}: {detail}\n{traceback.format_exc()}") from None
 
     return sparkdl_barrier_task
@@ -99,21 +119,17 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch]) -
     from sparkdl import comm as comm_registry
     from sparkdl.launch.rendezvous import rendezvous
 
-    world = rendezvous(context)
-    _limit_threads(spec, world)
     with ExitStack() as stack:
-        spool = None
-        if spec.layout is not None:
-            from sparkdl.data.batches import Spool
-
-            directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
-            spool = stack.enter_context(Spool.write(batches, spec.layout, directory))
-        else:
-            for _ in batches:  # the dummy input still has to be drained
-                pass
+        # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
+        # picks at the rendezvous must be bound by gloo right after, not minutes later.
+        spool = _spool_input(spec, batches, stack)
+        world = rendezvous(context)
+        _limit_threads(spec, world, stack)
         comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s)
         stack.callback(comm.close)
         row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
+        if spool is not None:
+            _check_shards(spec, row_counts)  # same verdict on every rank: nobody waits in a collective
         context_obj = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, _spool=spool)
         if spec.train_fn is not None:
             result = spec.train_fn(context_obj)
@@ -131,13 +147,40 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch]) -
             yield _result_batch(world.rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES])
 
 
-def _limit_threads(spec: TrainSpec, world: WorldInfo) -> None:
+def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> Any:
+    if spec.layout is None:
+        for _ in batches:  # the placeholder input of a run without a DataFrame is drained
+            pass
+        return None
+    from sparkdl.data.batches import Spool
+
+    directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+    return stack.enter_context(Spool.write(batches, spec.layout, directory))
+
+
+def _check_shards(spec: TrainSpec, row_counts: list[int]) -> None:
+    from sparkdl.data.batches import steps_per_epoch
+    from sparkdl.errors import EmptyDataError
+
+    empty = [rank for rank, n in enumerate(row_counts) if n == 0]
+    if empty:
+        raise EmptyDataError(f"rank(s) {empty} received no rows (rows per rank: {row_counts})",
+                             hint="use fewer workers, or repartition the DataFrame so no partition is empty")
+    data = spec.config.data
+    if steps_per_epoch(row_counts, data.batch_size, data.drop_last) == 0:
+        raise EmptyDataError(f"drop_last=True with batch_size={data.batch_size} leaves no full batch "
+                             f"(rows per rank: {row_counts})", hint="lower batch_size or set drop_last=False")
+
+
+def _limit_threads(spec: TrainSpec, world: WorldInfo, stack: ExitStack) -> None:
     import torch
 
     threads = spec.config.launch.threads_per_worker
     if threads is None:
         # Ranks sharing a host would otherwise each start one thread per core and thrash.
         threads = max(1, (os.cpu_count() or 1) // max(world.local_size, 1))
+    # Python workers are reused by later tasks (inference too): give them back what they had.
+    stack.callback(torch.set_num_threads, torch.get_num_threads())
     torch.set_num_threads(threads)
 
 
