@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 from dataclasses import asdict
 from typing import Any
@@ -16,6 +15,7 @@ from sparkdl import api
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import SparkdlError
+from sparkdl.storage import read_bytes, write_bytes
 
 FORMAT_VERSION = 1
 
@@ -73,14 +73,6 @@ class TorchModel(Model, MLWritable, MLReadable):
         return _TorchModelReader(cls)
 
 
-def _filesystem(path: str) -> tuple[Any, str]:
-    import pyarrow.fs as pafs
-
-    if "://" not in path:
-        path = os.path.abspath(path)
-    return pafs.FileSystem.from_uri(path)
-
-
 class _TorchModelWriter(MLWriter):
     """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
     data/: a cloudpickled module for its structure and a weights-only state file for its weights."""
@@ -99,9 +91,6 @@ class _TorchModelWriter(MLWriter):
             raise SparkdlError("cannot save a TorchModel that holds no trained module")
         DefaultParamsWriter.saveMetadata(model, path, self.sparkSession.sparkContext,
                                          extraMetadata={"sparkdlFormat": FORMAT_VERSION})
-        fs, root = _filesystem(path)
-        data_dir = f"{root}/data"
-        fs.create_dir(data_dir, recursive=True)
         state = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.torch_module().state_dict().items()}, state)
         info = {"format": FORMAT_VERSION, "layout": asdict(model.layout), "output_kind": model.output_kind,
@@ -109,8 +98,7 @@ class _TorchModelWriter(MLWriter):
                 "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
         for name, payload in (("module.pkl", _dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
                               ("sparkdl.json", json.dumps(info, indent=1).encode())):
-            with fs.open_output_stream(f"{data_dir}/{name}") as out:
-                out.write(payload)
+            write_bytes(self.sparkSession, f"{path.rstrip('/')}/data/{name}", payload)
 
 
 class _TorchModelReader(MLReader):
@@ -121,13 +109,14 @@ class _TorchModelReader(MLReader):
     def load(self, path: str) -> TorchModel:
         import torch
 
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
-        fs, root = _filesystem(path)
-
+        try:
+            metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
+        except Exception:  # noqa: BLE001 - Hadoop's "input path does not exist" arrives as a Py4J error
+            raise SparkdlError(f"{path!r} is not a saved TorchModel (no Spark ML metadata there)",
+                               hint="pass the directory written by TorchModel.save(path)") from None
         def read(name: str) -> bytes:
             try:
-                with fs.open_input_stream(f"{root}/data/{name}") as stream:
-                    return stream.read()
+                return read_bytes(self.sparkSession, f"{path.rstrip('/')}/data/{name}")
             except FileNotFoundError:
                 raise SparkdlError(f"{path!r} is not a saved TorchModel: data/{name} is missing",
                                    hint="pass the directory written by TorchModel.save") from None

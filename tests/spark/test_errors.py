@@ -96,3 +96,55 @@ def test_a_failing_rank_gives_a_driver_side_error_naming_it(small_df) -> None:  
 
     with pytest.raises(TrainingError, match=r"rank 1: ValueError: boom from the user loop"):
         sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=30)
+
+
+def test_fewer_rows_than_workers(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.createDataFrame([(1.0, 2.0, 0)], "a double, b double, label long")
+    with pytest.raises(ConfigError, match=r"1 row\(s\), fewer than num_workers=2"):
+        estimator().fit(df)
+
+
+def test_drop_last_with_too_few_rows(small_df) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="drop_last=True with batch_size=64"):
+        estimator(drop_last=True, batch_size=64).fit(small_df)
+
+
+def test_nan_labels_are_refused(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.createDataFrame([(1.0, 2.0, float("nan")), (2.0, 1.0, 1.0)], "a double, b double, label double")
+    with pytest.raises(NullValuesError, match="'label' has 1 NaN or infinite"):
+        estimator(loss="mse", model=lambda: nn.Linear(2, 1)).fit(df)
+
+
+def test_output_width_must_fit_the_loss(small_df) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ModelError, match="one logit per class"):
+        estimator(model=lambda: nn.Linear(2, 1)).fit(small_df)
+    with pytest.raises(ModelError, match="loss 'mse' compares one output"):
+        estimator(model=lambda: nn.Linear(2, 3), loss="mse").fit(small_df)
+
+
+def test_an_unpicklable_train_fn_is_named(small_df) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    lock = threading.Lock()
+
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        with lock:
+            return ctx.rank
+
+    with pytest.raises(ModelError, match="train_fn cannot be sent to the executors"):
+        sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2)
+
+
+def test_a_failing_model_factory_is_named(small_df) -> None:  # type: ignore[no-untyped-def]
+    def broken() -> nn.Module:
+        raise KeyError("no such layer")
+
+    with pytest.raises(ModelError, match="the model factory 'broken' raised KeyError"):
+        estimator(model=broken).fit(small_df)
+
+
+def test_loading_a_missing_model_is_a_clear_error(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl import TorchModel
+
+    with pytest.raises(SparkdlError, match="is not a saved TorchModel"):
+        TorchModel.load(str(tmp_path / "nothing-here"))
