@@ -110,9 +110,9 @@ def check_picklable(spec: Any) -> None:
                                   "open file) must be picklable; create such objects inside the function") from None
 
 
-def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
+def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> FitResult:
     from sparkdl.data.feed import check_columns, prepare
-    from sparkdl.launch.driver import ensure_slots, new_run_id, submit
+    from sparkdl.launch.driver import ensure_slots, new_run_id
     from sparkdl.launch.objectives import is_classification
     from sparkdl.launch.spec import TrainSpec
 
@@ -132,18 +132,106 @@ def fit(df: Any, model: Any, config: RunConfig) -> FitResult:
     ensure_slots(_spark(df), config.launch.num_workers, config.launch.slot_wait_s)
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
-                       num_workers=config.launch.num_workers)
+                       num_workers=config.launch.num_workers, validation_df=validation_df,
+                       validation_fraction=data.validation_fraction, seed=config.train.seed)
     module, out_width = probe_model(model, config, prepared.layout.num_features)
     check_output_width(config, out_width, prepared.layout.num_classes)
     check_enough_rows(config, prepared.num_rows)
     ship_by_value(model, config.train.loss, config.train.optimizer)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model)
     check_picklable(spec)
-    state, history = submit(_spark(df), prepared.df, spec)
+    tracker = new_tracker(config)
+    tracker.start(params=run_params(config, df, prepared), tags={"sparkdl.run_id": spec.run_id})
+    state, history = tracked_submit(_spark(df), prepared.df, spec, tracker)
     module.load_state_dict(state)
     module.eval()
-    return FitResult(module=module, history=history, layout=prepared.layout,
-                     output_kind=output_kind(config, classification, out_width), config=config, run_id=spec.run_id)
+    kind = output_kind(config, classification, out_width)
+    tracker.log_loss_curve(history)
+    model_uri = tracker.log_model(module, input_example(df, prepared.layout)) if tracker.run_id else None
+    tracker.finish("FINISHED")
+    return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
+                     run_id=spec.run_id, extra={"mlflow_run_id": tracker.run_id, "model_uri": model_uri,
+                                                "tracking_uri": tracker.tracking_uri})
+
+
+def new_tracker(config: RunConfig) -> Any:
+    from sparkdl.tracking import RunTracker
+
+    t = config.tracking
+    return RunTracker(t.tracking, t.tracking_uri, t.experiment, t.run_name)
+
+
+def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
+    """Every option (flattened), the dataset and the versions: what makes a run reproducible."""
+    from sparkdl.tracking import versions
+
+    params: dict[str, Any] = dict(config.flat())
+    used = list(config.data.feature_cols) + ([config.data.label_col] if config.data.label_col else [])
+    types = dict(df.dtypes)
+    params.update({
+        "dataset.rows": prepared.num_rows, "dataset.validation_rows": prepared.num_validation_rows,
+        "dataset.columns": ", ".join(f"{c}:{types.get(c)}" for c in used),
+        "dataset.num_features": prepared.layout.num_features, "dataset.source": _source(df),
+        "world.workers": config.launch.num_workers, "world.master": df.sparkSession.sparkContext.master,
+    })
+    params.update(versions())
+    return params
+
+
+def _source(df: Any) -> str:
+    try:
+        files = df.inputFiles()
+    except Exception:  # noqa: BLE001 - not every plan can list its files
+        files = []
+    return ", ".join(files[:5]) + (f" (+{len(files) - 5} more)" if len(files) > 5 else "") if files else "in-memory/derived"
+
+
+def input_example(df: Any, layout: Any, rows: int = 5) -> Any:
+    """A few rows of features as the model sees them: a pandas frame of the scalar feature columns,
+    or a float32 array when array/vector columns are involved."""
+    import numpy as np
+
+    from sparkdl.data.feed import features_expression, feature_kind
+
+    cols = list(layout.source_feature_cols)
+    if all(feature_kind(df, c) == "scalar" for c in cols):
+        return df.select(*cols).limit(rows).toPandas()
+    values = [r[0] for r in df.select(features_expression(df, cols)).limit(rows).collect()]
+    return np.asarray(values, dtype=np.float32)
+
+
+def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """Submit with the driver channel open: progress, metrics to MLflow, rank 0's output, errors."""
+    from dataclasses import replace
+
+    from sparkdl.errors import TrainingError
+    from sparkdl.launch.channel import DriverChannel
+    from sparkdl.launch.driver import submit
+    from sparkdl.launch.monitor import RunMonitor
+
+    config = spec.config
+    monitor = RunMonitor(tracker, progress=config.tracking.progress)
+    host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+    try:
+        with DriverChannel(host, monitor.on_message) as channel:
+            try:
+                result = submit(spark, job_df, replace(spec, channel=channel.address))
+            except TrainingError as exc:
+                channel.drain()
+                root = monitor.root_error()
+                tracker.log_text(monitor.failure_report(), "failure.txt")
+                tracker.finish("FAILED")
+                if root is not None and f"rank {root[0]}" not in str(exc):
+                    line = root[1].strip().splitlines()[0] if root[1].strip() else ""
+                    raise TrainingError(f"training failed on rank {root[0]}: {line}", hint=exc.hint) from None
+                raise
+            except BaseException:
+                tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
+                raise
+            channel.drain()
+    finally:
+        monitor.close()
+    return result
 
 
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:

@@ -34,6 +34,7 @@ class DataConfig:
     drop_last: bool = False
     prediction_col: str = "prediction"
     spool_dir: str | None = None
+    validation_fraction: float = 0.0  # rows held out (randomly, by seed) for per-epoch validation
 
     def validate(self) -> None:
         if isinstance(self.feature_cols, str):
@@ -53,6 +54,9 @@ class DataConfig:
             raise ConfigError(f"data.label_col {self.label_col!r} is also a feature column",
                               hint="remove the label from feature_cols")
         _positive_int("data.batch_size", self.batch_size)
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction!r}",
+                              hint="for example validation_fraction=0.2")
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,21 @@ class LaunchConfig:
                 raise ConfigError(f"launch.{key} must be a positive number of seconds, got {value!r}")
         if self.threads_per_worker is not None:
             _positive_int("launch.threads_per_worker", self.threads_per_worker)
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow and progress. The driver owns the run; executors never talk to the tracking server."""
+
+    tracking: bool = True
+    tracking_uri: str | None = None  # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)
+    experiment: str | None = None  # None: MLflow's current experiment
+    run_name: str | None = None
+    log_every: int = 20  # steps between metric points (and progress updates)
+    progress: bool = True
+
+    def validate(self) -> None:
+        _positive_int("tracking.log_every", self.log_every)
 
 
 @dataclass(frozen=True)
@@ -151,6 +170,7 @@ class RunConfig:
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> "RunConfig":
         for section in _sections(self):

@@ -26,16 +26,20 @@ class TorchEstimator(Estimator, MLWritable):
     Keyword options are those of RunConfig (see conf/defaults.toml); unknown ones raise at once.
     """
 
-    def __init__(self, model: Any = None, *, config: RunConfig | None = None, **options: Any) -> None:
+    def __init__(self, model: Any = None, *, config: RunConfig | None = None, validation_df: DataFrame | None = None,
+                 **options: Any) -> None:
         super().__init__()
         self.model = model
+        self.validation_df = validation_df
         self.config = RunConfig.from_kwargs(base=config, **options)
 
     def _fit(self, dataset: DataFrame) -> "TorchModel":
-        result = api.fit(dataset, self.model, self.config)
-        return TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
-                          history=result.history, prediction_col=self.config.data.prediction_col,
-                          run_id=result.run_id, options=self.config.flat())
+        result = api.fit(dataset, self.model, self.config, validation_df=self.validation_df)
+        model = TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
+                           history=result.history, prediction_col=self.config.data.prediction_col,
+                           run_id=result.extra.get("mlflow_run_id"), options=self.config.flat())
+        model.model_uri = result.extra.get("model_uri")  # the MLflow model (pyfunc-loadable)
+        return model
 
     def write(self) -> MLWriter:
         raise SparkdlError("TorchEstimator is not saved; save the fitted TorchModel instead",
@@ -54,8 +58,9 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.output_kind = output_kind
         self.history = list(history or [])
         self.prediction_col = prediction_col
-        self.run_id = run_id
+        self.run_id = run_id  # the MLflow run of the fit (None when tracking was off or failed)
         self.options = dict(options or {})
+        self.model_uri: str | None = None
 
     def torch_module(self) -> Any:
         return self._module

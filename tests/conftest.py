@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,11 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Fits log to MLflow by default; keep the suite's runs out of the working directory. Tests of
+# tracking itself start a real server (tests/support/mlflow_server.py) and pass its URI.
+_MLFLOW_DIR = tempfile.mkdtemp(prefix="sparkdl-tests-mlflow-")
+os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_MLFLOW_DIR}/mlflow.db")
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ barrier job starts; one aggregation job gathers all the statistics the checks ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pyspark.ml.functions import vector_to_array
@@ -14,7 +14,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparkdl.data.layout import FEATURES_COLUMN, LABEL_COLUMN, FeedLayout
+from sparkdl.data.layout import FEATURES_COLUMN, LABEL_COLUMN, SPLIT_COLUMN, FeedLayout
 from sparkdl.errors import (
     ArrayLengthError,
     ColumnTypeError,
@@ -28,7 +28,8 @@ from sparkdl.errors import (
 class PreparedData:
     df: DataFrame  # two columns: features array<float>, label (int64/float32) when training
     layout: FeedLayout
-    num_rows: int
+    num_rows: int  # training rows
+    num_validation_rows: int = 0
 
 
 def check_columns(df: DataFrame, columns: Sequence[str]) -> None:
@@ -104,7 +105,38 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
 
 
 def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
-            num_workers: int) -> PreparedData:
+            num_workers: int, validation_df: DataFrame | None = None, validation_fraction: float = 0.0,
+            seed: int = 0) -> PreparedData:
+    """Checked, selected and sharded data. With validation (a DataFrame, or a fraction held out by
+    seed), validation rows travel in the same barrier job, marked by a split column, so every rank
+    evaluates its share each epoch without a second Spark job."""
+    prepared = _prepare_one(df, feature_cols, label_col, classification=classification)
+    layout, selected = prepared.layout, prepared.df
+    num_rows, num_val = prepared.num_rows, 0
+    if validation_df is not None:
+        val = _prepare_one(validation_df, feature_cols, label_col, classification=classification, what="validation_df")
+        if val.layout.num_features != layout.num_features:
+            raise ArrayLengthError(f"validation_df has {val.layout.num_features} feature values per row, the "
+                                   f"training DataFrame {layout.num_features}", hint="use the same feature columns")
+        selected = selected.withColumn(SPLIT_COLUMN, F.lit(0)).unionByName(val.df.withColumn(SPLIT_COLUMN, F.lit(1)))
+        num_val = val.num_rows
+    elif validation_fraction > 0:
+        held_out = (F.rand(seed) < F.lit(validation_fraction)).cast("int")
+        selected = selected.withColumn(SPLIT_COLUMN, held_out)
+        num_val = int(round(num_rows * validation_fraction))
+        num_rows -= num_val
+    if num_val:
+        layout = replace(layout, split_column=SPLIT_COLUMN)
+        selected = selected.repartition(num_workers)  # a union cannot run in a barrier stage as is
+    elif selected.rdd.getNumPartitions() != num_workers:
+        # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
+        # exactly num_workers partitions keeps its partitioning and row order.
+        selected = selected.repartition(num_workers)
+    return PreparedData(df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val)
+
+
+def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
+                 what: str = "the DataFrame") -> PreparedData:
     used = list(feature_cols) + ([label_col] if label_col is not None else [])
     check_columns(df, used)
     kinds = [feature_kind(df, name) for name in feature_cols]
@@ -114,7 +146,7 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
         label_dtype = "int64" if classification else "float32"
     stats = _stats(df, feature_cols, label_col, classification)
     if not stats["rows"]:
-        raise EmptyDataError("the DataFrame has no rows", hint="check the filters or the input path")
+        raise EmptyDataError(f"{what} has no rows", hint="check the filters or the input path")
     num_features = 0
     for i, (name, kind) in enumerate(zip(feature_cols, kinds)):
         nulls = stats[f"null_{i}"] or 0
@@ -159,10 +191,6 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
         cast = "long" if label_dtype == "int64" else "float"
         selected.append(F.col(label_col).cast(cast).alias(LABEL_COLUMN))
     prepared = df.select(*selected)
-    if prepared.rdd.getNumPartitions() != num_workers:
-        # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
-        # exactly num_workers partitions keeps its partitioning and row order.
-        prepared = prepared.repartition(num_workers)
     layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
                         source_feature_cols=tuple(feature_cols), source_label_col=label_col,
                         num_classes=num_classes)

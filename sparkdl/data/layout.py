@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 FEATURES_COLUMN = "__sparkdl_features"
 LABEL_COLUMN = "__sparkdl_label"
+SPLIT_COLUMN = "__sparkdl_split"  # 0: training row, 1: validation row
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,4 @@ class FeedLayout:
     source_feature_cols: tuple[str, ...] = ()
     source_label_col: str | None = None
     num_classes: int | None = None  # classification only: max label + 1 seen on the driver
+    split_column: str | None = None  # set when validation rows travel with the training rows

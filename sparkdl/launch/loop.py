@@ -18,33 +18,80 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     torch.manual_seed(config.train.seed)
     model = build_model(ctx.spec.model, config.train.seed)
     strategy = strategy_class(config.train.strategy)(ctx.comm)
-    strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_function(config.train))
+    loss_fn = loss_function(config.train)
+    strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_fn)
     device = ctx.comm.device
+    reporter = ctx.reporter
+    steps = ctx.steps_per_epoch
+    if reporter is not None:
+        reporter.start(epochs=config.train.epochs, steps_per_epoch=steps, world_size=ctx.world_size,
+                       rows=sum(ctx.row_counts))
     history: list[dict[str, Any]] = []
+    global_step = 0
     for epoch in range(config.train.epochs):
         bytes_before = ctx.comm.bytes_sent
         started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64)
         samples = 0
-        steps = 0
+        step = 0
         for features, labels in ctx.batches(epoch):
+            step_started = time.perf_counter()
             features = features.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             loss = strategy.train_step(features, labels)
             loss_sum += loss.double().cpu() * features.shape[0]
             samples += features.shape[0]
-            steps += 1
+            step += 1
+            global_step += 1
+            if reporter is not None and reporter.due(global_step, step == steps):
+                step_s = time.perf_counter() - step_started
+                reporter.step(global_step, {
+                    "loss": float(loss), "lr": strategy.learning_rate(), "step_time_s": step_s,
+                    "samples_per_sec": features.shape[0] * ctx.world_size / step_s if step_s > 0 else 0.0,
+                    "epoch": epoch}, log=global_step % reporter.log_every == 0 or step == steps)
         strategy.end_epoch()
         totals = torch.tensor([float(loss_sum), float(samples)], dtype=torch.float64)
         ctx.comm.allreduce(totals, op="sum")
         seconds = time.perf_counter() - started
-        history.append({
+        record: dict[str, Any] = {
             "epoch": epoch,
             "loss": float(totals[0] / max(totals[1], 1.0)),
             "samples": int(totals[1]),
-            "steps": steps,
+            "steps": step,
             "seconds": seconds,
             "samples_per_sec": float(totals[1]) / seconds if seconds > 0 else 0.0,
             "bytes_sent": ctx.comm.bytes_sent - bytes_before,
-        })
+            "lr": strategy.learning_rate(),
+        }
+        record.update(validate(ctx, strategy.module(), loss_fn))
+        history.append(record)
+        if reporter is not None:
+            reporter.epoch(record)
     return strategy.state_dict(), history
+
+
+def validate(ctx: "WorkerContext", module: torch.nn.Module, loss_fn: Any) -> dict[str, float]:
+    """val_loss (and val_accuracy for class labels) over every rank's validation rows."""
+    if ctx._validation is None:  # noqa: SLF001 - same package
+        return {}
+    device = ctx.comm.device
+    sums = torch.zeros(3, dtype=torch.float64)  # loss * rows, correct, rows
+    classification = ctx.spec.layout is not None and ctx.spec.layout.label_dtype == "int64"
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        for features, labels in ctx.validation_batches():
+            features, labels = features.to(device), labels.to(device)
+            output = module(features)
+            sums[0] += float(loss_fn(output, labels)) * len(labels)
+            if classification and output.dim() == 2 and output.shape[1] > 1:
+                sums[1] += float((output.argmax(dim=1) == labels).sum())
+            sums[2] += len(labels)
+    module.train(was_training)
+    ctx.comm.allreduce(sums, op="sum")
+    if sums[2] == 0:
+        return {}
+    result = {"val_loss": float(sums[0] / sums[2])}
+    if classification:
+        result["val_accuracy"] = float(sums[1] / sums[2])
+    return result

@@ -22,6 +22,7 @@ class TrainSpec:
     layout: FeedLayout | None
     model: Any = None  # an nn.Module or a zero-argument callable returning one
     train_fn: Callable[[Any], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
+    channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
 
     @property
     def world_size(self) -> int:

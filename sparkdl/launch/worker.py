@@ -45,6 +45,8 @@ class WorkerContext:
     spec: TrainSpec
     row_counts: list[int] = field(default_factory=list)
     _spool: Any = None
+    _validation: Any = None
+    reporter: Any = None  # metrics and progress to the driver (rank 0); see launch.reporter
 
     @property
     def rank(self) -> int:
@@ -93,6 +95,16 @@ class WorkerContext:
             seed=self.spec.config.train.seed, rank=self.rank, drop_last=data.drop_last,
             last_batch_size=last_batch_size(self.row_counts, data.batch_size, data.drop_last))
 
+    def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, Any]]:
+        """This rank's validation rows, in order, once (empty without validation data). Ranks hold
+        different numbers of rows: combine per-rank sums with one collective afterwards."""
+        spool = self._validation
+        if spool is None or spool.num_rows == 0:
+            return iter(())
+        steps = -(-spool.num_rows // batch_size)
+        return spool.batches(0, batch_size=batch_size, steps=steps, shuffle=False, seed=0, rank=self.rank,
+                             drop_last=False, last_batch_size=spool.num_rows - (steps - 1) * batch_size)
+
 
 def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The function handed to mapInArrow; it closes over the spec only."""
@@ -102,27 +114,55 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
 
         context = BarrierTaskContext.get()
         rank = context.partitionId()
+        client = _channel_client(spec, rank)
         try:
-            yield from run_rank(spec, context, batches)
+            with _forward_output(client, rank):
+                yield from run_rank(spec, context, batches, client)
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named for the driver
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            if is_peer_failure(exc):
+            peer = is_peer_failure(exc)
+            if client is not None:
+                client.send_now("error", text=f"{detail}\n{traceback.format_exc()}", peer_failure=peer)
+            if peer:
                 # Spark reports the first task failure it hears of; let the rank that failed first
                 # (whose error made this collective break) be heard before this echo of it.
                 time.sleep(PEER_FAILURE_DELAY_S)
             raise RuntimeError(f"{FAILURE_MARKER} rank={rank}: {detail}\n{traceback.format_exc()}") from None
+        finally:
+            if client is not None:
+                client.close()
 
     return sparkdl_barrier_task
 
 
-def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _channel_client(spec: TrainSpec, rank: int) -> Any:
+    if spec.channel is None:
+        return None
+    from sparkdl.launch.channel import ChannelClient
+
+    return ChannelClient(spec.channel, rank)
+
+
+def _forward_output(client: Any, rank: int) -> Any:
+    """Rank 0's stdout/stderr lines also go to the driver's log."""
+    from contextlib import nullcontext
+
+    if client is None or rank != 0:
+        return nullcontext()
+    from sparkdl.launch.channel import forward_output
+
+    return forward_output(client)
+
+
+def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
+             client: Any = None) -> Iterator[pa.RecordBatch]:
     from sparkdl import comm as comm_registry
     from sparkdl.launch.rendezvous import rendezvous
 
     with ExitStack() as stack:
         # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
         # picks at the rendezvous must be bound by gloo right after, not minutes later.
-        spool = _spool_input(spec, batches, stack)
+        spool, validation = _spool_input(spec, batches, stack)
         world = rendezvous(context)
         _limit_threads(spec, world, stack)
         comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s)
@@ -130,7 +170,11 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch]) -
         row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
         if spool is not None:
             _check_shards(spec, row_counts)  # same verdict on every rank: nobody waits in a collective
-        context_obj = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, _spool=spool)
+        from sparkdl.launch.reporter import Reporter
+
+        context_obj = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, _spool=spool,
+                                    _validation=validation,
+                                    reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
         if spec.train_fn is not None:
             result = spec.train_fn(context_obj)
             payload = _dumps_any(result) if world.rank == 0 else None
@@ -147,15 +191,31 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch]) -
             yield _result_batch(world.rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES])
 
 
-def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> Any:
+def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> tuple[Any, Any]:
+    """(training spool, validation spool or None); both None for a run without a DataFrame."""
     if spec.layout is None:
         for _ in batches:  # the placeholder input of a run without a DataFrame is drained
             pass
-        return None
+        return None, None
     from sparkdl.data.batches import Spool
 
     directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
-    return stack.enter_context(Spool.write(batches, spec.layout, directory))
+    if spec.layout.split_column is None:
+        return stack.enter_context(Spool.write(batches, spec.layout, directory)), None
+    held_out: list[pa.RecordBatch] = []
+    train = stack.enter_context(Spool.write(_split(batches, spec.layout.split_column, held_out), spec.layout,
+                                            directory))
+    # Validation rows are few by design; they wait in memory until the training rows are spooled.
+    return train, stack.enter_context(Spool.write(iter(held_out), spec.layout, directory))
+
+
+def _split(batches: Iterable[pa.RecordBatch], column: str, held_out: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    import pyarrow.compute as pc
+
+    for batch in batches:
+        is_validation = pc.equal(batch.column(batch.schema.get_field_index(column)), 1)
+        held_out.append(batch.filter(is_validation))
+        yield batch.filter(pc.invert(is_validation))
 
 
 def _check_shards(spec: TrainSpec, row_counts: list[int]) -> None:

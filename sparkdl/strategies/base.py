@@ -31,6 +31,11 @@ class Strategy(abc.ABC):
     def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One optimisation step on this rank's batch; returns the local loss (a detached scalar)."""
 
+    def learning_rate(self) -> float:
+        """The current learning rate of the (first) optimizer, for metrics."""
+        optimizer = getattr(self, "_optimizer", None)
+        return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else 0.0
+
     def end_epoch(self) -> None:
         """Hook for strategies that synchronise at epoch ends."""
 

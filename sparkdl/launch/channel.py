@@ -1,0 +1,403 @@
+"""Driver channel: executors on other hosts cannot reach the driver's MLflow store (DESIGN.md), so
+rank 0 streams metrics and output lines (and any rank its error) to the driver over TCP. Stdlib only:
+imported on both sides, it must not pull in pyspark or torch. A frame is a 4-byte big-endian length
++ a UTF-8 JSON object; each connection opens with a hello carrying the per-run secret, so a stray or
+hostile peer cannot inject messages into the run."""
+from __future__ import annotations
+
+import hmac
+import io
+import json
+import logging
+import queue
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TextIO
+
+log = logging.getLogger("sparkdl")
+MAX_FRAME_BYTES = 1 << 20
+HELLO_TIMEOUT_S = 5.0
+_HEADER = struct.Struct(">I")
+_STOP = object()  # queue sentinel
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where executors connect; picklable so it travels inside the TrainSpec."""
+
+    host: str
+    port: int
+    secret: str  # per run, secrets.token_hex(32): only this run's tasks can talk to the driver
+
+
+class FrameError(Exception):
+    """A frame that breaks the protocol; the connection carrying it is closed."""
+
+
+def encode_frame(obj: dict[str, Any]) -> bytes:
+    """Length-prefixed JSON; default=str so a stray non-JSON value never raises in training code."""
+    data = json.dumps(obj, default=str, separators=(",", ":")).encode("utf-8")
+    return _HEADER.pack(len(data)) + data
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """n bytes, or None on EOF before the first one (a clean close between frames)."""
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if buf:
+                raise FrameError("connection closed in the middle of a frame")
+            return None
+        buf += chunk
+    return buf
+
+
+def read_frame(sock: socket.socket, max_bytes: int) -> dict[str, Any] | None:
+    """One decoded frame, None on a clean EOF; FrameError when the peer breaks the protocol."""
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > max_bytes:
+        raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={max_bytes}")
+    body = _recv_exact(sock, size) if size else b""
+    if body is None:
+        raise FrameError("connection closed in the middle of a frame")
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError is a ValueError too
+        raise FrameError("frame is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise FrameError("frame is not a JSON object")
+    return obj
+
+
+class DriverChannel:
+    """Authenticated TCP server for one run. All connections feed one queue drained by one
+    consumer thread, so on_message (which talks to MLflow) never runs concurrently and a slow
+    handler never stalls a socket reader."""
+
+    def __init__(self, host: str, on_message: Callable[[dict[str, Any]], None], *,
+                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._on_message, self._max = on_message, max_frame_bytes
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        self._server = socket.create_server((host, 0), family=family, backlog=128)
+        self._server.settimeout(0.1)  # how often the accept loop looks for close()
+        self._address = ChannelAddress(host, self._server.getsockname()[1], secrets.token_hex(32))
+        self.refused = self.handler_errors = 0
+        self._lock, self._idle, self._closing = threading.Lock(), threading.Condition(), threading.Event()
+        self._closed = False
+        self._conns: dict[socket.socket, threading.Thread] = {}  # open connections and their reader threads
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._pending = 0  # received but not yet handled, for drain()
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="sparkdl-channel-accept")
+        self._consumer = threading.Thread(target=self._consume, daemon=True, name="sparkdl-channel-consumer")
+        self._accepter.start()
+        self._consumer.start()
+
+    @property
+    def address(self) -> ChannelAddress:
+        return self._address
+
+    def _accept_loop(self) -> None:
+        while True:
+            # Once closing, one last non-blocking pass empties the backlog: a client that connected,
+            # sent and closed before we got to accept() it must not lose its messages.
+            if closing := self._closing.is_set():
+                self._server.setblocking(False)
+            try:
+                conn, peer = self._server.accept()
+            except (TimeoutError, BlockingIOError):
+                if closing:
+                    return
+                continue
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True, name="sparkdl-channel-conn")
+            with self._lock:
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        where, rank = f"{peer[0]}:{peer[1]}", -1
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)  # a silent peer must not hold a thread forever
+            rank = self._check_hello(read_frame(conn, self._max))
+            conn.settimeout(None)
+            while (msg := read_frame(conn, self._max)) is not None:
+                msg["rank"] = rank
+                with self._idle:
+                    self._pending += 1
+                self._queue.put(msg)
+        except (FrameError, OSError) as e:
+            if self._closing.is_set():
+                pass  # close() interrupted us: not the peer's fault
+            elif rank < 0:
+                with self._lock:
+                    self.refused += 1
+                reason = f"no hello within {HELLO_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else e
+                log.warning("sparkdl driver channel: refused a connection from %s: %s", where, reason)
+            else:
+                log.warning("sparkdl driver channel: closed the connection from %s (rank %d): %s", where, rank, e)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _check_hello(self, hello: dict[str, Any] | None) -> int:
+        if hello is None:
+            raise FrameError("closed before sending a hello")
+        if hello.get("hello") != 1:
+            raise FrameError("first frame is not a hello")
+        secret = hello.get("secret")
+        if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self._address.secret.encode()):
+            raise FrameError("wrong secret")
+        rank = hello.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise FrameError(f"bad rank {rank!r} in the hello")
+        return rank
+
+    def _consume(self) -> None:
+        while (msg := self._queue.get()) is not _STOP:
+            try:
+                self._on_message(msg)
+            except Exception:
+                self.handler_errors += 1
+                if self.handler_errors == 1:  # once: a broken handler must not flood the log
+                    log.exception("sparkdl driver channel: on_message failed on %r (later failures are "
+                                  "only counted in handler_errors)", msg)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Wait (up to timeout) until every message received so far was handled."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending <= 0, timeout)
+
+    def close(self) -> None:
+        """Stop accepting, read what peers already sent, handle it, join the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._closing.set()
+        self._accepter.join(5.0)  # within 0.1 s, after accepting what is in the backlog
+        self._server.close()
+        with self._lock:  # the accept loop has stopped: no connection is added any more
+            conns = dict(self._conns)
+        for conn, thread in conns.items():  # SHUT_RD wakes a blocked reader; buffered data is still read first
+            with suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
+            thread.join(5.0)
+        self._queue.put(_STOP)
+        self._consumer.join(10.0)
+
+    def __enter__(self) -> DriverChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Urgent:
+    """A frame whose sender waits until it is written (send_now)."""
+
+    def __init__(self, frame: bytes) -> None:
+        self.frame, self.ok, self.done = frame, False, threading.Event()
+
+
+class ChannelClient:
+    """Executor side: sends never block or break training. A daemon thread owns the socket and
+    connects on the first message; if the driver is unreachable it warns once and drops messages
+    from then on (the run history returned with the task result still has the metrics)."""
+
+    def __init__(self, address: ChannelAddress, rank: int, *, connect_timeout: float = 10.0,
+                 queue_size: int = 10000) -> None:
+        self._address, self._rank, self._timeout = address, rank, connect_timeout
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._failed = self._closed = False
+        self.dropped = 0
+        self._thread: threading.Thread | None = None  # started by the first message
+
+    def _drop(self) -> None:
+        with self._lock:
+            self.dropped += 1
+
+    def _enqueue(self, kind: str, fields: dict[str, Any], wait: float | None) -> _Urgent | None:
+        """Queue the message (wrapped as _Urgent when wait is set); None when it was dropped."""
+        try:
+            frame = encode_frame({"kind": kind, **fields})
+        except (TypeError, ValueError):  # e.g. a circular structure
+            frame = b""
+        item = _Urgent(frame)
+        with self._lock:
+            ok = 0 < len(frame) - _HEADER.size <= MAX_FRAME_BYTES and not (self._failed or self._closed)
+            if ok and self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="sparkdl-channel-client")
+                self._thread.start()
+        with suppress(queue.Full):
+            if ok:
+                self._queue.put(item if wait is not None else frame, block=wait is not None, timeout=wait)
+                if self._failed:  # the sender died meanwhile: nobody reads the queue any more
+                    self._drop_queued()
+                return item
+        self._drop()
+        return None
+
+    def send(self, kind: str, **fields: Any) -> None:
+        """Queue {"kind": kind, **fields}; returns at once, dropping (and counting) if it cannot."""
+        self._enqueue(kind, fields, None)
+
+    def send_now(self, kind: str, timeout: float = 5.0, **fields: Any) -> bool:
+        """Send after what is already queued and wait until written; for a rank's dying error."""
+        deadline = time.monotonic() + timeout
+        item = self._enqueue(kind, fields, timeout)
+        return item is not None and item.done.wait(max(0.0, deadline - time.monotonic())) and item.ok
+
+    def _run(self) -> None:
+        item: Any = None
+        try:
+            while (item := self._queue.get()) is not _STOP:
+                if self._sock is None:
+                    self._sock = socket.create_connection((self._address.host, self._address.port), self._timeout)
+                    self._sock.sendall(encode_frame({"hello": 1, "secret": self._address.secret, "rank": self._rank}))
+                self._sock.sendall(item.frame if isinstance(item, _Urgent) else item)
+                if isinstance(item, _Urgent):
+                    item.ok = True
+                    item.done.set()
+        except OSError as e:
+            with self._lock:
+                gave_up, self._failed = self._failed, True  # gave_up: close() timed out and cut the socket
+            if not gave_up:
+                log.warning("sparkdl: driver channel unreachable (%s:%d: %s); metrics stay in the run history",
+                               self._address.host, self._address.port, e)
+            if item is not None:  # the message being written when it failed
+                self._drop()
+                if isinstance(item, _Urgent):
+                    item.done.set()
+            self._drop_queued()
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Urgent):
+                item.done.set()
+            if item is not _STOP:
+                self._drop()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush what is queued (up to timeout), then close. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed, thread = True, self._thread
+        if thread is None:
+            return
+        deadline = time.monotonic() + timeout
+        with suppress(queue.Full):
+            self._queue.put(_STOP, timeout=timeout)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():  # driver too slow: give up on the rest rather than hang the task
+            with self._lock:
+                self._failed = True
+            with suppress(OSError, AttributeError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+            self._drop_queued()
+
+
+class LineForwarder(io.TextIOBase):
+    """Writes through to the original stream and sends each complete line to the driver."""
+
+    def __init__(self, original: TextIO, client: ChannelClient, name: str, *, max_line: int = 2000) -> None:
+        super().__init__()
+        self._original, self._client, self._name, self._max = original, client, name, max_line
+        self._buf, self._extra, self._done = "", 0, False  # _extra: chars cut from the current line
+        self._lock = threading.Lock()
+
+    def write(self, s: str) -> int:
+        self._original.write(s)
+        with self._lock:
+            *lines, rest = s.split("\n")
+            for line in lines:
+                self._append(line)
+                self._emit()
+            self._append(rest)
+        return len(s)
+
+    def _append(self, text: str) -> None:
+        """Keep at most max_line chars: a progress bar without newlines must not grow memory."""
+        room = max(0, self._max - len(self._buf))
+        self._buf += text[:room]
+        self._extra += max(0, len(text) - room)
+
+    def _emit(self) -> None:
+        line = self._buf.removesuffix("\r")
+        if self._extra:
+            line += f" ... [cut: {self._extra} more chars]"
+        self._buf, self._extra = "", 0
+        if not self._done:
+            self._client.send("log", stream=self._name, line=line)
+
+    def flush(self) -> None:
+        self._original.flush()
+
+    def close(self) -> None:
+        """Send the unfinished last line; the original stream stays open (we do not own it)."""
+        with self._lock:
+            if (self._buf or self._extra) and not self._done:
+                self._emit()
+            self._done = True
+        self.flush()
+
+    @property
+    def closed(self) -> bool:  # type: ignore[override]
+        return False  # late writers (a logging handler that kept a reference) still reach the original
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._original, "encoding", None) or "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._original.isatty()
+
+    def fileno(self) -> int:  # faulthandler and subprocess ask for it
+        return self._original.fileno()
+
+
+@contextmanager
+def forward_output(client: ChannelClient, *, streams: tuple[str, ...] = ("stdout", "stderr")) -> Iterator[None]:
+    """Tee sys.stdout/sys.stderr to the driver for the duration of the block; always restores."""
+    unknown = set(streams) - {"stdout", "stderr"}
+    if unknown:
+        raise ValueError(f"forward_output: streams must be 'stdout'/'stderr', got {sorted(unknown)}")
+    originals = {name: getattr(sys, name) for name in streams}
+    forwarders = {name: LineForwarder(orig, client, name) for name, orig in originals.items()}
+    for name, fw in forwarders.items():
+        setattr(sys, name, fw)
+    try:
+        yield
+    finally:
+        for name, orig in originals.items():
+            setattr(sys, name, orig)
+        for fw in forwarders.values():
+            fw.close()

@@ -1,0 +1,91 @@
+"""Driver side of progress and metrics: consumes the driver channel's messages.
+
+Runs on the channel's single consumer thread: moves the progress bar, logs metric points to the
+MLflow run, echoes rank 0's output lines, and keeps what a failure report needs (every rank's
+error, the tail of rank 0's log).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger("sparkdl")
+LOG_TAIL_LINES = 200
+
+
+class RunMonitor:
+    def __init__(self, tracker: Any, progress: bool) -> None:
+        self.tracker = tracker
+        self.progress = progress
+        self.errors: dict[int, dict[str, Any]] = {}
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.world: dict[str, Any] = {}
+        self._bar: Any = None
+        self._last_step = 0
+
+    def on_message(self, message: dict[str, Any]) -> None:
+        kind = message.get("kind")
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(message)
+
+    def _on_start(self, message: dict[str, Any]) -> None:
+        self.world = {k: message[k] for k in ("epochs", "steps_per_epoch", "world_size", "rows") if k in message}
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            total = int(message.get("epochs", 0)) * int(message.get("steps_per_epoch", 0))
+            self._bar = tqdm(total=total, unit="step", desc="sparkdl", dynamic_ncols=True, leave=True)
+
+    def _on_step(self, message: dict[str, Any]) -> None:
+        step = int(message.get("step", 0))
+        metrics = message.get("metrics", {})
+        if self._bar is not None:
+            self._bar.update(max(step - self._last_step, 0))
+            self._bar.set_postfix(epoch=int(metrics.get("epoch", 0)) + 1, loss=f"{metrics.get('loss', 0.0):.4f}",
+                                  samples_s=f"{metrics.get('samples_per_sec', 0.0):.0f}", refresh=False)
+        self._last_step = max(step, self._last_step)
+        if message.get("log"):
+            self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step=step)
+
+    def _on_epoch(self, message: dict[str, Any]) -> None:
+        record = message.get("record", {})
+        epoch = int(record.get("epoch", 0))
+        names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "val_loss", "val_accuracy")
+        self.tracker.log_metrics({f"epoch_{k}": record[k] for k in names if k in record}, step=epoch)
+
+    def _on_log(self, message: dict[str, Any]) -> None:
+        line = f"[rank {message.get('rank', '?')}] {message.get('line', '')}"
+        self.log_tail.append(line)
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _on_error(self, message: dict[str, Any]) -> None:
+        self.errors[int(message.get("rank", -1))] = message
+
+    def root_error(self) -> tuple[int, str] | None:
+        """The rank whose own failure (not a broken collective) started the run's failure."""
+        own = [(rank, m) for rank, m in sorted(self.errors.items()) if not m.get("peer_failure")]
+        chosen = own or sorted(self.errors.items())
+        if not chosen:
+            return None
+        rank, message = chosen[0]
+        return rank, str(message.get("text", ""))
+
+    def failure_report(self) -> str:
+        parts = []
+        for rank, message in sorted(self.errors.items()):
+            parts.append(f"== rank {rank}{' (broken by a peer)' if message.get('peer_failure') else ''} ==\n"
+                         f"{message.get('text', '')}")
+        parts.append(f"== last {len(self.log_tail)} log lines of rank 0 ==")
+        parts.extend(self.log_tail)
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,223 @@
+"""MLflow tracking owned by the driver: one run per fit, nested under an active run if any.
+
+Every MLflow call goes through `_guard`: the first failure (server down, bad URI) logs ONE warning
+and turns tracking off for the rest of the run, so training always goes on and the metrics stay in
+model.history. mlflow is imported lazily: `import sparkdl` works without it.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+log = logging.getLogger("sparkdl")
+
+MAX_PARAM_CHARS = 6000  # MLflow 3 accepts 6000-character param values
+CLIENT_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+
+class RunTracker:
+    """The driver's handle on one MLflow run; a disabled or broken tracker does nothing."""
+
+    def __init__(self, enabled: bool, tracking_uri: str | None = None, experiment: str | None = None,
+                 run_name: str | None = None) -> None:
+        self.enabled = enabled
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self.run_id: str | None = None
+        self.broken = False
+        self._client: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, params: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> str | None:
+        if not self.enabled:
+            return None
+        self._guard("start the MLflow run", lambda: self._start(params, dict(tags or {})))
+        return self.run_id
+
+    def _start(self, params: Mapping[str, Any], tags: dict[str, str]) -> None:
+        # MLflow's HTTP defaults (7 retries, 120 s timeouts) make a dead server block each call for
+        # about 4 minutes; a run wants to find out in seconds. Explicit user settings win.
+        for name, value in CLIENT_ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        import mlflow
+        from mlflow.tracking import MlflowClient
+        from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+        uri = self.tracking_uri or mlflow.get_tracking_uri()
+        self.tracking_uri = uri
+        self._client = MlflowClient(tracking_uri=uri)
+        experiment_id = self._experiment_id(mlflow)
+        active = mlflow.active_run()
+        if active is not None:
+            tags[MLFLOW_PARENT_RUN_ID] = active.info.run_id
+            experiment_id = self.experiment and experiment_id or active.info.experiment_id
+        if self.run_name:
+            tags[MLFLOW_RUN_NAME] = self.run_name
+        run = self._client.create_run(experiment_id, tags=tags, run_name=self.run_name)
+        self.run_id = run.info.run_id
+        self.log_params(params)
+
+    def _experiment_id(self, mlflow: Any) -> str:
+        if self.experiment is None:
+            from mlflow.tracking.fluent import _get_experiment_id
+
+            return _get_experiment_id()
+        found = self._client.get_experiment_by_name(self.experiment)
+        return found.experiment_id if found is not None else self._client.create_experiment(self.experiment)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self._active():
+            self._guard("end the MLflow run", lambda: self._client.set_terminated(self.run_id, status=status))
+
+    # -- logging ---------------------------------------------------------------------------------
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if not self._active():
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, _param_text(v)) for k, v in params.items()]
+
+        def send() -> None:
+            for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+                self._client.log_batch(self.run_id, params=items[start: start + 100])
+
+        self._guard("log params", send)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._active():
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if _is_number(v)]
+        self._guard("log metrics", lambda: self._client.log_batch(self.run_id, metrics=items))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if self._active():
+            self._guard("set tags", lambda: [self._client.set_tag(self.run_id, k, str(v)) for k, v in tags.items()])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        if self._active():
+            self._guard(f"log {artifact_file}", lambda: self._client.log_text(self.run_id, text, artifact_file))
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        if self._active():
+            self._guard(f"log {artifact_file}", lambda: self._client.log_dict(self.run_id, data, artifact_file))
+
+    def log_loss_curve(self, history: Sequence[Mapping[str, Any]]) -> None:
+        if self._active() and history:
+            self._guard("log the loss curve", lambda: self._log_png(loss_curve_png(history), "loss_curve.png"))
+
+    def _log_png(self, png: bytes, name: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_bytes(png)
+            self._client.log_artifact(self.run_id, str(path))
+
+    def log_model(self, module: Any, input_example: Any) -> str | None:
+        """mlflow.pytorch flavor with signature and input example; returns the model URI."""
+        if not self._active():
+            return None
+        result: list[str] = []
+
+        def send() -> None:
+            import mlflow
+            import mlflow.pytorch
+            import numpy as np
+            import torch
+            from mlflow.models import infer_signature
+
+            features = np.asarray(input_example.values if hasattr(input_example, "values") else input_example,
+                                  dtype=np.float32)
+            with torch.no_grad():
+                output = module(torch.from_numpy(features)).detach().cpu().numpy()
+            signature = infer_signature(input_example, output)
+            previous = mlflow.get_tracking_uri()
+            mlflow.set_tracking_uri(self.tracking_uri)
+            try:
+                with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
+                    # "pickle" keeps the whole nn.Module (mlflow.pytorch.load_model gives it back) and
+                    # accepts a named pandas input example; "pt2" would need a traced tensor example.
+                    info = mlflow.pytorch.log_model(module, name="model", signature=signature,
+                                                    input_example=input_example, serialization_format="pickle")
+                result.append(info.model_uri)
+            finally:
+                mlflow.set_tracking_uri(previous)
+
+        self._guard("log the model", send)
+        return result[0] if result else None
+
+    # -- failure handling ------------------------------------------------------------------------
+    def _active(self) -> bool:
+        return self.enabled and not self.broken and self.run_id is not None
+
+    def _guard(self, what: str, action: Callable[[], Any]) -> None:
+        if self.broken:
+            return
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+            self.broken = True
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            message = (f"sparkdl: MLflow tracking failed (could not {what}: {type(exc).__name__}: {first}); "
+                       "training goes on and the metrics stay in model.history")
+            log.warning(message)
+            # MLflow reconfigures logging on import; a Python warning reaches notebooks and terminals.
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _param_text(value: Any) -> str:
+    text = str(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - 20] + " ...[cut]"
+
+
+def versions() -> dict[str, str]:
+    import pyarrow
+    import torch
+
+    from sparkdl import __version__
+
+    try:
+        import pyspark
+
+        spark_version = pyspark.__version__
+    except ImportError:  # pragma: no cover - sparkdl always runs with pyspark today
+        spark_version = "absent"
+    return {"version.sparkdl": __version__, "version.torch": torch.__version__,
+            "version.pyspark": spark_version, "version.pyarrow": pyarrow.__version__,
+            "version.python": platform.python_version()}
+
+
+def loss_curve_png(history: Sequence[Mapping[str, Any]]) -> bytes:
+    """Train (and validation) loss per epoch as a PNG, drawn with matplotlib's Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4), dpi=100)
+    axes = figure.add_subplot()
+    epochs = [h["epoch"] + 1 for h in history]
+    axes.plot(epochs, [h["loss"] for h in history], marker="o", label="train loss")
+    if all("val_loss" in h for h in history):
+        axes.plot(epochs, [h["val_loss"] for h in history], marker="s", label="validation loss")
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("loss")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    return buffer.getvalue()
