@@ -36,3 +36,11 @@ def digits_df(spark):  # type: ignore[no-untyped-def]
     from sparkdl.datasets import digits_dataframe
 
     return digits_dataframe(spark).cache()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A real `mlflow server` (sqlite backend, served artifacts) on 127.0.0.1 at a free port."""
+    from mlflow_server import mlflow_server_fixture
+
+    yield from mlflow_server_fixture(tmp_path_factory)

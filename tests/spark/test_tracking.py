@@ -1,0 +1,147 @@
+"""Every fit is one complete MLflow run owned by the driver, checked through a real tracking server."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from torch import nn
+
+from sparkdl import TorchEstimator
+from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe
+
+
+def small_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+@pytest.fixture(scope="module")
+def tracked(spark, mlflow_server):  # type: ignore[no-untyped-def]
+    df = digits_dataframe(spark)
+    estimator = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=3, batch_size=32,
+                               lr=3e-3, num_workers=2, validation_fraction=0.2, log_every=5,
+                               tracking_uri=mlflow_server.uri, experiment="sparkdl-tests", progress=False)
+    return estimator.fit(df), df, mlflow_server
+
+
+def test_one_run_with_params_dataset_world_and_versions(tracked) -> None:  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    model, _, server = tracked
+    client = MlflowClient(tracking_uri=server.uri)
+    experiment = client.get_experiment_by_name("sparkdl-tests")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [model.run_id]  # exactly one run for the one fit
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["train.epochs"] == "3" and params["launch.num_workers"] == "2"
+    assert params["data.batch_size"] == "32" and params["data.validation_fraction"] == "0.2"
+    assert int(params["dataset.rows"]) + int(params["dataset.validation_rows"]) == 1797
+    assert "p0:double" in params["dataset.columns"] and params["dataset.num_features"] == "64"
+    for key in ("version.sparkdl", "version.torch", "version.pyspark", "version.python", "world.master"):
+        assert params[key]
+
+
+def test_metric_histories_have_increasing_steps(tracked) -> None:  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    model, _, server = tracked
+    client = MlflowClient(tracking_uri=server.uri)
+    for name in ("loss", "lr", "samples_per_sec", "step_time_s"):
+        steps = [m.step for m in client.get_metric_history(model.run_id, name)]
+        assert len(steps) >= 3 and steps == sorted(steps) and len(set(steps)) == len(steps), name
+    for name in ("epoch_loss", "epoch_val_loss", "epoch_val_accuracy", "epoch_samples_per_sec", "epoch_bytes_sent"):
+        history = client.get_metric_history(model.run_id, name)
+        assert [m.step for m in history] == [0, 1, 2], name
+    assert [h["val_accuracy"] for h in model.history][-1] > 0.5
+    assert client.get_metric_history(model.run_id, "epoch_loss")[-1].value == pytest.approx(model.history[-1]["loss"])
+
+
+def test_the_logged_model_predicts_like_transform(tracked) -> None:  # type: ignore[no-untyped-def]
+    import mlflow.pyfunc
+
+    model, df, server = tracked
+    mlflow.set_tracking_uri(server.uri)
+    try:
+        loaded = mlflow.pyfunc.load_model(model.model_uri)
+        assert loaded.metadata.signature is not None
+        sample = df.limit(20)
+        rows = sample.toPandas()
+        logits = np.asarray(loaded.predict(rows[list(DIGITS_FEATURE_COLS)]))
+    finally:
+        mlflow.set_tracking_uri(None)
+    predicted = [r["prediction"] for r in model.transform(sample).collect()]
+    assert logits.argmax(axis=1).tolist() == predicted
+
+
+def test_the_loss_curve_png_is_an_artifact(tracked, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    model, _, server = tracked
+    client = MlflowClient(tracking_uri=server.uri)
+    assert "loss_curve.png" in [a.path for a in client.list_artifacts(model.run_id)]
+    local = client.download_artifacts(model.run_id, "loss_curve.png", str(tmp_path))
+    with open(local, "rb") as stream:
+        assert stream.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_run_is_marked_failed_with_the_log_tail(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    from sparkdl.errors import TrainingError
+
+    class Exploding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(64, 10)
+            self.calls = 0
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.training and self.calls > 3:
+                print("about to fail on purpose")
+                raise ArithmeticError("exploded at step 3")
+            return self.layer(x)
+
+    estimator = TorchEstimator(model=Exploding, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64,
+                               num_workers=2, tracking_uri=mlflow_server.uri, experiment="sparkdl-failures",
+                               progress=False, timeout_s=30)
+    with pytest.raises(TrainingError, match="ArithmeticError: exploded at step 3"):
+        estimator.fit(digits_dataframe(spark))
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    experiment = client.get_experiment_by_name("sparkdl-failures")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"
+    report = client.download_artifacts(run.info.run_id, "failure.txt")
+    text = open(report).read()
+    assert "exploded at step 3" in text and "about to fail on purpose" in text
+
+
+def test_training_goes_on_when_the_server_dies_mid_run(spark, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mlflow_server import FAST_FAIL_CLIENT_ENV, MlflowServer
+
+    from sparkdl.launch.monitor import RunMonitor
+
+    for name, value in FAST_FAIL_CLIENT_ENV.items():
+        monkeypatch.setenv(name, value)
+    server = MlflowServer(tmp_path / "doomed").start()
+    original = RunMonitor._on_start
+
+    def kill_then_start(self, message):  # type: ignore[no-untyped-def]
+        server.kill()  # the run exists; everything after this point meets a dead server
+        original(self, message)
+
+    monkeypatch.setattr(RunMonitor, "_on_start", kill_then_start)
+    try:
+        with pytest.warns(RuntimeWarning, match="MLflow tracking failed"):
+            model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=2, batch_size=64,
+                                   num_workers=2, tracking_uri=server.uri, progress=False).fit(digits_dataframe(spark))
+    finally:
+        server.stop()
+    assert [h["epoch"] for h in model.history] == [0, 1]
+    assert model.torch_module() is not None
+
+
+def test_tracking_can_be_turned_off(spark) -> None:  # type: ignore[no-untyped-def]
+    model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, num_workers=2,
+                           tracking=False, progress=False).fit(digits_dataframe(spark).limit(200))
+    assert model.run_id is None and model.model_uri is None and len(model.history) == 1
