@@ -25,7 +25,8 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     steps = ctx.steps_per_epoch
     if reporter is not None:
         reporter.start(epochs=config.train.epochs, steps_per_epoch=steps, world_size=ctx.world_size,
-                       rows=sum(ctx.row_counts))
+                       rows=sum(ctx.row_counts), hosts=sorted(set(ctx.world.hosts)), device=str(device),
+                       gpus=list(ctx.world.gpus))
     history: list[dict[str, Any]] = []
     global_step = 0
     for epoch in range(config.train.epochs):

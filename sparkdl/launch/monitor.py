@@ -33,6 +33,11 @@ class RunMonitor:
 
     def _on_start(self, message: dict[str, Any]) -> None:
         self.world = {k: message[k] for k in ("epochs", "steps_per_epoch", "world_size", "rows") if k in message}
+        hosts = message.get("hosts", [])
+        self.tracker.log_params({"world.size": message.get("world_size"), "world.hosts": ", ".join(hosts),
+                                 "world.num_hosts": len(hosts), "world.device": message.get("device"),
+                                 "world.gpus_rank0": ", ".join(message.get("gpus", [])) or "none",
+                                 "world.steps_per_epoch": message.get("steps_per_epoch")})
         if self.progress:
             from tqdm.auto import tqdm
 

@@ -37,8 +37,10 @@ def test_one_run_with_params_dataset_world_and_versions(tracked) -> None:  # typ
     assert params["data.batch_size"] == "32" and params["data.validation_fraction"] == "0.2"
     assert int(params["dataset.rows"]) + int(params["dataset.validation_rows"]) == 1797
     assert "p0:double" in params["dataset.columns"] and params["dataset.num_features"] == "64"
-    for key in ("version.sparkdl", "version.torch", "version.pyspark", "version.python", "world.master"):
+    for key in ("version.sparkdl", "version.torch", "version.pyspark", "version.python", "world.master",
+                "world.hosts", "world.device"):
         assert params[key]
+    assert params["world.size"] == "2" and params["world.gpus_rank0"] == "none"
 
 
 def test_metric_histories_have_increasing_steps(tracked) -> None:  # type: ignore[no-untyped-def]
@@ -145,3 +147,19 @@ def test_tracking_can_be_turned_off(spark) -> None:  # type: ignore[no-untyped-d
     model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, num_workers=2,
                            tracking=False, progress=False).fit(digits_dataframe(spark).limit(200))
     assert model.run_id is None and model.model_uri is None and len(model.history) == 1
+
+
+def test_a_fit_inside_an_active_run_is_nested_under_it(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        with mlflow.start_run(run_name="parent") as parent:
+            model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, num_workers=2,
+                                   tracking_uri=mlflow_server.uri, progress=False).fit(digits_dataframe(spark).limit(300))
+    finally:
+        mlflow.set_tracking_uri(None)
+    child = MlflowClient(tracking_uri=mlflow_server.uri).get_run(model.run_id)
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert child.info.experiment_id == parent.info.experiment_id

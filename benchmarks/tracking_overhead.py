@@ -1,0 +1,188 @@
+"""Tracking overhead benchmark: training step time with MLflow tracking + progress bar ON vs OFF.
+
+One SparkSession (local[2]), one generated DataFrame (--rows x 64 float features + a class label
+0..9, cached and counted first), an MLP 64 -> 256 -> 256 -> 10 trained by TorchEstimator with 2
+workers. Fits alternate OFF, ON, OFF, ON, ... (--repeats pairs) so both settings see the same
+machine state.
+
+The step time compared excludes Spark job startup, spooling (epoch 1) and model logging: it is
+taken from the per-epoch history each fit returns, epochs 2+ only (sum of seconds / sum of steps).
+ON = tracking=True (MLflow, a sqlite store in a temporary directory) and progress=True (tqdm on
+stderr); OFF = both False. The target is ON/OFF <= 1.03. Whole-fit wall times are reported too,
+for information: they include the MLflow run creation, the params, the loss curve and the model.
+
+Prints one JSON object as the last line of stdout (the progress bar goes to stderr). Nothing here
+asserts a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+FEATURES = 64
+CLASSES = 10
+TARGET_OVERHEAD_PCT = 3.0
+EXPERIMENT = "sparkdl-bench-tracking"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000, help="rows of the generated DataFrame")
+    parser.add_argument("--repeats", type=int, default=4, help="OFF/ON pairs of fits")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per fit (epochs 2+ are timed)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--log-every", type=int, default=20)
+    args = parser.parse_args()
+    if min(args.rows, args.repeats, args.batch_size, args.log_every) < 1:
+        parser.error("--rows, --repeats, --batch-size and --log-every must be >= 1")
+    if args.epochs < 2:
+        parser.error("--epochs must be >= 2: epoch 1 (spooling, job startup) is not timed")
+    return args
+
+
+def make_model() -> Any:
+    """Zero-argument factory: every rank (and the driver's probe) builds the same MLP."""
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, CLASSES))
+
+
+def make_spark() -> Any:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("sparkdl-bench-tracking")
+             .config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
+             .config("spark.sql.shuffle.partitions", "2")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def make_frame(spark: Any, rows: int) -> tuple[Any, list[str]]:
+    from pyspark.sql import functions as F
+
+    names = [f"f{i}" for i in range(FEATURES)]
+    df = spark.range(0, rows, 1, 2).select(
+        *[F.rand(seed=i).cast("float").alias(name) for i, name in enumerate(names)],
+        (F.col("id") % CLASSES).cast("int").alias("label"))
+    df = df.cache()
+    df.count()
+    return df, names
+
+
+def step_time(history: list[dict[str, Any]]) -> tuple[float, int, float]:
+    """(seconds per step, steps, samples/s) over epochs 2+ (index >= 1) of one fit."""
+    later = [h for h in history if int(h["epoch"]) >= 1]
+    seconds = sum(float(h["seconds"]) for h in later)
+    steps = sum(int(h["steps"]) for h in later)
+    rate = statistics.median(float(h["samples_per_sec"]) for h in later)
+    return seconds / steps, steps, rate
+
+
+def one_fit(df: Any, names: list[str], args: argparse.Namespace, on: bool, uri: str) -> dict[str, Any]:
+    from sparkdl import TorchEstimator
+
+    estimator = TorchEstimator(model=make_model, feature_cols=names, label_col="label",
+                               batch_size=args.batch_size, epochs=args.epochs, num_workers=2, lr=1e-3,
+                               log_every=args.log_every, progress=on, tracking=on, tracking_uri=uri,
+                               experiment=EXPERIMENT)
+    started = time.perf_counter()
+    model = estimator.fit(df)
+    wall = time.perf_counter() - started
+    per_step, steps, rate = step_time(model.history)
+    return {"on": on, "step_s": per_step, "timed_steps": steps, "samples_per_sec": rate, "wall_s": wall,
+            "mlflow_run_id": model.run_id}
+
+
+def make_experiment(uri: str, artifacts: Path) -> None:
+    """The experiment, with its artifacts (loss curves, models) in the temporary directory too."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=uri).create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri())
+
+
+def metric_points(uri: str, run_ids: list[str]) -> int | None:
+    """Step-metric points the ON fits logged (a check that tracking really ran)."""
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        return sum(len(client.get_metric_history(r, "loss")) for r in run_ids)
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 4)
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    spark = make_spark()
+    df, names = make_frame(spark, args.rows)
+    generate_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="sparkdl-bench-tracking-") as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        make_experiment(uri, Path(tmp) / "artifacts")
+        # Warm-up (not reported): imports torch/mlflow in the driver and creates the MLflow schema,
+        # so the first timed ON fit does not pay for the store's migrations.
+        one_fit(df, names, args, on=True, uri=uri)
+        fits: list[dict[str, Any]] = []
+        for _ in range(args.repeats):
+            for on in (False, True):
+                fits.append(one_fit(df, names, args, on=on, uri=uri))
+                print(f"[tracking_overhead] {'ON ' if on else 'OFF'} step {ms(fits[-1]['step_s']):.3f} ms, "
+                      f"fit {fits[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        points = metric_points(uri, [f["mlflow_run_id"] for f in fits if f["on"] and f["mlflow_run_id"]])
+    spark.stop()
+
+    off = [f for f in fits if not f["on"]]
+    on_ = [f for f in fits if f["on"]]
+    off_step = statistics.median(f["step_s"] for f in off)
+    on_step = statistics.median(f["step_s"] for f in on_)
+    ratio = on_step / off_step
+    paired = statistics.median(b["step_s"] / a["step_s"] for a, b in zip(off, on_))
+    overhead = (ratio - 1.0) * 100.0
+    result = {
+        "benchmark": "tracking_overhead",
+        "rows": args.rows, "features": FEATURES, "classes": CLASSES, "model": "mlp 64-256-256-10",
+        "batch_size": args.batch_size, "num_workers": 2, "master": "local[2]", "epochs": args.epochs,
+        "log_every": args.log_every, "repeats": args.repeats, "cpus": os.cpu_count(),
+        "timed_steps_per_fit": off[0]["timed_steps"],
+        "off_step_ms_median": ms(off_step),
+        "on_step_ms_median": ms(on_step),
+        "ratio_on_off": round(ratio, 4),
+        "ratio_on_off_paired_median": round(paired, 4),
+        "overhead_pct": round(overhead, 2),
+        "target_overhead_pct": TARGET_OVERHEAD_PCT,
+        "meets_target": overhead <= TARGET_OVERHEAD_PCT,
+        "off_step_ms": [ms(f["step_s"]) for f in off],
+        "on_step_ms": [ms(f["step_s"]) for f in on_],
+        "off_samples_per_sec_median": round(statistics.median(f["samples_per_sec"] for f in off), 1),
+        "on_samples_per_sec_median": round(statistics.median(f["samples_per_sec"] for f in on_), 1),
+        "off_fit_wall_s_median": round(statistics.median(f["wall_s"] for f in off), 2),
+        "on_fit_wall_s_median": round(statistics.median(f["wall_s"] for f in on_), 2),
+        "on_loss_points_logged": points,
+        "generate_and_cache_s": round(generate_s, 2),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
