@@ -237,7 +237,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
     from sparkdl.data.feed import prepare
-    from sparkdl.launch.driver import ensure_slots, new_run_id, submit
+    from sparkdl.launch.driver import ensure_slots, new_run_id
     from sparkdl.launch.spec import TrainSpec
 
     if not callable(train_fn):
@@ -269,7 +269,11 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     ship_by_value(train_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
     check_picklable(spec)
-    result, _ = submit(spark, job_df, spec)
+    from sparkdl.tracking import RunTracker
+
+    # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),
+    # but no MLflow run: what it trains and logs is its own business.
+    result, _ = tracked_submit(spark, job_df, spec, RunTracker(enabled=False))
     return result
 
 

@@ -163,3 +163,16 @@ def test_a_fit_inside_an_active_run_is_nested_under_it(spark, mlflow_server) -> 
     child = MlflowClient(tracking_uri=mlflow_server.uri).get_run(model.run_id)
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.info.experiment_id == parent.info.experiment_id
+
+
+def test_validation_df_gives_per_epoch_validation_metrics(spark) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.datasets import train_test_split_digits
+
+    train_idx, test_idx = train_test_split_digits(seed=1)
+    model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=2, num_workers=2, lr=3e-3,
+                           batch_size=32, tracking=False, progress=False,
+                           validation_df=digits_dataframe(spark, indices=test_idx)).fit(
+        digits_dataframe(spark, indices=train_idx))
+    assert all({"val_loss", "val_accuracy"} <= set(h) for h in model.history)
+    assert model.history[-1]["val_loss"] < model.history[0]["val_loss"]
+    assert sum(h["samples"] for h in model.history[:1]) >= len(train_idx)
