@@ -95,6 +95,14 @@ def check_enough_rows(config: RunConfig, num_rows: int) -> None:
                           hint="lower batch_size or set drop_last=False")
 
 
+def check_backend(config: RunConfig) -> None:
+    """A missing backend fails here, not on every executor after the data was shipped."""
+    if config.launch.backend == "horovod":
+        from sparkdl.comm.horovod import import_horovod
+
+        import_horovod()
+
+
 def check_picklable(spec: Any) -> None:
     """Everything in the TrainSpec must reach the executors; say which part cannot, before the job."""
     from sparkdl.launch.worker import _dumps_any
@@ -140,6 +148,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
     ship_by_value(model, config.train.loss, config.train.optimizer)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model)
     check_picklable(spec)
+    check_backend(config)
     tracker = new_tracker(config)
     tracker.start(params=run_params(config, df, prepared), tags={"sparkdl.run_id": spec.run_id})
     state, history = tracked_submit(_spark(df), prepared.df, spec, tracker)
@@ -269,6 +278,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     ship_by_value(train_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
     check_picklable(spec)
+    check_backend(config)
     from sparkdl.tracking import RunTracker
 
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),

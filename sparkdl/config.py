@@ -21,7 +21,7 @@ from sparkdl.errors import ConfigError
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 STRATEGIES = ("data_parallel",)
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
 
 

@@ -1,12 +1,17 @@
 """Communicators: one small interface (base.py), one file per backend, chosen by name."""
 from __future__ import annotations
 
+from typing import Callable
+
 from sparkdl.comm.base import Communicator, WorldInfo
 
-BACKENDS: dict[str, str] = {"torch": "sparkdl.comm.torch_dist:TorchDistCommunicator"}
+BACKENDS: dict[str, str] = {"torch": "sparkdl.comm.torch_dist:TorchDistCommunicator",
+                            "horovod": "sparkdl.comm.horovod:HorovodCommunicator"}
+BOOTSTRAPS_THROUGH_SPARK = {"horovod"}  # backends that exchange a port over the barrier's allGather
 
 
-def create(backend: str, world: WorldInfo, timeout_s: float) -> Communicator:
+def create(backend: str, world: WorldInfo, timeout_s: float,
+           exchange: Callable[[str], list[str]] | None = None) -> Communicator:
     """Import the backend lazily so `import sparkdl` never needs Horovod."""
     import importlib
 
@@ -16,6 +21,8 @@ def create(backend: str, world: WorldInfo, timeout_s: float) -> Communicator:
         raise ConfigError(f"unknown launch.backend {backend!r}", hint=f"choose one of {sorted(BACKENDS)}")
     module_name, _, class_name = BACKENDS[backend].partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
+    if backend in BOOTSTRAPS_THROUGH_SPARK:
+        return cls(world, timeout_s, exchange=exchange)
     return cls(world, timeout_s)
 
 

@@ -92,6 +92,16 @@ class Communicator(abc.ABC):
         gathered = self.allgather(padded)
         return [pickle.loads(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
 
+    def wrap_optimizer(self, optimizer: "torch.optim.Optimizer",
+                       module: "torch.nn.Module") -> "torch.optim.Optimizer | None":
+        """A backend's own distributed optimizer (Horovod's), or None: the strategy then averages
+        gradients itself through allreduce."""
+        return None
+
+    def record_allreduce(self, nbytes: int) -> None:
+        """Count an allreduce the backend ran on its own (inside a wrapped optimizer)."""
+        self._count_allreduce(nbytes)
+
     def close(self) -> None:
         """Release the backend; safe to call twice."""
 

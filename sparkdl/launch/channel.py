@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, BinaryIO, Callable, Iterator, TextIO
 
 log = logging.getLogger("sparkdl")
 MAX_FRAME_BYTES = 1 << 20
@@ -46,29 +46,17 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """n bytes, or None on EOF before the first one (a clean close between frames)."""
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            if buf:
-                raise FrameError("connection closed in the middle of a frame")
-            return None
-        buf += chunk
-    return buf
-
-
-def read_frame(sock: socket.socket, max_bytes: int) -> dict[str, Any] | None:
-    """One decoded frame, None on a clean EOF; FrameError when the peer breaks the protocol."""
-    header = _recv_exact(sock, _HEADER.size)
-    if header is None:
+def read_frame(stream: BinaryIO, max_bytes: int) -> dict[str, Any] | None:
+    """One decoded frame from a buffered stream (socket.makefile("rb")), None on a clean EOF between
+    frames; FrameError when the peer breaks the protocol."""
+    header = stream.read(_HEADER.size)
+    if not header:
         return None
-    (size,) = _HEADER.unpack(header)
+    (size,) = _HEADER.unpack(header) if len(header) == _HEADER.size else (-1,)
     if size > max_bytes:
         raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={max_bytes}")
-    body = _recv_exact(sock, size) if size else b""
-    if body is None:
+    body = stream.read(size) if size > 0 else b""
+    if size < 0 or len(body) < size:
         raise FrameError("connection closed in the middle of a frame")
     try:
         obj = json.loads(body.decode("utf-8"))
@@ -94,7 +82,7 @@ class DriverChannel:
         self.refused = self.handler_errors = 0
         self._lock, self._idle, self._closing = threading.Lock(), threading.Condition(), threading.Event()
         self._closed = False
-        self._conns: dict[socket.socket, threading.Thread] = {}  # open connections and their reader threads
+        self._conns: dict[socket.socket, threading.Thread] = {}  # connections and their reader threads
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0  # received but not yet handled, for drain()
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="sparkdl-channel-accept")
@@ -118,20 +106,24 @@ class DriverChannel:
                 if closing:
                     return
                 continue
-            except OSError:
-                return
+            except OSError:  # e.g. out of file descriptors: keep serving the connections we have
+                if closing:
+                    return
+                time.sleep(0.1)
+                continue
             thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True, name="sparkdl-channel-conn")
             with self._lock:
+                self._conns = {c: t for c, t in self._conns.items() if t.is_alive()}
                 self._conns[conn] = thread
             thread.start()
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
-        where, rank = f"{peer[0]}:{peer[1]}", -1
+        where, rank, stream = f"{peer[0]}:{peer[1]}", -1, conn.makefile("rb")
         try:
             conn.settimeout(HELLO_TIMEOUT_S)  # a silent peer must not hold a thread forever
-            rank = self._check_hello(read_frame(conn, self._max))
+            rank = self._check_hello(read_frame(stream, self._max))
             conn.settimeout(None)
-            while (msg := read_frame(conn, self._max)) is not None:
+            while (msg := read_frame(stream, self._max)) is not None:
                 msg["rank"] = rank
                 with self._idle:
                     self._pending += 1
@@ -147,8 +139,7 @@ class DriverChannel:
             else:
                 log.warning("sparkdl driver channel: closed the connection from %s (rank %d): %s", where, rank, e)
         finally:
-            with self._lock:
-                self._conns.pop(conn, None)
+            stream.close()
             conn.close()
 
     def _check_hello(self, hello: dict[str, Any] | None) -> int:
@@ -281,7 +272,7 @@ class ChannelClient:
                 gave_up, self._failed = self._failed, True  # gave_up: close() timed out and cut the socket
             if not gave_up:
                 log.warning("sparkdl: driver channel unreachable (%s:%d: %s); metrics stay in the run history",
-                               self._address.host, self._address.port, e)
+                            self._address.host, self._address.port, e)
             if item is not None:  # the message being written when it failed
                 self._drop()
                 if isinstance(item, _Urgent):
@@ -320,6 +311,8 @@ class ChannelClient:
             with suppress(OSError, AttributeError):
                 self._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
             self._drop_queued()
+            log.warning("sparkdl: driver channel did not take the last messages within %g s (%d dropped); "
+                        "metrics stay in the run history", timeout, self.dropped)
 
 
 class LineForwarder(io.TextIOBase):

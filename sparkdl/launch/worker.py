@@ -165,7 +165,8 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         spool, validation = _spool_input(spec, batches, stack)
         world = rendezvous(context)
         _limit_threads(spec, world, stack)
-        comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s)
+        comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s,
+                                    exchange=context.allGather)
         stack.callback(comm.close)
         row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
         if spool is not None:

@@ -60,7 +60,12 @@ class DataParallel(Strategy):
         self._model = model.to(self.comm.device)
         broadcast_module(self.comm, self._model)
         self._params = [p for p in self._model.parameters() if p.requires_grad]
-        self._optimizer = make_optimizer(self._model.parameters())
+        optimizer = make_optimizer(self._model.parameters())
+        wrapped = self.comm.wrap_optimizer(optimizer, self._model) if self.comm.size > 1 else None
+        # A backend's own distributed optimizer averages inside step(); otherwise we average here.
+        self._backend_averages = wrapped is not None
+        self._optimizer = wrapped or optimizer
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._loss_fn = loss_fn
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,9 @@ class DataParallel(Strategy):
         self._optimizer.zero_grad(set_to_none=True)
         loss = self._loss_fn(self._model(features), labels)
         loss.backward()
-        if self.comm.size > 1:
+        if self._backend_averages:
+            self.comm.record_allreduce(self._grad_bytes)
+        elif self.comm.size > 1:
             average_gradients(self.comm, self._params)
         self._optimizer.step()
         return loss.detach()

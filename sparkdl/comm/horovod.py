@@ -1,0 +1,137 @@
+"""Horovod backend: ring allreduce with horovod.torch inside Spark barrier tasks, no horovodrun.
+
+Rank 0 starts Horovod's own gloo RendezvousServer with a slot plan built from the ranks' hosts (so
+Horovod's rank equals sparkdl's rank, and local/cross ranks are right when ranks share a host);
+the port reaches the other ranks through the barrier's allGather. HOROVOD_* variables are set only
+in this worker process, for the third-party contract. Horovod is imported lazily: `import sparkdl`
+never needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Communicator, WorldInfo
+from sparkdl.errors import ConfigError
+
+INSTALL_HINT = "make horovod   (builds horovod 0.28.1 for this torch; see scripts/build_horovod.sh)"
+
+
+def import_horovod() -> Any:
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise ConfigError(f"launch.backend='horovod' needs Horovod, which cannot be imported here ({exc})",
+                          hint=f"install it with: {INSTALL_HINT}") from None
+    return hvd
+
+
+def slot_plan(hosts: Sequence[str]) -> list[Any]:
+    """Horovod SlotInfo for every rank, rank order kept (Horovod's own assignment would renumber
+    ranks host by host)."""
+    from horovod.runner.common.util.hosts import SlotInfo
+
+    unique = list(dict.fromkeys(hosts))
+    local = {h: [r for r, host in enumerate(hosts) if host == h] for h in unique}
+    plan = []
+    for rank, host in enumerate(hosts):
+        local_rank = local[host].index(rank)
+        # Cross ranks group the hosts that have a slot with this local rank.
+        peers = [h for h in unique if len(local[h]) > local_rank]
+        plan.append(SlotInfo(hostname=host, rank=rank, local_rank=local_rank, cross_rank=peers.index(host),
+                             size=len(hosts), local_size=len(local[host]), cross_size=len(peers)))
+    return plan
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address`, for HOROVOD_GLOO_IFACE."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+class HorovodCommunicator(Communicator):
+    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER})  # no send/recv: hybrid needs torch
+
+    def __init__(self, world: WorldInfo, timeout_s: float,
+                 exchange: Callable[[str], list[str]] | None = None) -> None:
+        super().__init__(world)
+        if exchange is None:
+            raise ConfigError("the horovod backend needs the barrier allGather to bootstrap",
+                              hint="create it through sparkdl.comm.create inside a barrier task")
+        self.hvd = import_horovod()
+        self._server: Any = None
+        port = 0
+        if world.rank == 0:
+            from horovod.runner.http.http_server import RendezvousServer
+
+            self._server = RendezvousServer()
+            port = self._server.start()
+            self._server.init(slot_plan(world.hosts))
+        ports = [json.loads(m) for m in exchange(json.dumps({"rank": world.rank, "port": port}))]
+        port = next(m["port"] for m in ports if m["rank"] == 0)
+        slot = slot_plan(world.hosts)[world.rank]
+        from horovod.runner.gloo_run import create_slot_env_vars
+
+        env = create_slot_env_vars(slot)
+        env.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": world.master_addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+                    "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                    "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(max(timeout_s, 1)))})
+        iface = interface_of(world.hosts[world.rank])
+        if iface:
+            env["HOROVOD_GLOO_IFACE"] = iface
+        self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
+        if self._use_gpu:
+            from sparkdl.comm.torch_dist import cuda_index
+
+            torch.cuda.set_device(cuda_index(world.gpus[0]))
+        os.environ.update(env)
+        self.hvd.init()
+
+    @property
+    def device(self) -> torch.device:
+        if self._use_gpu:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": self.hvd.Sum, "avg": self.hvd.Average, "max": self.hvd.Max, "min": self.hvd.Min}
+        if op not in ops:
+            raise ConfigError(f"allreduce op {op!r} is not supported", hint="use sum, avg, max or min")
+        self._count_allreduce(tensor.numel() * tensor.element_size())
+        return self.hvd.allreduce_(tensor, op=ops[op])
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._count_broadcast(tensor.numel() * tensor.element_size(), src)
+        return self.hvd.broadcast_(tensor, root_rank=src)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._count_allgather(tensor.numel() * tensor.element_size())
+        # Horovod concatenates along dim 0: a leading axis of 1 keeps the ranks apart.
+        gathered = self.hvd.allgather(tensor.contiguous().unsqueeze(0))
+        return list(gathered.unbind(0))
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> torch.optim.Optimizer:
+        """Horovod's own DistributedOptimizer (gradient averaging overlapped with backward)."""
+        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return self.hvd.DistributedOptimizer(optimizer, named_parameters=module.named_parameters(),
+                                             op=self.hvd.Average)
+
+    def close(self) -> None:
+        try:
+            self.hvd.shutdown()
+        finally:
+            if self._server is not None:
+                self._server.stop()
+                self._server = None
