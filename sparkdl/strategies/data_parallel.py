@@ -70,7 +70,7 @@ class DataParallel(Strategy):
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._model.train()
-        self._optimizer.zero_grad(set_to_none=True)
+        self._optimizer.zero_grad()  # torch 2 defaults to set_to_none; Horovod's wrapper takes no argument
         loss = self._loss_fn(self._model(features), labels)
         loss.backward()
         if self._backend_averages:

@@ -178,7 +178,7 @@ def test_full_queue_drops_instead_of_blocking() -> None:
         start = time.monotonic()
         for _ in range(300):  # 30 MB: far more than the kernel buffers hold
             client.send("log", line="y" * 100_000)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 1.5  # a blocking send would sit here for connect_timeout (10 s)
         assert client.dropped > 0
         client.close(timeout=0.2)
         assert client.dropped > 0
