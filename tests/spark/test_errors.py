@@ -148,3 +148,19 @@ def test_loading_a_missing_model_is_a_clear_error(spark, tmp_path) -> None:  # t
 
     with pytest.raises(SparkdlError, match="is not a saved TorchModel"):
         TorchModel.load(str(tmp_path / "nothing-here"))
+
+
+def test_a_stalled_rank_ends_in_an_error_within_the_timeout(small_df) -> None:  # type: ignore[no-untyped-def]
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        import time as clock
+
+        import torch
+
+        if ctx.rank == 1:
+            clock.sleep(90)  # stalled: never joins the collective
+        ctx.comm.allreduce(torch.ones(2))
+
+    started = time.monotonic()
+    with pytest.raises(TrainingError, match="rank 0"):
+        sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=5)
+    assert time.monotonic() - started < 120
