@@ -133,6 +133,7 @@ def ms(seconds: float) -> float:
 def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     spark = make_spark()
     df, names = make_frame(spark, args.rows)
     generate_s = time.perf_counter() - t0
@@ -178,6 +179,9 @@ def main() -> None:
         "off_fit_wall_s_median": round(statistics.median(f["wall_s"] for f in off), 2),
         "on_fit_wall_s_median": round(statistics.median(f["wall_s"] for f in on_), 2),
         "on_loss_points_logged": points,
+        # Other processes on the machine stretch step times; the ON/OFF alternation shares that noise
+        # out between both settings, but a high load average means wide spreads.
+        "loadavg_1m_start": round(load_start, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2),
         "generate_and_cache_s": round(generate_s, 2),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
