@@ -93,6 +93,8 @@ class HorovodCommunicator(Communicator):
             from sparkdl.comm.torch_dist import cuda_index
 
             torch.cuda.set_device(cuda_index(world.gpus[0]))
+        # Python workers are reused by later tasks: the HOROVOD_* contract is undone in close().
+        self._saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         self.hvd.init()
 
@@ -135,3 +137,9 @@ class HorovodCommunicator(Communicator):
             if self._server is not None:
                 self._server.stop()
                 self._server = None
+            for key, value in getattr(self, "_saved_env", {}).items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            self._saved_env = {}
