@@ -24,7 +24,8 @@ from sparkdl.launch.spec import RESULT_CHUNK_BYTES, TrainSpec
 FAILURE_MARKER = "SPARKDL_RANK_FAILED"
 PEER_FAILURE_DELAY_S = 5.0
 _PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                       "gloo/transport", "NCCL communicator was aborted", "Socket Timeout")
+                       "gloo/transport", "NCCL communicator was aborted", "Socket Timeout",
+                       "Horovod has been shut down", "HorovodInternalError")
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -33,7 +34,22 @@ def is_peer_failure(exc: BaseException) -> bool:
 
     peer_types = tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None))
                        if t is not None)
-    return isinstance(exc, peer_types) or any(sign in str(exc) for sign in _PEER_FAILURE_SIGNS)
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, peer_types) or any(sign in text for sign in _PEER_FAILURE_SIGNS)
+
+
+def report_error(client: Any, exc: BaseException) -> None:
+    """Tell the driver this rank's error at once, before tearing down the communicator: once a
+    backend shuts down, peers fail fast and Spark may kill this task before it says anything."""
+    if client is None or getattr(exc, "_sparkdl_reported", False):
+        return
+    detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc))
+    try:
+        exc._sparkdl_reported = True  # type: ignore[attr-defined]
+    except AttributeError:  # some C-level exceptions take no attributes
+        pass
 
 
 @dataclass
@@ -121,8 +137,7 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named for the driver
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             peer = is_peer_failure(exc)
-            if client is not None:
-                client.send_now("error", text=f"{detail}\n{traceback.format_exc()}", peer_failure=peer)
+            report_error(client, exc)
             if peer:
                 # Spark reports the first task failure it hears of; let the rank that failed first
                 # (whose error made this collective break) be heard before this echo of it.
@@ -168,6 +183,8 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s,
                                     exchange=context.allGather)
         stack.callback(comm.close)
+        # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
+        stack.push(lambda kind, exc, tb: report_error(client, exc) if isinstance(exc, Exception) else None)
         row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
         if spool is not None:
             _check_shards(spec, row_counts)  # same verdict on every rank: nobody waits in a collective
