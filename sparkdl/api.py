@@ -227,6 +227,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
                 result = submit(spark, job_df, replace(spec, channel=channel.address))
             except TrainingError as exc:
                 channel.drain()
+                monitor.flush()
                 root = monitor.root_error()
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
@@ -238,6 +239,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
                 tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
                 raise
             channel.drain()
+            monitor.flush()
     finally:
         monitor.close()
     return result

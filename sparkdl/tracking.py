@@ -101,6 +101,24 @@ class RunTracker:
         items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if _is_number(v)]
         self._guard("log metrics", lambda: self._client.log_batch(self.run_id, metrics=items))
 
+    def log_metric_points(self, points: Sequence[tuple[Mapping[str, float], int]]) -> None:
+        """Many (metrics, step) points in as few requests as MLflow allows (1000 values each)."""
+        if not self._active():
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for metrics, step in points
+                 for k, v in metrics.items() if _is_number(v)]
+
+        def send() -> None:
+            for start in range(0, len(items), 1000):
+                self._client.log_batch(self.run_id, metrics=items[start: start + 1000])
+
+        self._guard("log metrics", send)
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self._active():
             self._guard("set tags", lambda: [self._client.set_tag(self.run_id, k, str(v)) for k, v in tags.items()])

@@ -32,7 +32,7 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     for epoch in range(config.train.epochs):
         bytes_before = ctx.comm.bytes_sent
         started = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on device: no sync per step
         samples = 0
         step = 0
         for features, labels in ctx.batches(epoch):
@@ -40,7 +40,7 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
             features = features.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             loss = strategy.train_step(features, labels)
-            loss_sum += loss.double().cpu() * features.shape[0]
+            loss_sum += loss.double() * features.shape[0]
             samples += features.shape[0]
             step += 1
             global_step += 1
@@ -51,7 +51,7 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
                     "samples_per_sec": features.shape[0] * ctx.world_size / step_s if step_s > 0 else 0.0,
                     "epoch": epoch}, log=global_step % reporter.log_every == 0 or step == steps)
         strategy.end_epoch()
-        totals = torch.tensor([float(loss_sum), float(samples)], dtype=torch.float64)
+        totals = torch.tensor([float(loss_sum.cpu()), float(samples)], dtype=torch.float64)
         ctx.comm.allreduce(totals, op="sum")
         seconds = time.perf_counter() - started
         record: dict[str, Any] = {

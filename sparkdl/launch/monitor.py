@@ -9,10 +9,12 @@ from __future__ import annotations
 import collections
 import logging
 import sys
+import time
 from typing import Any
 
 log = logging.getLogger("sparkdl")
 LOG_TAIL_LINES = 200
+FLUSH_INTERVAL_S = 1.0
 
 
 class RunMonitor:
@@ -24,6 +26,8 @@ class RunMonitor:
         self.world: dict[str, Any] = {}
         self._bar: Any = None
         self._last_step = 0
+        self._points: list[tuple[dict[str, float], int]] = []
+        self._last_flush = time.monotonic()
 
     def on_message(self, message: dict[str, Any]) -> None:
         kind = message.get("kind")
@@ -53,13 +57,25 @@ class RunMonitor:
                                   samples_s=f"{metrics.get('samples_per_sec', 0.0):.0f}", refresh=False)
         self._last_step = max(step, self._last_step)
         if message.get("log"):
-            self.tracker.log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step=step)
+            # One MLflow write per second, not per point: each write is a transaction on the
+            # tracking store and costs the driver (and on local masters the workers) real CPU.
+            self._points.append(({k: v for k, v in metrics.items() if k != "epoch"}, step))
+            if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S or len(self._points) >= 200:
+                self.flush()
 
     def _on_epoch(self, message: dict[str, Any]) -> None:
         record = message.get("record", {})
         epoch = int(record.get("epoch", 0))
         names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "val_loss", "val_accuracy")
-        self.tracker.log_metrics({f"epoch_{k}": record[k] for k in names if k in record}, step=epoch)
+        self._points.append(({f"epoch_{k}": record[k] for k in names if k in record}, epoch))
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered metric points in one batch."""
+        points, self._points = self._points, []
+        self._last_flush = time.monotonic()
+        if points:
+            self.tracker.log_metric_points(points)
 
     def _on_log(self, message: dict[str, Any]) -> None:
         line = f"[rank {message.get('rank', '?')}] {message.get('line', '')}"
@@ -91,6 +107,7 @@ class RunMonitor:
         return "\n".join(parts)
 
     def close(self) -> None:
+        self.flush()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
