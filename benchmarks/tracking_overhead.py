@@ -8,8 +8,11 @@ machine state.
 The step time compared excludes Spark job startup, spooling (epoch 1) and model logging: it is
 taken from the per-epoch history each fit returns, epochs 2+ only (sum of seconds / sum of steps).
 ON = tracking=True (MLflow, a sqlite store in a temporary directory) and progress=True (tqdm on
-stderr); OFF = both False. The target is ON/OFF <= 1.03. Whole-fit wall times are reported too,
-for information: they include the MLflow run creation, the params, the loss curve and the model.
+stderr); OFF = both False. The target is ON/OFF <= 1.03. --breakdown adds tracking-only and
+progress-only fits to the rotation. Also reported: the driver process's CPU time per timed step
+(on local[2] the driver shares the cores with both workers, so what it spends is taken from them)
+and, for information, whole-fit wall times, which include the MLflow run creation, the params,
+the loss curve and the model.
 
 Prints one JSON object as the last line of stdout (the progress bar goes to stderr). Nothing here
 asserts a timing.
@@ -42,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=2, help="epochs per fit (epochs 2+ are timed)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also alternate tracking-only and progress-only fits, to say which one costs")
     args = parser.parse_args()
     if min(args.rows, args.repeats, args.batch_size, args.log_every) < 1:
         parser.error("--rows, --repeats, --batch-size and --log-every must be >= 1")
@@ -93,19 +98,46 @@ def step_time(history: list[dict[str, Any]]) -> tuple[float, int, float]:
     return seconds / steps, steps, rate
 
 
-def one_fit(df: Any, names: list[str], args: argparse.Namespace, on: bool, uri: str) -> dict[str, Any]:
+# (name, tracking, progress); --breakdown adds the two single-feature modes to the rotation
+MODES = {"off": (False, False), "on": (True, True)}
+BREAKDOWN_MODES = {"tracking_only": (True, False), "progress_only": (False, True)}
+
+# The driver process's CPU time when each epoch record reaches the driver's monitor: the CPU the
+# driver spent between the first and the last record is what it spent during the timed epochs
+# (MLflow writes, progress bar, channel threads). A pure observation; messages are passed on unchanged.
+_EPOCH_CPU: list[float] = []
+
+
+def observe_epoch_records() -> None:
+    from sparkdl.launch.monitor import RunMonitor
+
+    original = RunMonitor.on_message
+
+    def on_message(self: Any, message: dict[str, Any]) -> None:
+        if message.get("kind") == "epoch":
+            _EPOCH_CPU.append(time.process_time())
+        original(self, message)
+
+    RunMonitor.on_message = on_message  # type: ignore[method-assign]
+
+
+def one_fit(df: Any, names: list[str], args: argparse.Namespace, mode: str, uri: str) -> dict[str, Any]:
     from sparkdl import TorchEstimator
 
+    tracking, progress = {**MODES, **BREAKDOWN_MODES}[mode]
     estimator = TorchEstimator(model=make_model, feature_cols=names, label_col="label",
                                batch_size=args.batch_size, epochs=args.epochs, num_workers=2, lr=1e-3,
-                               log_every=args.log_every, progress=on, tracking=on, tracking_uri=uri,
+                               log_every=args.log_every, progress=progress, tracking=tracking, tracking_uri=uri,
                                experiment=EXPERIMENT)
+    _EPOCH_CPU.clear()
     started = time.perf_counter()
     model = estimator.fit(df)
     wall = time.perf_counter() - started
     per_step, steps, rate = step_time(model.history)
-    return {"on": on, "step_s": per_step, "timed_steps": steps, "samples_per_sec": rate, "wall_s": wall,
-            "mlflow_run_id": model.run_id}
+    # None when the epoch records did not reach the driver (channel unreachable)
+    driver_cpu = (_EPOCH_CPU[-1] - _EPOCH_CPU[0]) / steps if len(_EPOCH_CPU) >= 2 else None
+    return {"mode": mode, "step_s": per_step, "timed_steps": steps, "samples_per_sec": rate, "wall_s": wall,
+            "driver_cpu_per_step_s": driver_cpu, "mlflow_run_id": model.run_id}
 
 
 def make_experiment(uri: str, artifacts: Path) -> None:
@@ -126,8 +158,13 @@ def metric_points(uri: str, run_ids: list[str]) -> int | None:
         return None
 
 
-def ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 4)
+def ms(seconds: float) -> float | None:
+    return round(seconds * 1000.0, 4) if seconds == seconds else None  # NaN is not JSON
+
+
+def median_of(fits: list[dict[str, Any]], key: str) -> float:
+    values = [f[key] for f in fits if f[key] is not None]
+    return statistics.median(values) if values else float("nan")
 
 
 def main() -> None:
@@ -137,29 +174,30 @@ def main() -> None:
     spark = make_spark()
     df, names = make_frame(spark, args.rows)
     generate_s = time.perf_counter() - t0
+    observe_epoch_records()
+    modes = list(MODES) + (list(BREAKDOWN_MODES) if args.breakdown else [])
     with tempfile.TemporaryDirectory(prefix="sparkdl-bench-tracking-") as tmp:
         uri = f"sqlite:///{tmp}/mlflow.db"
         make_experiment(uri, Path(tmp) / "artifacts")
         # Warm-up (not reported): imports torch/mlflow in the driver and creates the MLflow schema,
         # so the first timed ON fit does not pay for the store's migrations.
-        one_fit(df, names, args, on=True, uri=uri)
+        one_fit(df, names, args, "on", uri)
         fits: list[dict[str, Any]] = []
         for _ in range(args.repeats):
-            for on in (False, True):
-                fits.append(one_fit(df, names, args, on=on, uri=uri))
-                print(f"[tracking_overhead] {'ON ' if on else 'OFF'} step {ms(fits[-1]['step_s']):.3f} ms, "
-                      f"fit {fits[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
-        points = metric_points(uri, [f["mlflow_run_id"] for f in fits if f["on"] and f["mlflow_run_id"]])
+            for mode in modes:
+                fits.append(one_fit(df, names, args, mode, uri))
+                print(f"[tracking_overhead] {mode:<13} step {fits[-1]['step_s'] * 1e3:.3f} ms, "
+                      f"fit {fits[-1]['wall_s']:.1f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+        points = metric_points(uri, [f["mlflow_run_id"] for f in fits if f["mode"] == "on" and f["mlflow_run_id"]])
     spark.stop()
 
-    off = [f for f in fits if not f["on"]]
-    on_ = [f for f in fits if f["on"]]
-    off_step = statistics.median(f["step_s"] for f in off)
-    on_step = statistics.median(f["step_s"] for f in on_)
+    by_mode = {m: [f for f in fits if f["mode"] == m] for m in modes}
+    off, on_ = by_mode["off"], by_mode["on"]
+    off_step, on_step = median_of(off, "step_s"), median_of(on_, "step_s")
     ratio = on_step / off_step
     paired = statistics.median(b["step_s"] / a["step_s"] for a, b in zip(off, on_))
     overhead = (ratio - 1.0) * 100.0
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "tracking_overhead",
         "rows": args.rows, "features": FEATURES, "classes": CLASSES, "model": "mlp 64-256-256-10",
         "batch_size": args.batch_size, "num_workers": 2, "master": "local[2]", "epochs": args.epochs,
@@ -174,17 +212,27 @@ def main() -> None:
         "meets_target": overhead <= TARGET_OVERHEAD_PCT,
         "off_step_ms": [ms(f["step_s"]) for f in off],
         "on_step_ms": [ms(f["step_s"]) for f in on_],
-        "off_samples_per_sec_median": round(statistics.median(f["samples_per_sec"] for f in off), 1),
-        "on_samples_per_sec_median": round(statistics.median(f["samples_per_sec"] for f in on_), 1),
-        "off_fit_wall_s_median": round(statistics.median(f["wall_s"] for f in off), 2),
-        "on_fit_wall_s_median": round(statistics.median(f["wall_s"] for f in on_), 2),
+        "off_samples_per_sec_median": round(median_of(off, "samples_per_sec"), 1),
+        "on_samples_per_sec_median": round(median_of(on_, "samples_per_sec"), 1),
+        "off_fit_wall_s_median": round(median_of(off, "wall_s"), 2),
+        "on_fit_wall_s_median": round(median_of(on_, "wall_s"), 2),
+        # CPU the driver process spent per timed step (both cores are shared with the 2 workers here)
+        "off_driver_cpu_ms_per_step_median": ms(median_of(off, "driver_cpu_per_step_s")),
+        "on_driver_cpu_ms_per_step_median": ms(median_of(on_, "driver_cpu_per_step_s")),
         "on_loss_points_logged": points,
-        # Other processes on the machine stretch step times; the ON/OFF alternation shares that noise
-        # out between both settings, but a high load average means wide spreads.
+    }
+    for mode in modes[2:]:
+        result[f"{mode}_step_ms_median"] = ms(median_of(by_mode[mode], "step_s"))
+        result[f"{mode}_ratio_to_off"] = round(median_of(by_mode[mode], "step_s") / off_step, 4)
+        result[f"{mode}_step_ms"] = [ms(f["step_s"]) for f in by_mode[mode]]
+        result[f"{mode}_driver_cpu_ms_per_step_median"] = ms(median_of(by_mode[mode], "driver_cpu_per_step_s"))
+    result.update({
+        # Other processes on the machine stretch step times; the alternation shares that noise out
+        # between the settings, but a high load average means wide spreads.
         "loadavg_1m_start": round(load_start, 2), "loadavg_1m_end": round(os.getloadavg()[0], 2),
         "generate_and_cache_s": round(generate_s, 2),
         "wall_s": round(time.perf_counter() - t0, 1),
-    }
+    })
     print(json.dumps(result), flush=True)
 
 
