@@ -14,7 +14,7 @@ from typing import Any
 
 log = logging.getLogger("sparkdl")
 LOG_TAIL_LINES = 200
-FLUSH_INTERVAL_S = 1.0
+FLUSH_INTERVAL_S = 5.0  # live enough for a dashboard; each write costs the driver ~10-20 ms CPU
 
 
 class RunMonitor:
@@ -57,7 +57,7 @@ class RunMonitor:
                                   samples_s=f"{metrics.get('samples_per_sec', 0.0):.0f}", refresh=False)
         self._last_step = max(step, self._last_step)
         if message.get("log"):
-            # One MLflow write per second, not per point: each write is a transaction on the
+            # One MLflow write every few seconds, not per point: each write is a transaction on the
             # tracking store and costs the driver (and on local masters the workers) real CPU.
             self._points.append(({k: v for k, v in metrics.items() if k != "epoch"}, step))
             if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S or len(self._points) >= 200:
@@ -68,7 +68,8 @@ class RunMonitor:
         epoch = int(record.get("epoch", 0))
         names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "val_loss", "val_accuracy")
         self._points.append(({f"epoch_{k}": record[k] for k in names if k in record}, epoch))
-        self.flush()
+        if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
+            self.flush()
 
     def flush(self) -> None:
         """Write the buffered metric points in one batch."""
