@@ -42,7 +42,6 @@ def features_matrix(column: pa.Array | pa.ChunkedArray, num_features: int) -> np
 
 
 def to_predictions(output: Any, output_kind: str) -> pa.Array:
-    import torch
 
     out = output.detach().float().cpu()
     if output_kind == "class":

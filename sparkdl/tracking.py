@@ -90,17 +90,6 @@ class RunTracker:
 
         self._guard("log params", send)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._active():
-            return
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if _is_number(v)]
-        self._guard("log metrics", lambda: self._client.log_batch(self.run_id, metrics=items))
-
     def log_metric_points(self, points: Sequence[tuple[Mapping[str, float], int]]) -> None:
         """Many (metrics, step) points in as few requests as MLflow allows (1000 values each)."""
         if not self._active():

@@ -69,16 +69,17 @@ class HorovodCommunicator(Communicator):
                               hint="create it through sparkdl.comm.create inside a barrier task")
         self.hvd = import_horovod()
         self._server: Any = None
+        plan = slot_plan(world.hosts)
         port = 0
         if world.rank == 0:
             from horovod.runner.http.http_server import RendezvousServer
 
             self._server = RendezvousServer()
             port = self._server.start()
-            self._server.init(slot_plan(world.hosts))
+            self._server.init(plan)
         ports = [json.loads(m) for m in exchange(json.dumps({"rank": world.rank, "port": port}))]
         port = next(m["port"] for m in ports if m["rank"] == 0)
-        slot = slot_plan(world.hosts)[world.rank]
+        slot = plan[world.rank]
         from horovod.runner.gloo_run import create_slot_env_vars
 
         env = create_slot_env_vars(slot)

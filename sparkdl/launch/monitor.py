@@ -23,7 +23,6 @@ class RunMonitor:
         self.progress = progress
         self.errors: dict[int, dict[str, Any]] = {}
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
-        self.world: dict[str, Any] = {}
         self._bar: Any = None
         self._last_step = 0
         self._points: list[tuple[dict[str, float], int]] = []
@@ -36,7 +35,6 @@ class RunMonitor:
             handler(message)
 
     def _on_start(self, message: dict[str, Any]) -> None:
-        self.world = {k: message[k] for k in ("epochs", "steps_per_epoch", "world_size", "rows") if k in message}
         hosts = message.get("hosts", [])
         self.tracker.log_params({"world.size": message.get("world_size"), "world.hosts": ", ".join(hosts),
                                  "world.num_hosts": len(hosts), "world.device": message.get("device"),
