@@ -96,11 +96,33 @@ def check_enough_rows(config: RunConfig, num_rows: int) -> None:
 
 
 def check_backend(config: RunConfig) -> None:
-    """A missing backend fails here, not on every executor after the data was shipped."""
+    """A missing backend, or one lacking an operation the strategy needs, fails here, not on every
+    executor after the data was shipped."""
+    from sparkdl.comm import backend_class
+    from sparkdl.strategies import strategy_class
+
+    strategy = strategy_class(config.train.strategy)
+    missing = strategy.requires - backend_class(config.launch.backend).ops
+    if missing:
+        raise ConfigError(f"train.strategy={config.train.strategy!r} needs {', '.join(sorted(missing))}, which "
+                          f"launch.backend={config.launch.backend!r} does not provide",
+                          hint="use backend='torch' (torch.distributed has point-to-point and subgroups)")
     if config.launch.backend == "horovod":
         from sparkdl.comm.horovod import import_horovod
 
         import_horovod()
+
+
+def plan_strategy(module: Any, config: RunConfig, layout: Any) -> tuple[Any, dict[str, str]]:
+    """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
+    configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
+    from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
+
+    if config.train.strategy == "hybrid":
+        hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32")
+        return hybrid, describe(hybrid, profile, memory)
+    check_data_parallel_memory(module, config, layout.num_features)
+    return None, {}
 
 
 def check_picklable(spec: Any) -> None:
@@ -145,12 +167,13 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
     module, out_width = probe_model(model, config, prepared.layout.num_features)
     check_output_width(config, out_width, prepared.layout.num_classes)
     check_enough_rows(config, prepared.num_rows)
-    ship_by_value(model, config.train.loss, config.train.optimizer)
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model)
-    check_picklable(spec)
     check_backend(config)
+    plan, plan_params = plan_strategy(module, config, prepared.layout)
+    ship_by_value(model, config.train.loss, config.train.optimizer)
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model, plan=plan)
+    check_picklable(spec)
     tracker = new_tracker(config)
-    tracker.start(params=run_params(config, df, prepared), tags={"sparkdl.run_id": spec.run_id})
+    tracker.start(params={**run_params(config, df, prepared), **plan_params}, tags={"sparkdl.run_id": spec.run_id})
     state, history = tracked_submit(_spark(df), prepared.df, spec, tracker)
     module.load_state_dict(state)
     module.eval()

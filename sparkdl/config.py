@@ -20,7 +20,8 @@ from sparkdl.errors import ConfigError
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-STRATEGIES = ("data_parallel",)
+STRATEGIES = ("data_parallel", "hybrid")
+SCHEDULES = ("1f1b", "gpipe")
 BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
 
@@ -70,6 +71,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     strategy: str = "data_parallel"
+    stages: int = 0  # hybrid: pipeline stages K (0 = the smallest K >= 2 dividing num_workers that fits)
+    microbatches: int = 0  # hybrid: micro-batches per step (0 = 4 x stages, capped by the batch)
+    schedule: str = "1f1b"  # hybrid: "1f1b" or "gpipe"
 
     def validate(self) -> None:
         _positive_int("train.epochs", self.epochs)
@@ -79,6 +83,14 @@ class TrainConfig:
         _choice("train.loss", self.loss, LOSSES, callable_ok=True)
         _choice("train.task", self.task, TASKS)
         _choice("train.strategy", self.strategy, STRATEGIES)
+        _choice("train.schedule", self.schedule, SCHEDULES)
+        for key in ("stages", "microbatches"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"train.{key} must be an integer >= 0 (0 = automatic), got {value!r}")
+        if self.strategy == "hybrid" and self.stages == 1:
+            raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
+                              hint="use stages >= 2, or strategy='data_parallel'")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
 
@@ -91,9 +103,12 @@ class LaunchConfig:
     slot_wait_s: float = 15.0
     threads_per_worker: int | None = None
     run_dir: str | None = None
+    max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
 
     def validate(self) -> None:
         _positive_int("launch.num_workers", self.num_workers)
+        if self.max_memory_per_rank is not None:
+            parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
         _choice("launch.backend", self.backend, BACKENDS)
         for key in ("timeout_s", "slot_wait_s"):
             value = getattr(self, key)
@@ -177,6 +192,15 @@ class RunConfig:
             part = getattr(self, section)
             _check_types(section, part)
             part.validate()
+        stages, workers = self.train.stages, self.launch.num_workers
+        if self.train.strategy == "hybrid" and stages and workers % stages:
+            divisors = [k for k in range(2, workers + 1) if workers % k == 0]
+            raise ConfigError(f"train.stages={stages} does not divide launch.num_workers={workers}: hybrid runs "
+                              "stages x replicas ranks",
+                              hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
+        if self.train.strategy == "hybrid" and workers < 2:
+            raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
+                              hint="raise num_workers, or use strategy='data_parallel'")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -299,6 +323,29 @@ def _coerce(part: Any, name: str, value: Any) -> Any:
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(value: Any, key: str = "size") -> int:
+    """Bytes from an int or a string such as "512MB", "2GiB" or "1.5g" (k/m/g: powers of 1024)."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    elif isinstance(value, str) and (match := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)):
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ConfigError(f"{key} must be a number of bytes or a size such as '512MB' or '2GiB', got {value!r}")
+    if unit not in _BYTE_UNITS:
+        raise ConfigError(f"{key} has an unknown unit {unit!r} in {value!r}",
+                          hint="use B, KB, MB, GB, KiB, MiB or GiB")
+    size = int(number * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{key} must be positive, got {value!r}")
+    return size
 
 
 def parse_literal(raw: str) -> Any:

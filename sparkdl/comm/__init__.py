@@ -10,9 +10,8 @@ BACKENDS: dict[str, str] = {"torch": "sparkdl.comm.torch_dist:TorchDistCommunica
 BOOTSTRAPS_THROUGH_SPARK = {"horovod"}  # backends that exchange a port over the barrier's allGather
 
 
-def create(backend: str, world: WorldInfo, timeout_s: float,
-           exchange: Callable[[str], list[str]] | None = None) -> Communicator:
-    """Import the backend lazily so `import sparkdl` never needs Horovod."""
+def backend_class(backend: str) -> type[Communicator]:
+    """The backend's class; its module imports Horovod lazily, so reading `ops` needs no install."""
     import importlib
 
     from sparkdl.errors import ConfigError
@@ -20,10 +19,16 @@ def create(backend: str, world: WorldInfo, timeout_s: float,
     if backend not in BACKENDS:
         raise ConfigError(f"unknown launch.backend {backend!r}", hint=f"choose one of {sorted(BACKENDS)}")
     module_name, _, class_name = BACKENDS[backend].partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def create(backend: str, world: WorldInfo, timeout_s: float,
+           exchange: Callable[[str], list[str]] | None = None) -> Communicator:
+    """Import the backend lazily so `import sparkdl` never needs Horovod."""
+    cls = backend_class(backend)
     if backend in BOOTSTRAPS_THROUGH_SPARK:
         return cls(world, timeout_s, exchange=exchange)
     return cls(world, timeout_s)
 
 
-__all__ = ["Communicator", "WorldInfo", "create", "BACKENDS"]
+__all__ = ["Communicator", "WorldInfo", "create", "backend_class", "BACKENDS"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +18,12 @@ ALLGATHER = "allgather"
 SEND_RECV = "send_recv"
 BARRIER = "barrier"
 SUBGROUP = "subgroup"
+
+
+class Work(Protocol):
+    """A pending point-to-point send; wait() returns once the buffer may be reused."""
+
+    def wait(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,20 @@ class Communicator(abc.ABC):
         gathered = self.allgather(padded)
         return [pickle.loads(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
 
+    def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Work:
+        """Start sending `tensor` to rank dst (asynchronous); keep the tensor unchanged until wait()."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point send/recv")
+
+    def recv(self, tensor: "torch.Tensor", src: int, tag: int = 0) -> "torch.Tensor":
+        """Receive into `tensor` (its shape and dtype must match the sender's) from rank src; blocks."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point send/recv")
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "Communicator | None":
+        """Subgroups of ranks (disjoint, every rank's call lists the same groups in the same order);
+        returns the communicator of the group holding this rank, or None. Its rank and size are
+        group-local; collectives over it take group-local ranks; its bytes count for this one too."""
+        raise NotImplementedError(f"{type(self).__name__} has no subgroups")
+
     def wrap_optimizer(self, optimizer: "torch.optim.Optimizer",
                        module: "torch.nn.Module") -> "torch.optim.Optimizer | None":
         """A backend's own distributed optimizer (Horovod's), or None: the strategy then averages
@@ -105,16 +125,22 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release the backend; safe to call twice."""
 
+    def _charge(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+
     def _count_allreduce(self, nbytes: int) -> None:
         # A ring allreduce sends 2 (W-1)/W of the buffer from each rank (reduce-scatter + allgather).
         if self.size > 1:
-            self.bytes_sent += 2 * (self.size - 1) * nbytes // self.size
+            self._charge(2 * (self.size - 1) * nbytes // self.size)
 
     def _count_broadcast(self, nbytes: int, src: int) -> None:
         # Counted as the root pushing the buffer to every peer; the others send nothing.
         if self.rank == src:
-            self.bytes_sent += (self.size - 1) * nbytes
+            self._charge((self.size - 1) * nbytes)
 
     def _count_allgather(self, nbytes: int) -> None:
         # A ring allgather forwards W-1 blocks of this size from each rank.
-        self.bytes_sent += (self.size - 1) * nbytes
+        self._charge((self.size - 1) * nbytes)
+
+    def _count_send(self, nbytes: int) -> None:
+        self._charge(nbytes)

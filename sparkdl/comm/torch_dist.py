@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator, WorldInfo
+from sparkdl.comm.base import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator, Work,
+                               WorldInfo)
 from sparkdl.errors import ConfigError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -27,6 +29,7 @@ class TorchDistCommunicator(Communicator):
 
     def __init__(self, world: WorldInfo, timeout_s: float) -> None:
         super().__init__(world)
+        self._timeout_s = timeout_s
         self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
         # With GPUs, small CPU tensors (row counts, objects) still need a CPU backend beside NCCL.
         backend = "cpu:gloo,cuda:nccl" if self._use_gpu else "gloo"
@@ -74,6 +77,88 @@ class TorchDistCommunicator(Communicator):
     def barrier(self) -> None:
         dist.barrier()
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._count_send(tensor.numel() * tensor.element_size())
+        return dist.isend(tensor.contiguous(), dst=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        dist.recv(tensor, src=src, tag=tag)
+        return tensor
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "TorchGroupCommunicator | None":
+        mine = None
+        for ranks in groups:
+            ranks = sorted(int(r) for r in ranks)
+            # torch requires every rank to create every group, in the same order.
+            handle = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self._timeout_s))
+            if self.rank in ranks:
+                mine = TorchGroupCommunicator(self, handle, ranks)
+        return mine
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class TorchGroupCommunicator(Communicator):
+    """Collectives over a subset of the ranks (one torch process group). Ranks given to and taken
+    from its methods are group-local; the bytes it sends are charged to the parent as well."""
+
+    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER})
+
+    def __init__(self, parent: TorchDistCommunicator, handle: Any, ranks: Sequence[int]) -> None:
+        super().__init__(parent.world)
+        self._parent = parent
+        self._group = handle
+        self.ranks = tuple(ranks)  # global rank of each group-local rank
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self._parent.rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def device(self) -> torch.device:
+        return self._parent.device
+
+    def _charge(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self._parent._charge(nbytes)  # noqa: SLF001 - same module family
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        self._count_allreduce(tensor.numel() * tensor.element_size())
+        if op == "avg":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group)
+            tensor.div_(self.size)
+            return tensor
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"allreduce op {op!r} is not supported", hint="use sum, avg, max or min")
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        self._count_broadcast(tensor.numel() * tensor.element_size(), src)
+        dist.broadcast(tensor, src=self.ranks[src], group=self._group)
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [tensor.clone()]
+        self._count_allgather(tensor.numel() * tensor.element_size())
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor.contiguous(), group=self._group)
+        return out
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self._group)
+
+    def close(self) -> None:
+        """The parent's destroy_process_group releases every group."""

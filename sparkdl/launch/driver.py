@@ -56,7 +56,7 @@ def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float) -> int:
 
 
 def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
-    """Run the barrier job; returns (rank 0's payload, history)."""
+    """Run the barrier job; returns (the trained state or train_fn's result, history)."""
     ensure_slots(spark, spec.world_size, spec.config.launch.slot_wait_s)
     job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True)
     sc = spark.sparkContext
@@ -79,9 +79,9 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)
         sc.setLocalProperty("spark.job.description", None)
-    parts: dict[str, list[tuple[int, bytes]]] = {}
+    parts: dict[str, list[tuple[int, int, bytes]]] = {}
     for row in rows:
-        parts.setdefault(row["kind"], []).append((row["seq"], bytes(row["payload"])))
+        parts.setdefault(row["kind"], []).append((row["rank"], row["seq"], bytes(row["payload"])))
     return loads_result(parts, custom=spec.train_fn is not None)
 
 

@@ -17,9 +17,10 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     config = ctx.spec.config
     torch.manual_seed(config.train.seed)
     model = build_model(ctx.spec.model, config.train.seed)
-    strategy = strategy_class(config.train.strategy)(ctx.comm)
+    strategy = strategy_class(config.train.strategy)(ctx.comm, ctx.spec.plan)
     loss_fn = loss_function(config.train)
     strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_fn)
+    del model  # a strategy may keep only part of it (a pipeline stage): let the rest go
     device = ctx.comm.device
     reporter = ctx.reporter
     steps = ctx.steps_per_epoch
@@ -40,7 +41,7 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
             features = features.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             loss = strategy.train_step(features, labels)
-            loss_sum += loss.double() * features.shape[0]
+            loss_sum += loss.double() * strategy.loss_rows(features.shape[0])
             samples += features.shape[0]
             step += 1
             global_step += 1
@@ -64,31 +65,26 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
             "bytes_sent": ctx.comm.bytes_sent - bytes_before,
             "lr": strategy.learning_rate(),
         }
-        record.update(validate(ctx, strategy.module(), loss_fn))
+        for name, values in _gather_metrics(ctx, strategy.epoch_metrics()).items():
+            record[f"max_{name}_per_rank"] = max(values)
+        record.update(validate(ctx, strategy, loss_fn))
         history.append(record)
         if reporter is not None:
             reporter.epoch(record)
-    return strategy.state_dict(), history
+    return strategy.result_state(), history
 
 
-def validate(ctx: "WorkerContext", module: torch.nn.Module, loss_fn: Any) -> dict[str, float]:
+def _gather_metrics(ctx: "WorkerContext", local: dict[str, float]) -> dict[str, list[float]]:
+    gathered = ctx.comm.allgather_object(local)
+    return {name: [float(m.get(name, 0.0)) for m in gathered] for name in local}
+
+
+def validate(ctx: "WorkerContext", strategy: Any, loss_fn: Any) -> dict[str, float]:
     """val_loss (and val_accuracy for class labels) over every rank's validation rows."""
     if ctx._validation is None:  # noqa: SLF001 - same package
         return {}
-    device = ctx.comm.device
-    sums = torch.zeros(3, dtype=torch.float64)  # loss * rows, correct, rows
     classification = ctx.spec.layout is not None and ctx.spec.layout.label_dtype == "int64"
-    was_training = module.training
-    module.eval()
-    with torch.no_grad():
-        for features, labels in ctx.validation_batches():
-            features, labels = features.to(device), labels.to(device)
-            output = module(features)
-            sums[0] += float(loss_fn(output, labels)) * len(labels)
-            if classification and output.dim() == 2 and output.shape[1] > 1:
-                sums[1] += float((output.argmax(dim=1) == labels).sum())
-            sums[2] += len(labels)
-    module.train(was_training)
+    sums = strategy.evaluate(ctx.validation_batches(), loss_fn, classification)  # loss * rows, correct, rows
     ctx.comm.allreduce(sums, op="sum")
     if sums[2] == 0:
         return {}

@@ -14,8 +14,17 @@ from sparkdl.errors import ModelError
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def as_module(model: Any) -> Any:
+    """A list or tuple of stage modules becomes the nn.Sequential of them (one layer per stage)."""
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        return nn.Sequential(*model)
+    return model
+
+
 def build_model(model: Any, seed: int) -> nn.Module:
-    """A fresh module: a copy of the given instance, or the factory's result under the run seed."""
+    """A fresh module: a copy of the given instance (a list of stage modules becomes their
+    nn.Sequential), or the factory's result under the run seed."""
+    model = as_module(model)
     if isinstance(model, nn.Module):
         return copy.deepcopy(model)
     if callable(model):
@@ -25,11 +34,13 @@ def build_model(model: Any, seed: int) -> nn.Module:
         except Exception as exc:  # noqa: BLE001 - the user's factory can raise anything
             raise ModelError(f"the model factory {getattr(model, '__name__', model)!r} raised "
                              f"{type(exc).__name__}: {exc}", hint="call it yourself to debug it") from exc
+        built = as_module(built)
         if not isinstance(built, nn.Module):
             raise ModelError(f"model factory returned {type(built).__name__}, not a torch.nn.Module",
                              hint="pass an nn.Module, or a zero-argument callable returning one")
         return built
-    raise ModelError(f"model must be a torch.nn.Module or a zero-argument callable, got {type(model).__name__}",
+    raise ModelError(f"model must be a torch.nn.Module, a list of stage modules or a zero-argument callable, "
+                     f"got {type(model).__name__}",
                      hint="for example model=nn.Sequential(nn.Linear(64, 10))")
 
 

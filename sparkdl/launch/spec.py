@@ -23,6 +23,7 @@ class TrainSpec:
     model: Any = None  # an nn.Module or a zero-argument callable returning one
     train_fn: Callable[[Any], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
     channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
+    plan: Any = None  # the strategy's driver-side parameters (e.g. HybridLayout), None for data parallel
 
     @property
     def world_size(self) -> int:

@@ -200,11 +200,13 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         else:
             from sparkdl.launch.loop import train
 
+            # Several ranks may each return part of the model (pipeline stages); merged on the driver.
             state, history = train(context_obj)
-            payload = _dumps_state(state) if world.rank == 0 else None
+            payload = _dumps_state(state) if state is not None else None
         comm.barrier()
     if world.rank == 0:
         yield _result_batch(world.rank, "history", 0, json.dumps(history).encode())
+    if payload is not None:
         for seq, start in enumerate(range(0, max(len(payload), 1), RESULT_CHUNK_BYTES)):
             yield _result_batch(world.rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES])
 
@@ -284,12 +286,21 @@ def _result_batch(rank: int, kind: str, seq: int, payload: bytes) -> pa.RecordBa
         names=["rank", "kind", "seq", "payload"])
 
 
-def loads_result(kind_payloads: dict[str, list[tuple[int, bytes]]], custom: bool) -> tuple[Any, list[dict]]:
-    """Driver side: reassemble rank 0's chunks (kept here beside the writer so both stay in step)."""
-    history = json.loads(b"".join(p for _, p in sorted(kind_payloads.get("history", []))) or b"[]")
-    payload = b"".join(p for _, p in sorted(kind_payloads.get("payload", [])))
+def loads_result(parts: dict[str, list[tuple[int, int, bytes]]], custom: bool) -> tuple[Any, list[dict]]:
+    """Driver side: reassemble the (rank, seq, bytes) chunks (kept here beside the writer so both stay
+    in step). A custom loop returns rank 0's value; the built-in loop's state dicts of every
+    contributing rank are merged by key."""
+    history = json.loads(b"".join(p for _, _, p in sorted(parts.get("history", []))) or b"[]")
+    by_rank: dict[int, list[tuple[int, bytes]]] = {}
+    for rank, seq, chunk in parts.get("payload", []):
+        by_rank.setdefault(rank, []).append((seq, chunk))
+    payloads = {rank: b"".join(c for _, c in sorted(chunks)) for rank, chunks in by_rank.items()}
     if custom:
+        payload = payloads.get(0, b"")
         return (pickle.loads(payload) if payload else None), history
     import torch
 
-    return torch.load(io.BytesIO(payload), weights_only=True), history
+    state: dict[str, Any] = {}
+    for rank in sorted(payloads):
+        state.update(torch.load(io.BytesIO(payloads[rank]), weights_only=True))
+    return state, history

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from sparkdl.strategies.base import Strategy
 
-STRATEGIES: dict[str, str] = {"data_parallel": "sparkdl.strategies.data_parallel:DataParallel"}
+STRATEGIES: dict[str, str] = {"data_parallel": "sparkdl.strategies.data_parallel:DataParallel",
+                              "hybrid": "sparkdl.strategies.hybrid:Hybrid"}
 
 
 def strategy_class(name: str) -> type[Strategy]:

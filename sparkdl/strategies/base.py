@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,8 +20,10 @@ class Strategy(abc.ABC):
     name: str = ""
     requires: frozenset[str] = frozenset()
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, plan: Any = None) -> None:
+        """`plan`: the strategy's own frozen parameters worked out on the driver (e.g. stage cuts)."""
         self.comm = comm
+        self.plan = plan
 
     @abc.abstractmethod
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
@@ -39,9 +41,43 @@ class Strategy(abc.ABC):
     def end_epoch(self) -> None:
         """Hook for strategies that synchronise at epoch ends."""
 
+    def loss_rows(self, rows: int) -> int:
+        """Rows the loss returned by train_step averages over, for a batch of `rows` rows here
+        (0 on ranks that compute no loss), so epoch losses weight every rank correctly."""
+        return rows
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """Per-rank figures the loop reports as their maximum over ranks (`max_<name>_per_rank`)."""
+        return {"param_bytes": float(sum(p.numel() * p.element_size() for p in self.module().parameters()))}
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn,
+                 classification: bool) -> torch.Tensor:
+        """(loss x rows, correct predictions, rows) over this rank's validation batches, float64.
+        Every rank calls it (strategies may run collectives inside); the loop sums over ranks."""
+        device = self.comm.device
+        module = self.module()
+        sums = torch.zeros(3, dtype=torch.float64)
+        was_training = module.training
+        module.eval()
+        with torch.no_grad():
+            for features, labels in batches:
+                features, labels = features.to(device), labels.to(device)
+                output = module(features)
+                sums[0] += float(loss_fn(output, labels)) * len(labels)
+                if classification and output.dim() == 2 and output.shape[1] > 1:
+                    sums[1] += float((output.argmax(dim=1) == labels).sum())
+                sums[2] += len(labels)
+        module.train(was_training)
+        return sums
+
     @abc.abstractmethod
     def module(self) -> nn.Module:
-        """The full trained model as this rank sees it (complete on rank 0)."""
+        """The model this rank trains (the whole model, or this rank's part of it)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.module().state_dict().items()}
+
+    def result_state(self) -> dict[str, torch.Tensor] | None:
+        """What this rank contributes to the trained model the driver assembles (None: nothing).
+        State dicts of several ranks are merged by key."""
+        return self.state_dict() if self.comm.rank == 0 else None

@@ -1,0 +1,1 @@
+"""Driver-side planning: model profiles, stage cuts and (later) the cost model that picks a strategy."""

@@ -1,0 +1,164 @@
+"""Driver side of the hybrid strategy: check the configuration, cut the model into balanced stages,
+and estimate training memory per rank (data parallel and hybrid) against `max_memory_per_rank`.
+
+Everything here runs before any Spark job, so a bad configuration costs seconds, not a cluster.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from sparkdl.config import RunConfig, parse_bytes
+from sparkdl.errors import ConfigError, ModelError, ResourceError
+from sparkdl.planner.partition import balanced_cuts, stage_costs
+from sparkdl.planner.profile import ModelProfile, profile_sequential
+from sparkdl.strategies.hybrid import HybridLayout, default_grid
+from sparkdl.strategies.schedules import SCHEDULES, max_in_flight
+
+PROFILE_ROWS_MAX = 256
+
+
+def optimizer_bytes_per_param(config: RunConfig) -> int:
+    """Parameter + gradient + optimizer state, fp32 (ALGORITHMS.md: SGD 8, momentum 12, Adam 16)."""
+    optimizer = config.train.optimizer
+    if optimizer == "sgd":
+        return 12 if config.train.momentum > 0 else 8
+    return 16  # adam, adamw, and a callable optimizer (assumed Adam-like)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    state_bytes: int  # parameters, gradients, optimizer state
+    activation_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def data_parallel_memory(profile: ModelProfile, config: RunConfig) -> MemoryEstimate:
+    return MemoryEstimate(state_bytes=profile.params * optimizer_bytes_per_param(config),
+                          activation_bytes=int(profile.saved_bytes_per_row * config.data.batch_size))
+
+
+def hybrid_memory(profile: ModelProfile, config: RunConfig, cuts: list[int], microbatches: int,
+                  schedule: str) -> list[MemoryEstimate]:
+    """Per stage: its parameters' state, and the activations of the micro-batches it holds at once."""
+    stages = len(cuts) - 1
+    rows_per_micro = math.ceil(stages * config.data.batch_size / microbatches)
+    estimates = []
+    for k in range(stages):
+        layers = profile.layers[cuts[k]: cuts[k + 1]]
+        in_flight = max_in_flight(SCHEDULES[schedule](k, stages, microbatches))
+        estimates.append(MemoryEstimate(
+            state_bytes=sum(layer.params for layer in layers) * optimizer_bytes_per_param(config),
+            activation_bytes=int(sum(layer.saved_bytes for layer in layers) * rows_per_micro * in_flight)))
+    return estimates
+
+
+def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features: int) -> MemoryEstimate | None:
+    """With a memory budget set, refuse a data-parallel run whose model state does not fit one rank."""
+    if config.launch.max_memory_per_rank is None:
+        return None
+    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank")
+    if not isinstance(model, nn.Sequential):
+        # Whole-model estimate without per-layer activations: parameters and optimizer state only.
+        params = sum(p.numel() for p in model.parameters())
+        estimate = MemoryEstimate(params * optimizer_bytes_per_param(config), 0)
+    else:
+        estimate = data_parallel_memory(profile_sequential(model, (num_features,),
+                                                           rows=min(config.data.batch_size, PROFILE_ROWS_MAX)),
+                                        config)
+    if estimate.total > budget:
+        raise ResourceError(
+            f"data parallel keeps the whole model on every rank: about {_mib(estimate.total)} per rank "
+            f"({_mib(estimate.state_bytes)} parameters, gradients and optimizer state + "
+            f"{_mib(estimate.activation_bytes)} activations), over launch.max_memory_per_rank="
+            f"{config.launch.max_memory_per_rank!r}",
+            hint="use strategy='hybrid' (the model is cut into pipeline stages, ~1/K of it per rank), "
+                 "or raise max_memory_per_rank")
+    return estimate
+
+
+def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dtype: str
+                ) -> tuple[HybridLayout, ModelProfile, list[MemoryEstimate]]:
+    """Stage cuts balancing measured per-layer time; every check that can fail happens here."""
+    if not isinstance(model, nn.Sequential):
+        raise ModelError(f"strategy='hybrid' cuts an nn.Sequential at its top-level layers, but the model is a "
+                         f"{type(model).__name__}",
+                         hint="build the model as nn.Sequential(...), or pass model=[stage0, stage1, ...] "
+                              "(a list of stage modules)")
+    workers, batch = config.launch.num_workers, config.data.batch_size
+    layers = len(model)
+    candidates = [config.train.stages] if config.train.stages else \
+        [k for k in range(2, workers + 1) if workers % k == 0]
+    if config.train.stages > layers:
+        raise ConfigError(f"train.stages={config.train.stages} but the model has only {layers} top-level layer(s) "
+                          "to cut between stages",
+                          hint=f"use stages <= {layers}, or split the model into more nn.Sequential layers")
+    candidates = [k for k in candidates if k <= layers]
+    if not candidates:
+        raise ConfigError(f"strategy='hybrid' with num_workers={workers} needs a stage count K >= 2 dividing "
+                          f"{workers} and at most the model's {layers} top-level layer(s); there is none",
+                          hint="change num_workers, or split the model into more layers")
+    microbatches = config.train.microbatches
+    if microbatches and microbatches > min(candidates) * batch:
+        k = min(candidates)
+        raise ConfigError(f"train.microbatches={microbatches} is larger than the per-replica batch "
+                          f"({k} stages x batch_size {batch} = {k * batch} rows): some micro-batches would be empty",
+                          hint=f"use microbatches <= {k * batch}, or raise batch_size")
+    profile_rows = max(1, min(PROFILE_ROWS_MAX, math.ceil(min(candidates) * batch / max(microbatches, 1))))
+    profile = profile_sequential(model, (num_features,), rows=profile_rows)
+    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
+        if config.launch.max_memory_per_rank is not None else None
+    costs = [layer.seconds for layer in profile.layers]
+    tried = []
+    for stages in candidates:
+        m = microbatches or min(4 * stages, stages * batch)
+        cuts = balanced_cuts(costs, stages)
+        memory = hybrid_memory(profile, config, cuts, m, config.train.schedule)
+        worst = max(e.total for e in memory)
+        tried.append((stages, worst))
+        if budget is not None and worst > budget:
+            continue
+        _check_boundaries(profile, cuts)
+        layout = HybridLayout(
+            stages=stages, replicas=workers // stages, cuts=tuple(cuts),
+            boundary_shapes=tuple(profile.layers[c - 1].out_shape for c in cuts[1:-1]),
+            boundary_dtypes=tuple(profile.layers[c - 1].out_dtype for c in cuts[1:-1]),
+            input_shape=(num_features,), label_dtype=label_dtype, microbatches=m,
+            schedule=config.train.schedule, grid=default_grid(stages, workers // stages))
+        return layout, profile, memory
+    listing = ", ".join(f"K={k}: {_mib(w)}" for k, w in tried)
+    raise ResourceError(f"no hybrid layout fits launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}: "
+                        f"the largest stage needs about {listing} per rank",
+                        hint="use more workers (more stages), a smaller batch_size or more micro-batches, "
+                             "or raise max_memory_per_rank")
+
+
+def describe(layout: HybridLayout, profile: ModelProfile, memory: list[MemoryEstimate]) -> dict[str, str]:
+    """MLflow params: where the cuts fell and what each stage was predicted to cost."""
+    costs = stage_costs([layer.seconds for layer in profile.layers], list(layout.cuts))
+    return {
+        "hybrid.stages": str(layout.stages), "hybrid.replicas": str(layout.replicas),
+        "hybrid.microbatches": str(layout.microbatches), "hybrid.schedule": layout.schedule,
+        "hybrid.stage_layers": " | ".join(f"{a}-{b - 1}" for a, b in zip(layout.cuts, layout.cuts[1:])),
+        "hybrid.stage_ms": " | ".join(f"{1000 * c:.3f}" for c in costs),
+        "hybrid.stage_memory_mib": " | ".join(f"{e.total / 2**20:.1f}" for e in memory),
+        "hybrid.grid": str([list(r) for r in layout.grid]),
+    }
+
+
+def _check_boundaries(profile: ModelProfile, cuts: list[int]) -> None:
+    for cut in cuts[1:-1]:
+        layer = profile.layers[cut - 1]
+        if not layer.out_dtype.startswith(("float", "bfloat")):
+            raise ModelError(f"the pipeline would cut after layer {layer.index} ({layer.kind}), whose output is "
+                             f"{layer.out_dtype}: gradients cannot flow back through it",
+                             hint="keep that layer in one stage with the next one (wrap both in an nn.Sequential)")
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"

@@ -1,0 +1,301 @@
+"""Hybrid: K pipeline stages x D data-parallel replicas (HyPar-Flow; GPipe / 1F1B schedules).
+
+Rank grid: replica d's stage k runs on rank `grid[d][k]`. Rank 0 is the last stage of replica 0, so
+the rank that reports metrics is one that computes the loss.
+
+Data placement (no extra shuffle): Spark feeds every rank its own 1/W of the rows, exactly as for
+data parallel, and every rank draws one batch of `batch_size` rows per step. A replica's K ranks send
+their batch's features to the replica's first stage and its labels to the last stage, both
+concatenated in stage order, so the pipeline sees the K batches' rows exactly once, features and
+labels still paired. One step therefore consumes the same W x batch_size rows as data parallel, and
+the update equals data parallel's on the same rows (up to float rounding): the last stage weights
+each micro-batch's mean loss by its share of the replica's rows, and each stage's gradients are
+averaged over its D replicas. BatchNorm statistics are per micro-batch, as in GPipe.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
+from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
+from sparkdl.strategies.data_parallel import average_gradients
+from sparkdl.strategies.schedules import SCHEDULES
+
+_TAG_FEATURES, _TAG_LABELS, _TAG_ACTIVATION, _TAG_GRADIENT = 1, 2, 3, 4
+_EVAL_ROWS = 1024
+
+
+def _tag(kind: int, index: int = 0) -> int:
+    return kind * (1 << 24) + index
+
+
+def default_grid(stages: int, replicas: int) -> tuple[tuple[int, ...], ...]:
+    """grid[d][k]: replicas take consecutive blocks of K ranks; inside a block the stages run
+    backwards so that rank 0 holds the last stage (the loss) of replica 0."""
+    return tuple(tuple(d * stages + (stages - 1 - k) for k in range(stages)) for d in range(replicas))
+
+
+def microbatch_sizes(rows: int, microbatches: int) -> list[int]:
+    """Rows of each micro-batch (sizes differ by at most one); fewer micro-batches than requested
+    only when a short last batch has fewer rows than that."""
+    count = max(1, min(microbatches, rows))
+    return [rows // count + (1 if i < rows % count else 0) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Everything a rank needs to run its stage; built and validated on the driver."""
+
+    stages: int
+    replicas: int
+    cuts: tuple[int, ...]  # K+1 boundaries over the Sequential's top-level layers
+    boundary_shapes: tuple[tuple[int, ...], ...]  # per-row shape of stage k's output, k < K-1
+    boundary_dtypes: tuple[str, ...]
+    input_shape: tuple[int, ...]  # per-row feature shape
+    label_dtype: str
+    microbatches: int
+    schedule: str
+    grid: tuple[tuple[int, ...], ...]
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(replica, stage) of a global rank."""
+        for replica, ranks in enumerate(self.grid):
+            if rank in ranks:
+                return replica, ranks.index(rank)
+        raise ValueError(f"rank {rank} is not in the hybrid grid {self.grid}")
+
+    def stage_layers(self, stage: int) -> range:
+        return range(self.cuts[stage], self.cuts[stage + 1])
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+class _ActivationMeter:
+    """Bytes autograd saves for backward (activations, not parameters), per micro-batch in flight."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._param_ptrs = {p.data_ptr() for p in params}
+        self.current = 0
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in self._param_ptrs:
+            self.current += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def started(self) -> int:
+        self.current = 0
+        return 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+
+class Hybrid(Strategy):
+    name = "hybrid"
+    requires = frozenset({ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP})
+
+    def __init__(self, comm: Communicator, plan: Any = None) -> None:
+        super().__init__(comm, plan)
+        if not isinstance(plan, HybridLayout):
+            raise TypeError("the hybrid strategy needs the HybridLayout the driver planned")
+        self.layout = plan
+        self.replica, self.stage = plan.position(comm.rank)
+        self.last = plan.stages - 1
+        ranks = plan.grid[self.replica]
+        self._first_rank, self._last_rank = ranks[0], ranks[-1]
+        self._prev = ranks[self.stage - 1] if self.stage > 0 else None
+        self._next = ranks[self.stage + 1] if self.stage < self.last else None
+        self._ops = SCHEDULES[plan.schedule]
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(f"hybrid needs an nn.Sequential, got {type(model).__name__}")
+        layers = self.layout.stage_layers(self.stage)
+        # Keys keep the full model's layer indices, so the driver merges the stages' state dicts.
+        self._module = nn.Sequential(collections.OrderedDict((str(i), model[i]) for i in layers))
+        self._module.to(self.comm.device)
+        groups = [[self.layout.grid[d][k] for d in range(self.layout.replicas)] for k in range(self.layout.stages)]
+        self._stage_group = self.comm.split(groups)
+        self._broadcast_from_replica_zero(list(self._module.parameters()) + list(self._module.buffers()))
+        self._params = [p for p in self._module.parameters() if p.requires_grad]
+        self._optimizer = make_optimizer(self._module.parameters())
+        self._loss_fn = loss_fn
+        self._meter = _ActivationMeter(self._module.parameters())
+
+    def _broadcast_from_replica_zero(self, tensors: list[torch.Tensor]) -> None:
+        group = self._stage_group
+        if group is None or group.size == 1:
+            return
+        src = group.ranks.index(self.layout.grid[0][self.stage])
+        with torch.no_grad():
+            for tensor in tensors:
+                group.broadcast(tensor.data, src=src)
+
+    # -- one step ------------------------------------------------------------------------------
+    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self._module.train()
+        self._optimizer.zero_grad()
+        inputs, targets, keep_alive, pending = self._gather_batch(features, labels)
+        sizes = microbatch_sizes(features.shape[0] * self.layout.stages, self.layout.microbatches)
+        total = sum(sizes)
+        input_chunks = torch.split(inputs, sizes) if inputs is not None else None
+        target_chunks = torch.split(targets, sizes) if targets is not None else None
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        loss = torch.zeros((), device=self.comm.device)
+        for kind, i in self._ops(self.stage, self.layout.stages, len(sizes)):
+            if kind == "F":
+                x = input_chunks[i] if input_chunks is not None else self._recv_activation(sizes[i], i)
+                y, nbytes = self._forward(x)
+                if self._next is not None:
+                    sent = y.detach()
+                    keep_alive.append(sent)
+                    pending.append(self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, i)))
+                else:
+                    y = self._loss_fn(y, target_chunks[i]) * (sizes[i] / total)
+                    loss += y.detach()
+                saved[i] = (x, y, nbytes)
+                self._meter.add(nbytes)
+            else:
+                x, y, nbytes = saved.pop(i)
+                if self._next is None:
+                    y.backward()
+                else:
+                    grad = torch.empty_like(y)
+                    self.comm.recv(grad, self._next, _tag(_TAG_GRADIENT, i))
+                    y.backward(grad)
+                if self._prev is not None:
+                    keep_alive.append(x.grad)
+                    pending.append(self.comm.send(x.grad, self._prev, _tag(_TAG_GRADIENT, i)))
+                self._meter.add(-nbytes)
+        for work in pending:
+            work.wait()
+        if self._stage_group is not None and self._stage_group.size > 1:
+            average_gradients(self._stage_group, self._params)
+        self._optimizer.step()
+        return loss
+
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self._meter.started()
+        with torch.autograd.graph.saved_tensors_hooks(self._meter.pack, lambda t: t):
+            y = self._module(x)
+        return y, self._meter.current
+
+    def _recv_activation(self, rows: int, index: int) -> torch.Tensor:
+        shape = self.layout.boundary_shapes[self.stage - 1]
+        x = torch.empty((rows, *shape), dtype=_dtype(self.layout.boundary_dtypes[self.stage - 1]),
+                        device=self.comm.device)
+        self.comm.recv(x, self._prev, _tag(_TAG_ACTIVATION, index))
+        return x.requires_grad_(True)
+
+    def _gather_batch(self, features: torch.Tensor, labels: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor], list[Any]]:
+        """Features of the replica's K batches on its first stage, labels on its last (stage order)."""
+        keep_alive: list[torch.Tensor] = []
+        pending: list[Any] = []
+        if self.stage != 0:
+            features = features.contiguous()
+            keep_alive.append(features)
+            pending.append(self.comm.send(features, self._first_rank, _tag(_TAG_FEATURES)))
+        if self.stage != self.last:
+            labels = labels.contiguous()
+            keep_alive.append(labels)
+            pending.append(self.comm.send(labels, self._last_rank, _tag(_TAG_LABELS)))
+        ranks = self.layout.grid[self.replica]
+        inputs = targets = None
+        if self.stage == 0:
+            inputs = torch.cat([features if k == 0 else self.comm.recv(torch.empty_like(features), ranks[k],
+                                                                        _tag(_TAG_FEATURES))
+                                for k in range(self.layout.stages)])
+        if self.stage == self.last:
+            targets = torch.cat([labels if k == self.last else self.comm.recv(torch.empty_like(labels), ranks[k],
+                                                                               _tag(_TAG_LABELS))
+                                 for k in range(self.layout.stages)])
+        return inputs, targets, keep_alive, pending
+
+    # -- reporting, validation, results -------------------------------------------------------
+    def loss_rows(self, rows: int) -> int:
+        return rows * self.layout.stages if self.stage == self.last else 0
+
+    def epoch_metrics(self) -> dict[str, float]:
+        metrics = super().epoch_metrics()
+        metrics["activation_bytes"] = float(self._meter.peak)
+        return metrics
+
+    def end_epoch(self) -> None:
+        # BatchNorm running statistics: replica 0's copy is the one kept.
+        self._broadcast_from_replica_zero(list(self._module.buffers()))
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn,
+                 classification: bool) -> torch.Tensor:
+        """Each rank's validation rows go through its replica's pipeline (forward only)."""
+        device = self.comm.device
+        parts = [(f.to(device), l.to(device)) for f, l in batches]
+        features = torch.cat([f for f, _ in parts]) if parts else \
+            torch.empty((0, *self.layout.input_shape), device=device)
+        labels = torch.cat([l for _, l in parts]) if parts else \
+            torch.empty((0,), dtype=_dtype(self.layout.label_dtype), device=device)
+        counts = [int(c) for c in self.comm.allgather_object(int(features.shape[0]))]
+        ranks = self.layout.grid[self.replica]
+        rows = [counts[r] for r in ranks]
+        pending: list[Any] = []
+        if self.stage != 0 and features.shape[0]:
+            pending.append(self.comm.send(features.contiguous(), self._first_rank, _tag(_TAG_FEATURES)))
+        if self.stage != self.last and labels.shape[0]:
+            pending.append(self.comm.send(labels.contiguous(), self._last_rank, _tag(_TAG_LABELS)))
+        if self.stage == 0:
+            features = torch.cat([features if k == 0 else self._recv_rows(ranks[k], rows[k], features, _TAG_FEATURES)
+                                  for k in range(self.layout.stages)])
+        if self.stage == self.last:
+            labels = torch.cat([labels if k == self.last else self._recv_rows(ranks[k], rows[k], labels, _TAG_LABELS)
+                                for k in range(self.layout.stages)])
+        total = sum(rows)
+        sums = torch.zeros(3, dtype=torch.float64)
+        was_training = self._module.training
+        self._module.eval()
+        with torch.no_grad():
+            for index, start in enumerate(range(0, total, _EVAL_ROWS)):
+                count = min(_EVAL_ROWS, total - start)
+                x = features[start: start + count] if self.stage == 0 else self._recv_eval(count, index)
+                y = self._module(x)
+                if self._next is not None:
+                    self.comm.send(y.contiguous(), self._next, _tag(_TAG_ACTIVATION, index)).wait()
+                    continue
+                target = labels[start: start + count]
+                sums[0] += float(loss_fn(y, target)) * count
+                if classification and y.dim() == 2 and y.shape[1] > 1:
+                    sums[1] += float((y.argmax(dim=1) == target).sum())
+                sums[2] += count
+        self._module.train(was_training)
+        for work in pending:
+            work.wait()
+        return sums
+
+    def _recv_rows(self, src: int, rows: int, like: torch.Tensor, kind: int) -> torch.Tensor:
+        buffer = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        if rows:
+            self.comm.recv(buffer, src, _tag(kind))
+        return buffer
+
+    def _recv_eval(self, rows: int, index: int) -> torch.Tensor:
+        x = torch.empty((rows, *self.layout.boundary_shapes[self.stage - 1]),
+                        dtype=_dtype(self.layout.boundary_dtypes[self.stage - 1]), device=self.comm.device)
+        self.comm.recv(x, self._prev, _tag(_TAG_ACTIVATION, index))
+        return x
+
+    def result_state(self) -> dict[str, torch.Tensor] | None:
+        """Replica 0's ranks each return their stage; the driver merges them into the full model."""
+        return self.state_dict() if self.replica == 0 else None
+
+    def module(self) -> nn.Module:
+        return self._module
