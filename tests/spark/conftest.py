@@ -1,4 +1,5 @@
-"""One session-scoped SparkSession for every Spark test: two real executors (local-cluster), so
+"""One session-scoped SparkSession for every Spark test: two real executors of two cores each
+(local-cluster; four barrier slots, for hybrid 2 x 2), so
 barrier tasks, rendezvous and result collection cross process boundaries as on a cluster."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-MASTER = os.environ.get("SPARKDL_TEST_MASTER", "local-cluster[2,1,1024]")
+MASTER = os.environ.get("SPARKDL_TEST_MASTER", "local-cluster[2,2,1024]")
 
 
 @pytest.fixture(scope="session")
