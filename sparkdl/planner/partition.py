@@ -5,14 +5,17 @@ top-level layers a Sequential has. Standard library only.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 
-def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
+def balanced_cuts(costs: Sequence[float], parts: int,
+                  fits: Callable[[int, int, int], bool] | None = None) -> list[int]:
     """Boundaries [0, c1, ..., n]: stage j holds layers c_j .. c_{j+1}-1; every stage non-empty.
 
     Among cuts with the same bottleneck, the one with the smallest sum of squared stage costs is
     taken (evens out the non-bottleneck stages), then the earliest, so the result is deterministic.
+    `fits(stage, first, end)` (optional) says whether layers first..end-1 may form that stage (a
+    memory budget); ValueError when no cut satisfies it.
     """
     n = len(costs)
     if parts < 1 or parts > n:
@@ -33,12 +36,14 @@ def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
         for j in range(k, n - (parts - k) + 1):
             for i in range(k - 1, j):
                 prev = best[k - 1][i]
-                if prev == inf:
+                if prev == inf or (fits is not None and not fits(k - 1, i, j)):
                     continue
                 cost = span(i, j)
                 candidate = (max(prev[0], cost), prev[1] + cost * cost)
                 if candidate < best[k][j]:
                     best[k][j], choice[k][j] = candidate, i
+    if best[parts][n] == inf:
+        raise ValueError(f"no cut of {n} layers into {parts} stages satisfies the constraint")
     cuts = [n]
     for k in range(parts, 0, -1):
         cuts.append(choice[k][cuts[-1]])

@@ -43,19 +43,23 @@ def data_parallel_memory(profile: ModelProfile, config: RunConfig) -> MemoryEsti
                           activation_bytes=int(profile.saved_bytes_per_row * config.data.batch_size))
 
 
+def stage_memory(profile: ModelProfile, config: RunConfig, first: int, end: int, stage: int, stages: int,
+                 microbatches: int, schedule: str) -> MemoryEstimate:
+    """Layers first..end-1 as stage `stage`: their parameters' state, and the activations of the
+    micro-batches that stage holds at once under the schedule."""
+    layers = profile.layers[first:end]
+    rows_per_micro = math.ceil(stages * config.data.batch_size / microbatches)
+    in_flight = max_in_flight(SCHEDULES[schedule](stage, stages, microbatches))
+    return MemoryEstimate(
+        state_bytes=sum(layer.params for layer in layers) * optimizer_bytes_per_param(config),
+        activation_bytes=int(sum(layer.saved_bytes for layer in layers) * rows_per_micro * in_flight))
+
+
 def hybrid_memory(profile: ModelProfile, config: RunConfig, cuts: list[int], microbatches: int,
                   schedule: str) -> list[MemoryEstimate]:
-    """Per stage: its parameters' state, and the activations of the micro-batches it holds at once."""
     stages = len(cuts) - 1
-    rows_per_micro = math.ceil(stages * config.data.batch_size / microbatches)
-    estimates = []
-    for k in range(stages):
-        layers = profile.layers[cuts[k]: cuts[k + 1]]
-        in_flight = max_in_flight(SCHEDULES[schedule](k, stages, microbatches))
-        estimates.append(MemoryEstimate(
-            state_bytes=sum(layer.params for layer in layers) * optimizer_bytes_per_param(config),
-            activation_bytes=int(sum(layer.saved_bytes for layer in layers) * rows_per_micro * in_flight)))
-    return estimates
+    return [stage_memory(profile, config, cuts[k], cuts[k + 1], k, stages, microbatches, schedule)
+            for k in range(stages)]
 
 
 def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features: int) -> MemoryEstimate | None:
@@ -114,28 +118,45 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dt
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
     costs = [layer.seconds for layer in profile.layers]
+    schedule = config.train.schedule
+    cuttable = [layer.out_dtype.startswith(("float", "bfloat")) for layer in profile.layers]
     tried = []
     for stages in candidates:
         m = microbatches or min(4 * stages, stages * batch)
-        cuts = balanced_cuts(costs, stages)
-        memory = hybrid_memory(profile, config, cuts, m, config.train.schedule)
-        worst = max(e.total for e in memory)
-        tried.append((stages, worst))
-        if budget is not None and worst > budget:
+
+        def allowed(k: int, first: int, end: int, stages: int = stages, m: int = m) -> bool:
+            # Gradients flow back only through float boundaries; every stage must fit the budget.
+            if end < layers and not cuttable[end - 1]:
+                return False
+            return budget is None or stage_memory(profile, config, first, end, k, stages, m, schedule).total <= budget
+
+        try:
+            cuts = balanced_cuts(costs, stages, allowed)  # the fastest cut among those allowed
+        except ValueError:
+            if budget is None:
+                _raise_uncuttable(profile, stages)
+            tried.append((stages, _best_memory(profile, config, stages, m, schedule)))
             continue
-        _check_boundaries(profile, cuts)
         layout = HybridLayout(
             stages=stages, replicas=workers // stages, cuts=tuple(cuts),
             boundary_shapes=tuple(profile.layers[c - 1].out_shape for c in cuts[1:-1]),
             boundary_dtypes=tuple(profile.layers[c - 1].out_dtype for c in cuts[1:-1]),
             input_shape=(num_features,), label_dtype=label_dtype, microbatches=m,
-            schedule=config.train.schedule, grid=default_grid(stages, workers // stages))
-        return layout, profile, memory
+            schedule=schedule, grid=default_grid(stages, workers // stages))
+        return layout, profile, hybrid_memory(profile, config, cuts, m, schedule)
     listing = ", ".join(f"K={k}: {_mib(w)}" for k, w in tried)
     raise ResourceError(f"no hybrid layout fits launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}: "
-                        f"the largest stage needs about {listing} per rank",
+                        f"the largest stage needs at least {listing} per rank",
                         hint="use more workers (more stages), a smaller batch_size or more micro-batches, "
                              "or raise max_memory_per_rank")
+
+
+def _best_memory(profile: ModelProfile, config: RunConfig, stages: int, microbatches: int, schedule: str) -> int:
+    """The smallest achievable largest-stage memory for K stages (for the error message)."""
+    sizes = [stage_memory(profile, config, i, i + 1, 0, stages, microbatches, schedule).total
+             for i in range(len(profile.layers))]
+    cuts = balanced_cuts(sizes, stages)
+    return max(e.total for e in hybrid_memory(profile, config, cuts, microbatches, schedule))
 
 
 def describe(layout: HybridLayout, profile: ModelProfile, memory: list[MemoryEstimate]) -> dict[str, str]:
@@ -151,13 +172,12 @@ def describe(layout: HybridLayout, profile: ModelProfile, memory: list[MemoryEst
     }
 
 
-def _check_boundaries(profile: ModelProfile, cuts: list[int]) -> None:
-    for cut in cuts[1:-1]:
-        layer = profile.layers[cut - 1]
-        if not layer.out_dtype.startswith(("float", "bfloat")):
-            raise ModelError(f"the pipeline would cut after layer {layer.index} ({layer.kind}), whose output is "
-                             f"{layer.out_dtype}: gradients cannot flow back through it",
-                             hint="keep that layer in one stage with the next one (wrap both in an nn.Sequential)")
+def _raise_uncuttable(profile: ModelProfile, stages: int) -> None:
+    blocked = [f"{layer.index} ({layer.kind}: {layer.out_dtype})" for layer in profile.layers[:-1]
+               if not layer.out_dtype.startswith(("float", "bfloat"))]
+    raise ModelError(f"the model cannot be cut into {stages} stages: gradients cannot flow back through the "
+                     f"non-float outputs of layer(s) {', '.join(blocked)}",
+                     hint="use fewer stages, or wrap each such layer with its neighbours in one nn.Sequential")
 
 
 def _mib(nbytes: float) -> str:

@@ -113,3 +113,18 @@ def test_input_format_is_inferred_from_the_path(tmp_path: Path) -> None:
     with pytest.raises(cli.ConfigError, match="does not exist"):
         cli.input_format(RunConfig().merged({"input": {"path": str(tmp_path / "missing.parquet")}}))
     assert cli.input_format(RunConfig().merged({"input": {"path": "s3a://bucket/x.csv"}})) == "csv"
+
+
+def test_hybrid_from_the_conf(spark, digits_parquet: str, conf: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model"
+    rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}", "--set", f"output.model_path={out}",
+                   "--set", "train.epochs=2", "--set", "model.hidden=[64,32]", "--set", 'train.strategy="hybrid"',
+                   "--set", "train.stages=2", "--set", 'train.schedule="gpipe"', "--set", "train.microbatches=4"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    model = TorchModel.load(str(out))
+    assert model.options["train.strategy"] == "hybrid" and model.options["train.schedule"] == "gpipe"
+    assert model.history[-1]["loss"] < model.history[0]["loss"]
+    assert model.history[-1]["max_param_bytes_per_rank"] < sum(
+        p.numel() * 4 for p in model.torch_module().parameters())

@@ -36,8 +36,10 @@ def deep_net() -> nn.Module:
 
 
 def fit(df, **options):  # type: ignore[no-untyped-def]
-    settings = dict(model=deep_net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=1, lr=0.05,
-                    optimizer="adam", seed=3, tracking=False, progress=False)
+    # SGD: Adam's normalised step turns float-rounding noise in near-zero gradients (the order in
+    # which micro-batch gradients add up differs between schedules) into full-size updates.
+    settings = dict(model=deep_net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=1, lr=0.1,
+                    optimizer="sgd", momentum=0.9, seed=3, tracking=False, progress=False)
     settings.update(options)
     return TorchEstimator(**settings).fit(df)
 
@@ -77,11 +79,11 @@ def test_model_over_the_memory_budget_trains_with_hybrid(rows_df, tmp_path) -> N
     budget = "3MB"  # Adam needs ~16 bytes per parameter: ~4.2 MB for the whole model, ~2.1 MB per stage
     started = time.monotonic()
     with pytest.raises(ResourceError, match="max_memory_per_rank='3MB'") as info:
-        fit(rows_df, model=big_net, num_workers=2, max_memory_per_rank=budget)
+        fit(rows_df, model=big_net, num_workers=2, max_memory_per_rank=budget, optimizer="adam", lr=1e-3)
     assert time.monotonic() - started < 30 and "strategy='hybrid'" in str(info.value)
 
     model = fit(rows_df, model=big_net, num_workers=2, strategy="hybrid", max_memory_per_rank=budget, epochs=2,
-                validation_fraction=0.25)
+                validation_fraction=0.25, optimizer="adam", lr=1e-3)
     per_rank = model.history[-1]["max_param_bytes_per_rank"]
     assert per_rank < 0.6 * total  # about 1/K of the model on each rank (K=2 chosen automatically)
     assert model.history[-1]["max_activation_bytes_per_rank"] > 0

@@ -310,3 +310,30 @@ def test_flat_names_every_option_once(cfg: RunConfig) -> None:
     assert flat["launch.num_workers"] == 2
     assert len(flat) == len(option_owners())
     assert all(key.split(".", 1)[0] in SECTIONS for key in flat)
+
+
+def test_memory_sizes_parse_with_units() -> None:
+    from sparkdl.config import parse_bytes
+
+    assert parse_bytes(1000) == 1000
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("1.5g") == int(1.5 * 2**30)
+    for bad in ("3 parsecs", "lots", 0, -5, True):
+        with pytest.raises(ConfigError, match="max_memory_per_rank"):
+            parse_bytes(bad, "launch.max_memory_per_rank")
+    with pytest.raises(ConfigError, match="launch.max_memory_per_rank"):
+        RunConfig.from_kwargs(feature_cols=["a"], max_memory_per_rank="ten gigs").validate()
+
+
+def test_hybrid_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="train.schedule"):
+        RunConfig.from_kwargs(feature_cols=["a"], schedule="zigzag").validate()
+    with pytest.raises(ConfigError, match="train.stages=1"):
+        RunConfig.from_kwargs(feature_cols=["a"], strategy="hybrid", stages=1).validate()
+    with pytest.raises(ConfigError, match="num_workers >= 2"):
+        RunConfig.from_kwargs(feature_cols=["a"], strategy="hybrid", num_workers=1).validate()
+    with pytest.raises(ConfigError, match="train.microbatches must be an integer >= 0"):
+        RunConfig.from_kwargs(feature_cols=["a"], microbatches=-1).validate()
+    config = RunConfig.from_kwargs(feature_cols=["a"], strategy="hybrid", stages=2, num_workers=6).validate()
+    assert (config.train.stages, config.train.schedule) == (2, "1f1b")

@@ -206,7 +206,8 @@ def _rank_main(rank: int, world: int, port: int, stages: int, schedule: str, que
                 stages=stages, replicas=world // stages, cuts=cuts, boundary_shapes=((16,),) * (stages - 1),
                 boundary_dtypes=("float32",) * (stages - 1), input_shape=(8,), label_dtype="int64", microbatches=4,
                 schedule=schedule, grid=default_grid(stages, world // stages)))
-        strategy.setup(_model(), lambda p: torch.optim.Adam(p, lr=0.01), F.cross_entropy)
+        # SGD with momentum: per-stage optimizer state, without Adam's amplification of rounding noise.
+        strategy.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), F.cross_entropy)
         generator = torch.Generator().manual_seed(100 + rank)  # each rank its own rows, as from Spark
         losses = []
         for _ in range(3):
@@ -259,3 +260,23 @@ def test_hybrid_update_equals_data_parallel_on_the_same_rows(world: int, stages:
     whole = dp_results[0][4]["param_bytes"]
     assert max(r[4]["param_bytes"] for r in results) < whole
     assert sum(results[r][4]["param_bytes"] for r in default_grid(stages, world // stages)[0]) == whole
+
+
+def test_cuts_respect_the_memory_budget_and_float_boundaries() -> None:
+    assert balanced_cuts([1, 1, 1, 1], 2, lambda k, i, j: j - i <= 3 and (j == 4 or j != 2)) in ([0, 1, 4], [0, 3, 4])
+    with pytest.raises(ValueError):
+        balanced_cuts([1, 1, 1, 1], 2, lambda k, i, j: False)
+
+    class ToIndex(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x > 0).long()
+
+    class Embed(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float() * 2
+
+    layout, _, _ = plan_hybrid(nn.Sequential(nn.Linear(8, 8), ToIndex(), Embed(), nn.Linear(8, 3)),
+                               config(stages=2), 8, "int64")
+    assert layout.cuts[1] != 2  # never after the integer output
+    with pytest.raises(ModelError, match=r"layer\(s\) 0 \(ToIndex: int64\)"):
+        plan_hybrid(nn.Sequential(ToIndex(), Embed()), config(stages=2), 8, "int64")
