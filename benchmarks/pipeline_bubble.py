@@ -10,7 +10,12 @@ takes t, a step takes (m + K - 1) t: the bubble fraction is (K - 1) / (m + K - 1
 its own stage's t for exactly the micro-batch sizes of that m (forward + backward on local data, no
 communication), so the prediction uses the same work units as the step:
 
-    predicted(m) = (m - 1) * max_k t_k(m) + sum_k t_k(m)     (= (m + K - 1) t when balanced)
+    predicted(m) = (m - 1) max_k (t_k + 2 c_k) + sum_k t_k + 2 sum_k c_k + u
+
+(the hybrid term of ALGORITHMS.md's cost model with D = 1: = (m + K - 1) t + u for balanced stages
+and free links), where c_k is one boundary message of stage k (an activation forward, its gradient
+back) of that micro-batch size, measured as half a ping-pong between the two ranks, and u is the
+optimizer update outside the pipelined part, measured locally (max over stages).
 
 `ratio` = measured / predicted; the target is |ratio - 1| <= 0.20. `ideal_s` is the no-bubble time
 of one stage on the whole batch (full-batch forward + backward, max over stages), for reference:
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,10 +49,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", default="1,2,4,8,16", help="comma-separated micro-batch counts")
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
-    parser.add_argument("--layers", type=int, default=4, help="hidden Linear+ReLU blocks (cut into 2 stages)")
-    parser.add_argument("--batch-size", type=int, default=256, help="rows per rank per step (replica batch = 2x)")
+    parser.add_argument("--layers", type=int, default=5, help="Linear+ReLU blocks (cut into 2 stages)")
+    parser.add_argument("--batch-size", type=int, default=1024, help="rows per rank per step (replica batch = 2x)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration and round")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds over every configuration (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every configuration (median)")
     args = parser.parse_args()
     args.microbatches = [int(v) for v in args.microbatches.split(",") if v.strip()]
     if min(args.microbatches) < 1 or max(args.microbatches) > STAGES * args.batch_size:
@@ -126,9 +132,35 @@ def make_train_fn(args: argparse.Namespace, layouts: dict[tuple[str, int], Any])
                 step_times[f"{schedule}:{m}"].append((time.perf_counter() - started) / steps)
         per_micro = {f"{s}:{m}": local_compute(strategies[(s, m)], microbatch_sizes(STAGES * batch, m))
                      for s, m in layouts}
+        some = next(iter(strategies.values()))
+        # c: one boundary message (activation or its gradient) of each micro-batch size, timed as half
+        # a ping-pong between the two stages' ranks.
+        peer = 1 - ctx.rank
+        width_out = some.layout.boundary_shapes[0]
+        link_s = {}
+        for m in sorted({m for _, m in layouts}):
+            rows = microbatch_sizes(STAGES * batch, m)[0]
+            buffer = torch.zeros(rows, *width_out)
+            times = []
+            for _ in range(7):
+                ctx.comm.barrier()
+                started = time.perf_counter()
+                if ctx.rank == 0:
+                    ctx.comm.send(buffer, peer, 7).wait()
+                    ctx.comm.recv(buffer, peer, 8)
+                else:
+                    ctx.comm.recv(buffer, peer, 7)
+                    ctx.comm.send(buffer, peer, 8).wait()
+                times.append((time.perf_counter() - started) / 2)
+            link_s[str(m)] = statistics.median(times[1:])
+        optimizer_times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            some._optimizer.step()  # noqa: SLF001 - the update outside the pipelined part of a step
+            optimizer_times.append(time.perf_counter() - started)
         full_batch = local_compute(next(iter(strategies.values())), [STAGES * batch])
-        mine = {"stage": next(iter(strategies.values())).stage, "step_s": step_times, "micro_s": per_micro,
-                "full_batch_s": full_batch,
+        mine = {"stage": some.stage, "step_s": step_times, "link_s": link_s, "micro_s": per_micro,
+                "full_batch_s": full_batch, "optimizer_s": statistics.median(optimizer_times),
                 "activation_bytes": {f"{s}:{m}": st.epoch_metrics()["activation_bytes"] for (s, m), st in
                                      strategies.items()},
                 "param_bytes": next(iter(strategies.values())).epoch_metrics()["param_bytes"]}
@@ -144,9 +176,12 @@ def summarise(args: argparse.Namespace, ranks: list[dict[str, Any]], layouts: di
     for (schedule, m), layout in layouts.items():
         key = f"{schedule}:{m}"
         measured = statistics.median(max(r["step_s"][key][i] for r in ranks) for i in range(args.repeats))
-        t = [r["micro_s"][key] for r in ranks]
+        t = [r["micro_s"][key] for r in sorted(ranks, key=lambda r: r["stage"])]  # by stage
         micro = len(microbatch_sizes(STAGES * args.batch_size, m))
-        predicted = (micro - 1) * max(t) + sum(t)
+        optimizer = max(r["optimizer_s"] for r in ranks)
+        link = max(r["link_s"][str(m)] for r in ranks)
+        c = [link] * (STAGES - 1) + [0.0]  # stage k's outgoing boundary; the last stage has none
+        predicted = (micro - 1) * max(tk + 2 * ck for tk, ck in zip(t, c)) + sum(t) + 2 * sum(c) + optimizer
         ideal = max(r["full_batch_s"] for r in ranks)
         rows.append({
             "schedule": schedule, "microbatches": micro, "step_s": round(measured, 5),
@@ -154,7 +189,8 @@ def summarise(args: argparse.Namespace, ranks: list[dict[str, Any]], layouts: di
             "within_target": abs(measured / predicted - 1) <= TARGET,
             "law_factor": round((micro + STAGES - 1) / micro, 3),
             "bubble_fraction": round((STAGES - 1) / (micro + STAGES - 1), 3),
-            "micro_stage_s": [round(v, 6) for v in t], "ideal_s": round(ideal, 5),
+            "micro_stage_s": [round(v, 6) for v in t], "boundary_message_s": round(link, 6),
+            "optimizer_s": round(optimizer, 5), "ideal_s": round(ideal, 5),
             "step_over_ideal": round(measured / ideal, 3),
             "activation_bytes_per_rank": [int(r["activation_bytes"][key]) for r in ranks],
             "stage_layers": [f"{a}-{b - 1}" for a, b in zip(layout.cuts, layout.cuts[1:])],
@@ -174,6 +210,7 @@ def summarise(args: argparse.Namespace, ranks: list[dict[str, Any]], layouts: di
 
 def main() -> None:
     args = parse_args()
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
 
     import sparkdl

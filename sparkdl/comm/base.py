@@ -104,6 +104,12 @@ class Communicator(abc.ABC):
 
     def recv(self, tensor: "torch.Tensor", src: int, tag: int = 0) -> "torch.Tensor":
         """Receive into `tensor` (its shape and dtype must match the sender's) from rank src; blocks."""
+        self.irecv(tensor, src, tag).wait()
+        return tensor
+
+    def irecv(self, tensor: "torch.Tensor", src: int, tag: int = 0) -> Work:
+        """Post a receive into `tensor` now; wait() returns once it is filled. Posting receives
+        before they are needed lets the sender's data go out without waiting for this rank."""
         raise NotImplementedError(f"{type(self).__name__} has no point-to-point send/recv")
 
     def split(self, groups: Sequence[Sequence[int]]) -> "Communicator | None":

@@ -81,9 +81,8 @@ class TorchDistCommunicator(Communicator):
         self._count_send(tensor.numel() * tensor.element_size())
         return dist.isend(tensor.contiguous(), dst=dst, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        dist.recv(tensor, src=src, tag=tag)
-        return tensor
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return dist.irecv(tensor, src=src, tag=tag)
 
     def split(self, groups: Sequence[Sequence[int]]) -> "TorchGroupCommunicator | None":
         mine = None

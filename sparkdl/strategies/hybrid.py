@@ -73,6 +73,43 @@ class HybridLayout:
         return range(self.cuts[stage], self.cuts[stage + 1])
 
 
+class _Receives:
+    """Receives of a stage's schedule, posted LOOKAHEAD ops ahead of use: the peer's send then goes
+    out as soon as it is issued, instead of waiting for this rank to reach the op (with gloo a send
+    completes only once the receive is posted, and a busy CPU delays the hand-over by milliseconds
+    per message). A small window keeps 1F1B's memory bound: at most LOOKAHEAD extra buffers."""
+
+    LOOKAHEAD = 2
+
+    def __init__(self, strategy: "Hybrid", ops: list[tuple[str, int]], sizes: list[int]) -> None:
+        self._strategy = strategy
+        self._ops = ops
+        self._sizes = sizes
+        self._posted: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._next_to_post = 0
+
+    def take(self, position: int) -> torch.Tensor | None:
+        while self._next_to_post < min(len(self._ops), position + 1 + self.LOOKAHEAD):
+            self._post(self._next_to_post)
+            self._next_to_post += 1
+        posted = self._posted.pop(position, None)
+        if posted is None:
+            return None
+        buffer, work = posted
+        work.wait()
+        return buffer
+
+    def _post(self, position: int) -> None:
+        kind, index = self._ops[position]
+        buffer = self._strategy.incoming_buffer(kind, self._sizes[index])
+        if buffer is None:
+            return
+        strategy = self._strategy
+        src = strategy._prev if kind == "F" else strategy._next  # noqa: SLF001 - helper of Hybrid
+        tag = _tag(_TAG_ACTIVATION if kind == "F" else _TAG_GRADIENT, index)
+        self._posted[position] = (buffer, strategy.comm.irecv(buffer, src, tag))
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
 
@@ -151,11 +188,14 @@ class Hybrid(Strategy):
         total = sum(sizes)
         input_chunks = torch.split(inputs, sizes) if inputs is not None else None
         target_chunks = torch.split(targets, sizes) if targets is not None else None
+        ops = self._ops(self.stage, self.layout.stages, len(sizes))
+        receives = _Receives(self, ops, sizes)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         loss = torch.zeros((), device=self.comm.device)
-        for kind, i in self._ops(self.stage, self.layout.stages, len(sizes)):
+        for position, (kind, i) in enumerate(ops):
+            incoming = receives.take(position)
             if kind == "F":
-                x = input_chunks[i] if input_chunks is not None else self._recv_activation(sizes[i], i)
+                x = input_chunks[i] if input_chunks is not None else incoming.requires_grad_(True)
                 y, nbytes = self._forward(x)
                 if self._next is not None:
                     sent = y.detach()
@@ -171,9 +211,7 @@ class Hybrid(Strategy):
                 if self._next is None:
                     y.backward()
                 else:
-                    grad = torch.empty_like(y)
-                    self.comm.recv(grad, self._next, _tag(_TAG_GRADIENT, i))
-                    y.backward(grad)
+                    y.backward(incoming)
                 if self._prev is not None:
                     keep_alive.append(x.grad)
                     pending.append(self.comm.send(x.grad, self._prev, _tag(_TAG_GRADIENT, i)))
@@ -191,12 +229,17 @@ class Hybrid(Strategy):
             y = self._module(x)
         return y, self._meter.current
 
-    def _recv_activation(self, rows: int, index: int) -> torch.Tensor:
-        shape = self.layout.boundary_shapes[self.stage - 1]
-        x = torch.empty((rows, *shape), dtype=_dtype(self.layout.boundary_dtypes[self.stage - 1]),
-                        device=self.comm.device)
-        self.comm.recv(x, self._prev, _tag(_TAG_ACTIVATION, index))
-        return x.requires_grad_(True)
+    def incoming_buffer(self, kind: str, rows: int) -> torch.Tensor | None:
+        """Buffer for what op `kind` receives: the previous stage's activation for a forward, the
+        next stage's gradient of this stage's output for a backward; None if it receives nothing."""
+        if kind == "F" and self._prev is not None:
+            boundary = self.stage - 1
+        elif kind == "B" and self._next is not None:
+            boundary = self.stage
+        else:
+            return None
+        return torch.empty((rows, *self.layout.boundary_shapes[boundary]),
+                           dtype=_dtype(self.layout.boundary_dtypes[boundary]), device=self.comm.device)
 
     def _gather_batch(self, features: torch.Tensor, labels: torch.Tensor
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor], list[Any]]:
