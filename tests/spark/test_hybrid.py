@@ -97,9 +97,10 @@ def test_model_over_the_memory_budget_trains_with_hybrid(rows_df, tmp_path) -> N
     assert_transform_uses_the_module(loaded, rows_df)
 
 
-def test_gpipe_and_1f1b_train_the_same_model(rows_df) -> None:  # type: ignore[no-untyped-def]
-    a = fit(rows_df, num_workers=2, strategy="hybrid", schedule="gpipe", microbatches=8)
-    b = fit(rows_df, num_workers=2, strategy="hybrid", schedule="1f1b", microbatches=8)
+def test_gpipe_and_1f1b_train_the_same_model(spark) -> None:  # type: ignore[no-untyped-def]
+    df = rows(spark, 96, 2)  # as many partitions as workers: no repartition, the same row order in both fits
+    a = fit(df, num_workers=2, strategy="hybrid", schedule="gpipe", microbatches=8)
+    b = fit(df, num_workers=2, strategy="hybrid", schedule="1f1b", microbatches=8)
     for key, value in a.torch_module().state_dict().items():
         torch.testing.assert_close(b.torch_module().state_dict()[key], value, atol=1e-5, rtol=0)
     # 1F1B holds fewer micro-batches of activations than GPipe (here 2 against 8 on the first stage).
