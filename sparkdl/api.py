@@ -122,7 +122,30 @@ def plan_strategy(module: Any, config: RunConfig, layout: Any) -> tuple[Any, dic
         hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32")
         return hybrid, describe(hybrid, profile, memory)
     check_data_parallel_memory(module, config, layout.num_features)
+    if config.train.strategy == "ist":
+        return plan_ist(module, config)
     return None, {}
+
+
+def plan_ist(module: Any, config: RunConfig) -> tuple[Any, dict[str, str]]:
+    import logging
+    import warnings
+
+    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers, use_batch_statistics
+
+    train = config.train
+    layout = ist_layout(module, config.launch.num_workers, train.ist_sync_every, train.ist_scale, train.seed)
+    narrow = narrow_layers(layout)
+    if narrow:
+        message = (f"sparkdl: IST deals each hidden layer's neurons over {layout.world} workers; "
+                   f"{', '.join(narrow)} are narrower than {MIN_NEURONS_PER_RANK} x {layout.world}, where the "
+                   "IST papers saw accuracy drop. Wider layers or fewer workers are safer.")
+        warnings.warn(message, stacklevel=3)
+        logging.getLogger("sparkdl").warning(message)
+    if train.ist_scale == "batchnorm":
+        use_batch_statistics(module)  # the driver's copy must match the trained state's keys
+    return layout, {"ist.hidden_widths": str(list(layout.widths)), "ist.linear_layers": str(list(layout.linears)),
+                    "ist.neurons_per_worker": str([w // layout.world for w in layout.widths])}
 
 
 def check_picklable(spec: Any) -> None:

@@ -20,8 +20,11 @@ from sparkdl.errors import ConfigError
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-STRATEGIES = ("data_parallel", "hybrid")
+STRATEGIES = ("data_parallel", "hybrid", "ist")
 SCHEDULES = ("1f1b", "gpipe")
+SYNC_MODES = ("allreduce", "diloco")
+SYNC_DTYPES = ("fp32", "fp16")
+IST_SCALES = ("scale", "batchnorm")
 BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
 
@@ -74,6 +77,14 @@ class TrainConfig:
     stages: int = 0  # hybrid: pipeline stages K (0 = the smallest K >= 2 dividing num_workers that fits)
     microbatches: int = 0  # hybrid: micro-batches per step (0 = 4 x stages, capped by the batch)
     schedule: str = "1f1b"  # hybrid: "1f1b" or "gpipe"
+    sync: str = "allreduce"  # data_parallel: "allreduce" (every step) or "diloco" (every sync_every steps)
+    sync_every: int = 50  # diloco: inner steps H between synchronisations
+    outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate (1.0 with momentum 0 = plain averaging)
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
+    sync_dtype: str = "fp32"  # diloco: dtype of the allreduced pseudo-gradient, "fp32" or "fp16"
+    ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
+    ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
+    grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
 
     def validate(self) -> None:
         _positive_int("train.epochs", self.epochs)
@@ -88,6 +99,21 @@ class TrainConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"train.{key} must be an integer >= 0 (0 = automatic), got {value!r}")
+        _choice("train.sync", self.sync, SYNC_MODES)
+        _choice("train.sync_dtype", self.sync_dtype, SYNC_DTYPES)
+        _choice("train.ist_scale", self.ist_scale, IST_SCALES)
+        _positive_int("train.sync_every", self.sync_every)
+        _positive_int("train.ist_sync_every", self.ist_sync_every)
+        if self.sync != "allreduce" and self.strategy != "data_parallel":
+            raise ConfigError(f"train.sync={self.sync!r} is a synchronisation mode of data parallel, but "
+                              f"train.strategy={self.strategy!r}", hint="use strategy='data_parallel' with sync='diloco'")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"train.outer_lr must be > 0, got {self.outer_lr!r}", hint="DiLoCo uses 0.7")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}",
+                              hint="DiLoCo uses 0.9")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
         if self.strategy == "hybrid" and self.stages == 1:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")

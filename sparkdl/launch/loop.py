@@ -17,7 +17,7 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     config = ctx.spec.config
     torch.manual_seed(config.train.seed)
     model = build_model(ctx.spec.model, config.train.seed)
-    strategy = strategy_class(config.train.strategy)(ctx.comm, ctx.spec.plan)
+    strategy = strategy_class(config.train.strategy)(ctx.comm, ctx.spec.plan, config.train)
     loss_fn = loss_function(config.train)
     strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_fn)
     del model  # a strategy may keep only part of it (a pipeline stage): let the rest go
@@ -51,6 +51,8 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
                     "loss": float(loss), "lr": strategy.learning_rate(), "step_time_s": step_s,
                     "samples_per_sec": features.shape[0] * ctx.world_size / step_s if step_s > 0 else 0.0,
                     "epoch": epoch}, log=global_step % reporter.log_every == 0 or step == steps)
+        if epoch == config.train.epochs - 1:
+            strategy.finish()
         strategy.end_epoch()
         totals = torch.tensor([float(loss_sum.cpu()), float(samples)], dtype=torch.float64)
         ctx.comm.allreduce(totals, op="sum")
@@ -65,8 +67,12 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
             "bytes_sent": ctx.comm.bytes_sent - bytes_before,
             "lr": strategy.learning_rate(),
         }
-        for name, values in _gather_metrics(ctx, strategy.epoch_metrics()).items():
-            record[f"max_{name}_per_rank"] = max(values)
+        local = dict(strategy.epoch_metrics(), bytes_sent=float(record["bytes_sent"]))
+        for name, values in _gather_metrics(ctx, local).items():
+            if name == "bytes_sent":
+                record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
+            else:
+                record[f"max_{name}_per_rank"] = max(values)
         record.update(validate(ctx, strategy, loss_fn))
         history.append(record)
         if reporter is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from sparkdl.strategies.base import Strategy
 
 STRATEGIES: dict[str, str] = {"data_parallel": "sparkdl.strategies.data_parallel:DataParallel",
-                              "hybrid": "sparkdl.strategies.hybrid:Hybrid"}
+                              "hybrid": "sparkdl.strategies.hybrid:Hybrid",
+                              "ist": "sparkdl.strategies.ist:Ist"}
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from sparkdl.comm.base import Communicator
+from sparkdl.config import TrainConfig
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -20,10 +21,21 @@ class Strategy(abc.ABC):
     name: str = ""
     requires: frozenset[str] = frozenset()
 
-    def __init__(self, comm: Communicator, plan: Any = None) -> None:
-        """`plan`: the strategy's own frozen parameters worked out on the driver (e.g. stage cuts)."""
+    def __init__(self, comm: Communicator, plan: Any = None, train: TrainConfig | None = None) -> None:
+        """`plan`: the strategy's own frozen parameters worked out on the driver (e.g. stage cuts);
+        `train`: the run's training options (sync mode, gradient clipping, ...)."""
         self.comm = comm
         self.plan = plan
+        self.train = train or TrainConfig()
+
+    def clip_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Clip the gradient norm of these parameters to train.grad_clip (0 = off)."""
+        if self.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(params), self.train.grad_clip)
+
+    def finish(self) -> None:
+        """Called once after the last step (before the last validation): strategies that synchronise
+        every few steps write their last partial round back, so the result holds every step."""
 
     @abc.abstractmethod
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:

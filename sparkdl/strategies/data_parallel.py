@@ -6,6 +6,8 @@ few large buckets because per-tensor collectives are latency bound on small laye
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -53,6 +55,11 @@ def _reduce_bucket(comm: Communicator, bucket: list[nn.Parameter]) -> None:
 
 
 class DataParallel(Strategy):
+    """sync="allreduce": gradients averaged every step. sync="diloco" (Douillard et al. 2023): each
+    rank takes `sync_every` inner steps alone (its own optimizer state, never reset), then the mean
+    pseudo-gradient theta_global - theta_local is applied by an outer Nesterov SGD to the global copy,
+    which every rank then continues from: one allreduce of the model every H steps."""
+
     name = "data_parallel"
     requires = frozenset({ALLREDUCE, BROADCAST})
 
@@ -61,24 +68,85 @@ class DataParallel(Strategy):
         broadcast_module(self.comm, self._model)
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         optimizer = make_optimizer(self._model.parameters())
-        wrapped = self.comm.wrap_optimizer(optimizer, self._model) if self.comm.size > 1 else None
+        self._diloco = self.train.sync == "diloco"
+        wrapped = self.comm.wrap_optimizer(optimizer, self._model) if self.comm.size > 1 and not self._diloco else None
         # A backend's own distributed optimizer averages inside step(); otherwise we average here.
         self._backend_averages = wrapped is not None
         self._optimizer = wrapped or optimizer
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._loss_fn = loss_fn
+        if self._diloco:
+            self._global = [p.detach().clone() for p in self._params]  # theta_old, identical on every rank
+            momentum = self.train.outer_momentum
+            self._outer = torch.optim.SGD(self._params, lr=self.train.outer_lr, momentum=momentum,
+                                          nesterov=momentum > 0)
+            self._inner_steps = 0
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._model.train()
         self._optimizer.zero_grad()  # torch 2 defaults to set_to_none; Horovod's wrapper takes no argument
         loss = self._loss_fn(self._model(features), labels)
         loss.backward()
+        if self._diloco:
+            self.clip_gradients(self._params)
+            self._optimizer.step()
+            self._inner_steps += 1
+            if self._inner_steps == self.train.sync_every:
+                self._outer_step()
+            return loss.detach()
         if self._backend_averages:
             self.comm.record_allreduce(self._grad_bytes)
+            if self.train.grad_clip > 0:
+                self._optimizer.synchronize()  # Horovod: average first, then clip, then step
+                self.clip_gradients(self._params)
+                with self._optimizer.skip_synchronize():
+                    self._optimizer.step()
+                return loss.detach()
         elif self.comm.size > 1:
             average_gradients(self.comm, self._params)
+        self.clip_gradients(self._params)
         self._optimizer.step()
         return loss.detach()
+
+    def _outer_step(self) -> None:
+        with torch.no_grad():
+            deltas = [g - p for p, g in zip(self._params, self._global)]
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            if self.train.sync_dtype == "fp16":
+                flat = flat.to(torch.float16)  # half the bytes; the outer step runs in fp32
+            if self.comm.size > 1:
+                self.comm.allreduce(flat, op="avg")
+            flat = flat.to(self._params[0].dtype)
+            offset = 0
+            for param, start in zip(self._params, self._global):
+                param.copy_(start)
+                param.grad = flat[offset: offset + param.numel()].view_as(param).clone()
+                offset += param.numel()
+        self._outer.step()
+        with torch.no_grad():
+            for param, start in zip(self._params, self._global):
+                start.copy_(param)
+                param.grad = None
+        self._inner_steps = 0
+
+    def finish(self) -> None:
+        if self._diloco and self._inner_steps:
+            self._outer_step()  # the last partial round, so the result is the global model
+
+    def evaluate(self, batches: Any, loss_fn: LossFn, classification: bool) -> torch.Tensor:
+        if not self._diloco:
+            return super().evaluate(batches, loss_fn, classification)
+        # Between synchronisations the ranks' models differ; validate the global one they share.
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self._params]
+            for param, start in zip(self._params, self._global):
+                param.copy_(start)
+        try:
+            return super().evaluate(batches, loss_fn, classification)
+        finally:
+            with torch.no_grad():
+                for param, mine in zip(self._params, local):
+                    param.copy_(mine)
 
     def end_epoch(self) -> None:
         # Buffers (BatchNorm running stats) drift apart per rank; rank 0's copy is the one kept.

@@ -141,8 +141,8 @@ class Hybrid(Strategy):
     name = "hybrid"
     requires = frozenset({ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP})
 
-    def __init__(self, comm: Communicator, plan: Any = None) -> None:
-        super().__init__(comm, plan)
+    def __init__(self, comm: Communicator, plan: Any = None, train: Any = None) -> None:
+        super().__init__(comm, plan, train)
         if not isinstance(plan, HybridLayout):
             raise TypeError("the hybrid strategy needs the HybridLayout the driver planned")
         self.layout = plan

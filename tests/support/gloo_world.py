@@ -1,0 +1,52 @@
+"""Run a function on W real gloo ranks (spawned processes on 127.0.0.1), without Spark.
+
+`fn(comm, *args)` must be a module-level function (spawn pickles it by reference); its return value
+(picklable, no torch tensors: they would be shared through file descriptors that die with the
+process) comes back in rank order.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    import torch
+
+    from sparkdl.comm.base import WorldInfo
+    from sparkdl.comm.torch_dist import TorchDistCommunicator
+
+    torch.set_num_threads(1)
+    info = WorldInfo(rank=rank, size=world, local_rank=rank, local_size=world, hosts=("localhost",) * world,
+                     master_addr="127.0.0.1", master_port=port)
+    comm = TorchDistCommunicator(info, 60)
+    try:
+        queue.put((rank, fn(comm, *args), None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        comm.close()
+
+
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = sorted((queue.get(timeout=timeout) for _ in procs), key=lambda r: r[0])
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [f"rank {rank}:\n{error}" for rank, _, error in results if error]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [value for _, value, _ in results]
