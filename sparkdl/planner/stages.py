@@ -24,8 +24,12 @@ def optimizer_bytes_per_param(config: RunConfig) -> int:
     """Parameter + gradient + optimizer state, fp32 (ALGORITHMS.md: SGD 8, momentum 12, Adam 16)."""
     optimizer = config.train.optimizer
     if optimizer == "sgd":
-        return 12 if config.train.momentum > 0 else 8
-    return 16  # adam, adamw, and a callable optimizer (assumed Adam-like)
+        per_param = 12 if config.train.momentum > 0 else 8
+    else:
+        per_param = 16  # adam, adamw, and a callable optimizer (assumed Adam-like)
+    if config.train.sync == "diloco":
+        per_param += 8  # the global copy and the outer momentum
+    return per_param
 
 
 @dataclass(frozen=True)
