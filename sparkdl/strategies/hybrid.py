@@ -128,9 +128,8 @@ class _ActivationMeter:
             self.current += tensor.numel() * tensor.element_size()
         return tensor
 
-    def started(self) -> int:
+    def started(self) -> None:
         self.current = 0
-        return 0
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
@@ -292,10 +291,11 @@ class Hybrid(Strategy):
         ranks = self.layout.grid[self.replica]
         rows = [counts[r] for r in ranks]
         pending: list[Any] = []
+        outgoing = [features.contiguous(), labels.contiguous()]  # alive until the sends complete
         if self.stage != 0 and features.shape[0]:
-            pending.append(self.comm.send(features.contiguous(), self._first_rank, _tag(_TAG_FEATURES)))
+            pending.append(self.comm.send(outgoing[0], self._first_rank, _tag(_TAG_FEATURES)))
         if self.stage != self.last and labels.shape[0]:
-            pending.append(self.comm.send(labels.contiguous(), self._last_rank, _tag(_TAG_LABELS)))
+            pending.append(self.comm.send(outgoing[1], self._last_rank, _tag(_TAG_LABELS)))
         if self.stage == 0:
             features = torch.cat([features if k == 0 else self._recv_rows(ranks[k], rows[k], features, _TAG_FEATURES)
                                   for k in range(self.layout.stages)])
