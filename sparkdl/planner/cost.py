@@ -1,0 +1,146 @@
+"""The planner's cost model (ALGORITHMS.md, "Planner cost model"): step time, bytes sent per rank per
+step and memory per rank of each candidate layout. Pure functions over plain numbers; standard
+library only, so the planner's decisions are unit-tested in milliseconds.
+
+Units: seconds, bytes, FLOPs. `rows` is the batch of one rank (batch_size); every strategy consumes
+W x rows rows per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    params: int
+    flops: float  # forward FLOPs per row
+    out_bytes: float  # per row: what crosses a stage boundary after this layer
+    saved_bytes: float  # per row: activations kept for backward
+    kind: str = ""
+    in_features: int = 0  # Linear layers: for IST's subnet sizes
+    out_features: int = 0
+
+
+@dataclass(frozen=True)
+class Network:
+    latency_s: float
+    bandwidth_Bps: float  # bytes per second between two ranks
+
+
+@dataclass(frozen=True)
+class Workload:
+    layers: tuple[LayerCost, ...]
+    world: int
+    rows: int  # per rank per step
+    flops_per_s: float  # one rank's sustained FLOP/s on this model's work
+    optimizer_bytes_per_param: int  # parameter + gradient + optimizer state
+    input_bytes_per_row: float = 0.0
+    param_bytes: int = 4
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def flops_per_row(self) -> float:
+        return sum(layer.flops for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    bytes_per_step: float  # sent by one rank, per step (averaged over a sync period)
+    memory_bytes: float  # per rank, the largest rank
+
+
+def compute_s(flops_per_row: float, rows: float, flops_per_s: float) -> float:
+    """Forward + backward ~ 3 x forward FLOPs."""
+    return 3.0 * rows * flops_per_row / flops_per_s
+
+
+def allreduce_s(nbytes: float, world: int, net: Network) -> float:
+    """Ring allreduce: 2(W-1) latencies and 2(W-1)/W of the buffer over the slowest link."""
+    if world <= 1:
+        return 0.0
+    return 2 * (world - 1) * net.latency_s + 2 * (world - 1) / world * nbytes / net.bandwidth_Bps
+
+
+def allreduce_bytes(nbytes: float, world: int) -> float:
+    return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimate:
+    """T = C(B/W) + max(0, T_AR(grad bytes) - overlap x T_bwd). sparkdl averages after backward
+    (bucketed, not overlapped), so overlap defaults to 0."""
+    compute = compute_s(work.flops_per_row, work.rows, work.flops_per_s)
+    grad_bytes = work.params * work.param_bytes
+    exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3)
+    memory = work.params * work.optimizer_bytes_per_param + work.rows * sum(l.saved_bytes for l in work.layers)
+    return Estimate(compute + exposed, compute, exposed, allreduce_bytes(grad_bytes, work.world), memory)
+
+
+def diloco(work: Workload, net: Network, every: int) -> Estimate:
+    """T = C(B/W) + T_AR / H; the global copy and outer momentum add 8 bytes per parameter."""
+    compute = compute_s(work.flops_per_row, work.rows, work.flops_per_s)
+    grad_bytes = work.params * work.param_bytes
+    comm = allreduce_s(grad_bytes, work.world, net) / every
+    memory = work.params * (work.optimizer_bytes_per_param + 8) + work.rows * sum(l.saved_bytes for l in work.layers)
+    return Estimate(compute + comm, compute, comm, allreduce_bytes(grad_bytes, work.world) / every, memory)
+
+
+def stage_of_cuts(cuts: Sequence[int]) -> list[range]:
+    return [range(cuts[k], cuts[k + 1]) for k in range(len(cuts) - 1)]
+
+
+def hybrid(work: Workload, net: Network, cuts: Sequence[int], microbatches: int, one_f_one_b: bool = True
+           ) -> Estimate:
+    """T = (m-1) max_k(t_k + 2c_k) + sum_k t_k + 2 sum_k c_k + max_k T_AR(stage k, D), plus the
+    per-step gather of the replica's features (first stage) and labels (last stage)."""
+    stages = len(cuts) - 1
+    replicas = work.world // stages
+    replica_rows = stages * work.rows
+    micro_rows = replica_rows / microbatches
+    layers = [work.layers[r.start: r.stop] for r in stage_of_cuts(cuts)]
+    t = [compute_s(sum(l.flops for l in stage), micro_rows, work.flops_per_s) for stage in layers]
+    c = [net.latency_s + micro_rows * stage[-1].out_bytes / net.bandwidth_Bps for stage in layers[:-1]] + [0.0]
+    pipeline = (microbatches - 1) * max(tk + 2 * ck for tk, ck in zip(t, c)) + sum(t) + 2 * sum(c)
+    stage_grad_bytes = [sum(l.params for l in stage) * work.param_bytes for stage in layers]
+    sync = max(allreduce_s(nbytes, replicas, net) for nbytes in stage_grad_bytes)
+    gather = (stages - 1) * (net.latency_s + work.rows * (work.input_bytes_per_row + 8) / net.bandwidth_Bps)
+    comm = sync + 2 * sum(c) + (microbatches - 1) * 2 * max(c) + gather
+    boundary_bytes = [micro_rows * stage[-1].out_bytes * microbatches * 2 for stage in layers[:-1]] + [0.0]
+    sent = max(b + allreduce_bytes(g, replicas) for b, g in zip(boundary_bytes, stage_grad_bytes)) \
+        + work.rows * (work.input_bytes_per_row + 8)
+    memory = []
+    for k, stage in enumerate(layers):
+        in_flight = min(stages - k, microbatches) if one_f_one_b else microbatches
+        memory.append(sum(l.params for l in stage) * work.optimizer_bytes_per_param
+                      + in_flight * micro_rows * sum(l.saved_bytes for l in stage))
+    return Estimate(pipeline + sync + gather, sum(t) * microbatches / max(microbatches, 1), comm, sent, max(memory))
+
+
+def ist_subnet_params(work: Workload) -> float:
+    """d n1/W + sum n_l n_{l+1}/W^2 + n c/W (+ biases): the parameters one rank trains per round."""
+    linears = [l for l in work.layers if l.kind == "Linear"]
+    w = work.world
+    total = 0.0
+    for index, layer in enumerate(linears):
+        inputs = layer.in_features / (w if index > 0 else 1)
+        outputs = layer.out_features / (w if index < len(linears) - 1 else 1)
+        total += inputs * outputs + outputs
+    return total
+
+
+def ist(work: Workload, net: Network, every: int) -> Estimate:
+    """T = C_sub(B/W) + T_sync / R; T_sync: one allgather of the subnets (W-1 messages of p_sub)."""
+    sub = ist_subnet_params(work)
+    other_flops = sum(l.flops for l in work.layers if l.kind != "Linear")
+    compute = compute_s(2 * sub + other_flops / work.world, work.rows, work.flops_per_s)
+    sync = (work.world - 1) * (net.latency_s + sub * work.param_bytes / net.bandwidth_Bps) if work.world > 1 else 0.0
+    memory = work.params * work.param_bytes + sub * work.optimizer_bytes_per_param \
+        + work.rows * sum(l.saved_bytes for l in work.layers) / work.world
+    return Estimate(compute + sync / every, compute, sync / every,
+                    (work.world - 1) * sub * work.param_bytes / every, memory)

@@ -1,0 +1,131 @@
+"""Plan: every candidate layout with its predicted cost, the one chosen, and why. Standard library
+only: candidates come in as numbers (planner/cost.py), the choice and its explanation go out.
+
+The choice: among feasible candidates, the fastest predicted step, except that an exact strategy
+(data parallel, hybrid: the update equals synchronous training) is kept whenever it is predicted
+within EXACT_MARGIN of the fastest, since DiLoCo and IST change the optimisation. This is
+ALGORITHMS.md's rule list in one line: fits and communication is cheap -> data parallel; does not fit
+-> hybrid (the fastest K that fits); communication-bound -> IST for wide MLPs, otherwise DiLoCo.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+EXACT = ("data_parallel", "hybrid")
+EXACT_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # "data_parallel", "diloco", "hybrid" or "ist"
+    options: tuple[tuple[str, Any], ...]  # the RunConfig options that select it
+    predicted_step_s: float
+    bytes_per_step: float
+    memory_bytes: float
+    feasible: bool
+    reason: str  # why infeasible, or what limits it
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+
+    @property
+    def label(self) -> str:
+        shown = {k: v for k, v in self.options if k not in ("strategy", "sync")}
+        return self.strategy + ("(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")" if shown else "")
+
+    def config_options(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclass(frozen=True)
+class Plan:
+    candidates: tuple[Candidate, ...]
+    chosen: int
+    world: int
+    latency_s: float
+    bandwidth_Bps: float
+    emulated: bool = False
+    memory_budget: float | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.chosen < len(self.candidates):
+            raise ValueError(f"chosen index {self.chosen} is not a candidate")
+        chosen = self.candidates[self.chosen]
+        if not chosen.feasible:
+            raise ValueError(f"the chosen candidate {chosen.label} is not feasible: {chosen.reason}")
+        stages = dict(chosen.options).get("stages", 1)
+        if self.world % stages:
+            raise ValueError(f"{chosen.label}: {stages} stages do not divide {self.world} workers")
+
+    @property
+    def choice(self) -> Candidate:
+        return self.candidates[self.chosen]
+
+    @property
+    def strategy(self) -> str:
+        return self.choice.strategy
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.choice.config_options()
+
+    def explain(self) -> str:
+        """A table of every candidate, the chosen one marked, and the reasons."""
+        network = (f"{self.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s, {self.latency_s * 1e3:.3g} ms latency"
+                   + (" (EMULATED network)" if self.emulated else " (measured)"))
+        budget = f", memory budget {_size(self.memory_budget)} per rank" if self.memory_budget else ""
+        lines = [f"sparkdl plan: {self.world} workers, {network}{budget}",
+                 f"chosen: {self.choice.label} - {self.choice.reason}", ""]
+        header = ("", "strategy", "step (ms)", "compute", "comm", "sent/step", "memory/rank", "feasible", "why")
+        rows = [header]
+        for index, c in enumerate(self.candidates):
+            rows.append(("*" if index == self.chosen else "", c.label, f"{c.predicted_step_s * 1e3:.2f}",
+                         f"{c.compute_s * 1e3:.2f}", f"{c.comm_s * 1e3:.2f}", _size(c.bytes_per_step),
+                         _size(c.memory_bytes), "yes" if c.feasible else "no", c.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        for row in rows:
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def as_params(self) -> dict[str, str]:
+        """MLflow params: the choice and its predicted terms."""
+        c = self.choice
+        return {"plan.choice": c.label, "plan.predicted_step_ms": f"{c.predicted_step_s * 1e3:.3f}",
+                "plan.predicted_compute_ms": f"{c.compute_s * 1e3:.3f}", "plan.predicted_comm_ms": f"{c.comm_s * 1e3:.3f}",
+                "plan.predicted_bytes_per_step": f"{c.bytes_per_step:.0f}",
+                "plan.predicted_memory_bytes": f"{c.memory_bytes:.0f}",
+                "plan.network": f"{self.bandwidth_Bps * 8 / 1e9:.4g} Gbit/s, {self.latency_s * 1e3:.4g} ms"
+                                + (" (emulated)" if self.emulated else ""),
+                "plan.candidates": str(len(self.candidates))}
+
+
+def choose(candidates: list[Candidate]) -> tuple[int, str]:
+    """Index of the chosen candidate and the reason; ValueError when none is feasible."""
+    feasible = [i for i, c in enumerate(candidates) if c.feasible]
+    if not feasible:
+        raise ValueError("no candidate layout is feasible")
+    fastest = min(feasible, key=lambda i: candidates[i].predicted_step_s)
+    best = candidates[fastest].predicted_step_s
+    exact = [i for i in feasible if candidates[i].strategy in EXACT
+             and candidates[i].predicted_step_s <= best * (1 + EXACT_MARGIN)]
+    if exact:
+        index = min(exact, key=lambda i: candidates[i].predicted_step_s)
+        c = candidates[index]
+        if index == fastest:
+            return index, f"fastest predicted step ({c.predicted_step_s * 1e3:.2f} ms), exact updates"
+        return index, (f"exact updates within {EXACT_MARGIN:.0%} of the fastest ({candidates[fastest].label}, "
+                       f"{best * 1e3:.2f} ms)")
+    c = candidates[fastest]
+    return fastest, (f"fastest predicted step ({best * 1e3:.2f} ms); exact strategies are communication-bound "
+                     f"(best {min((candidates[i].predicted_step_s for i in feasible if candidates[i].strategy in EXACT), default=float('inf')) * 1e3:.2f} ms)")
+
+
+def _size(nbytes: float | None) -> str:
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
