@@ -1,0 +1,107 @@
+"""The planner's pure cost model and choice (planner/cost.py, planner/plan.py): milliseconds, no torch."""
+from __future__ import annotations
+
+import pytest
+
+from sparkdl.planner import cost
+from sparkdl.planner.plan import Candidate, Plan, choose
+
+GBPS = 1e9 / 8
+
+
+def mlp_layers(widths: list[int]) -> tuple[cost.LayerCost, ...]:
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers.append(cost.LayerCost(params=a * b + b, flops=2.0 * a * b, out_bytes=4.0 * b, saved_bytes=4.0 * a,
+                                     kind="Linear", in_features=a, out_features=b))
+    return tuple(layers)
+
+
+def work(widths: list[int], world: int = 4, rows: int = 64, flops: float = 5e10) -> cost.Workload:
+    return cost.Workload(layers=mlp_layers(widths), world=world, rows=rows, flops_per_s=flops,
+                         optimizer_bytes_per_param=16, input_bytes_per_row=4.0 * widths[0])
+
+
+def test_allreduce_time_is_the_ring_formula() -> None:
+    net = cost.Network(latency_s=1e-4, bandwidth_Bps=1e9)
+    assert cost.allreduce_s(1e9, 4, net) == pytest.approx(6 * 1e-4 + 1.5)
+    assert cost.allreduce_s(1e9, 1, net) == 0.0
+    assert cost.allreduce_bytes(100.0, 2) == 100.0
+
+
+def test_data_parallel_is_compute_plus_exposed_allreduce() -> None:
+    w = work([1024, 1024, 10])
+    fast, slow = cost.Network(1e-5, 10 * GBPS), cost.Network(1e-3, 0.01 * GBPS)
+    a, b = cost.data_parallel(w, fast), cost.data_parallel(w, slow)
+    assert a.compute_s == b.compute_s == pytest.approx(3 * 64 * w.flops_per_row / 5e10)
+    assert b.comm_s > 100 * a.comm_s
+    assert a.bytes_per_step == pytest.approx(1.5 * w.params * 4)
+    assert a.memory_bytes == pytest.approx(16 * w.params + 64 * (1024 + 1024) * 4)
+
+
+def test_diloco_divides_communication_by_h() -> None:
+    w, net = work([1024, 1024, 10]), cost.Network(1e-3, 0.1 * GBPS)
+    dp, di = cost.data_parallel(w, net), cost.diloco(w, net, 50)
+    assert di.comm_s == pytest.approx(dp.comm_s / 50)
+    assert di.bytes_per_step == pytest.approx(dp.bytes_per_step / 50)
+    assert di.memory_bytes == pytest.approx(dp.memory_bytes + 8 * w.params)
+
+
+def test_hybrid_follows_the_bubble_law_on_a_free_network() -> None:
+    w = work([512] * 9, world=2)
+    free = cost.Network(0.0, 1e30)
+    one = cost.hybrid(w, free, [0, 4, 8], 1)
+    many = cost.hybrid(w, free, [0, 4, 8], 8)
+    # balanced stages: (m + K - 1) t; t = the stage's time for one micro-batch
+    stage_full = cost.compute_s(sum(l.flops for l in w.layers[:4]), 2 * 64, 5e10)
+    assert one.step_s == pytest.approx(2 * stage_full)
+    assert many.step_s == pytest.approx((8 + 1) * stage_full / 8)
+    # 1F1B holds fewer micro-batches than GPipe
+    assert cost.hybrid(w, free, [0, 4, 8], 8, one_f_one_b=True).memory_bytes < \
+        cost.hybrid(w, free, [0, 4, 8], 8, one_f_one_b=False).memory_bytes
+    # each stage keeps about half of the parameters' state
+    assert many.memory_bytes < cost.data_parallel(w, free).memory_bytes
+
+
+def test_ist_subnet_size_and_savings() -> None:
+    w = work([64, 1024, 1024, 10], world=2)
+    sub = cost.ist_subnet_params(w)
+    assert sub == pytest.approx(64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10)
+    net = cost.Network(1e-3, 0.01 * GBPS)
+    ist, dp = cost.ist(w, net, 30), cost.data_parallel(w, net)
+    assert ist.bytes_per_step < dp.bytes_per_step / 20
+    assert ist.compute_s < dp.compute_s
+
+
+def candidate(strategy: str, step: float, feasible: bool = True, **options: object) -> Candidate:
+    return Candidate(strategy=strategy, options=tuple({"strategy": strategy, **options}.items()),
+                     predicted_step_s=step, bytes_per_step=1.0, memory_bytes=1.0, feasible=feasible,
+                     reason="" if feasible else "over the memory budget")
+
+
+def test_choose_prefers_exact_updates_within_the_margin() -> None:
+    index, reason = choose([candidate("data_parallel", 1.05), candidate("diloco", 1.0, sync_every=50)])
+    assert index == 0 and "exact" in reason
+    index, reason = choose([candidate("data_parallel", 2.0), candidate("diloco", 1.0, sync_every=50),
+                            candidate("ist", 0.8, ist_sync_every=30)])
+    assert index == 2 and "communication-bound" in reason
+    index, _ = choose([candidate("data_parallel", 1.0, feasible=False), candidate("hybrid", 3.0, stages=2),
+                       candidate("hybrid", 2.0, stages=4)])
+    assert index == 2
+    with pytest.raises(ValueError, match="no candidate"):
+        choose([candidate("data_parallel", 1.0, feasible=False)])
+
+
+def test_plan_is_validated_and_explains_every_candidate() -> None:
+    candidates = (candidate("data_parallel", 0.002), candidate("hybrid", 0.004, stages=2, microbatches=8),
+                  candidate("ist", 0.001, feasible=False))
+    plan = Plan(candidates=candidates, chosen=0, world=4, latency_s=1e-4, bandwidth_Bps=1 * GBPS, emulated=True,
+                memory_budget=2**30)
+    text = plan.explain()
+    assert "EMULATED" in text and "hybrid(stages=2, microbatches=8)" in text and "over the memory budget" in text
+    assert text.count("\n") >= 5 and plan.strategy == "data_parallel"
+    assert plan.as_params()["plan.choice"] == "data_parallel"
+    with pytest.raises(ValueError, match="not feasible"):
+        Plan(candidates=candidates, chosen=2, world=4, latency_s=0, bandwidth_Bps=1)
+    with pytest.raises(ValueError, match="do not divide"):
+        Plan(candidates=(candidate("hybrid", 1.0, stages=3),), chosen=0, world=4, latency_s=0, bandwidth_Bps=1)
