@@ -15,7 +15,7 @@ def __getattr__(name: str) -> Any:
         from sparkdl import estimator
 
         return getattr(estimator, name)
-    if name in ("run", "fit", "predict"):
+    if name in ("run", "fit", "predict", "plan"):
         from sparkdl import api
 
         return getattr(api, name)
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sparkdl' has no attribute {name!r}")
 
 
-__all__ = ["RunConfig", "SparkdlError", "TorchEstimator", "TorchModel", "run", "fit", "predict", "__version__"]
+__all__ = ["RunConfig", "SparkdlError", "TorchEstimator", "TorchModel", "run", "fit", "plan", "predict", "__version__"]

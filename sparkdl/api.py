@@ -113,6 +113,58 @@ def check_backend(config: RunConfig) -> None:
         import_horovod()
 
 
+def worker_threads(spark: Any, config: RunConfig) -> int:
+    """torch threads a training rank will get (as launch/worker.py chooses them)."""
+    import os
+
+    if config.launch.threads_per_worker:
+        return config.launch.threads_per_worker
+    master = spark.sparkContext.master
+    if master.startswith("local"):
+        return max(1, (os.cpu_count() or 1) // config.launch.num_workers)
+    return max(1, int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
+
+
+def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any) -> Any:
+    """Profile the model, measure (or recall) the cluster, price every layout, choose one."""
+    import logging
+
+    from sparkdl.comm import backend_class
+    from sparkdl.planner.candidates import build_plan
+    from sparkdl.planner.cluster import cluster_info
+
+    threads = worker_threads(spark, config)
+    cluster = cluster_info(spark, config.launch.num_workers, config.launch.threads_per_worker)
+    try:
+        result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads)
+    except ValueError as exc:
+        from sparkdl.errors import ResourceError
+
+        raise ResourceError(f"the planner found no layout that fits: {exc}",
+                            hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
+    logging.getLogger("sparkdl").info("%s", result.explain())
+    if config.tracking.progress:
+        print(result.explain(), flush=True)
+    return result
+
+
+def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -> Any:
+    """The Plan a fit with these options would follow (strategy="auto"), without training:
+    `plan.strategy`, `plan.candidates`, `plan.explain()`."""
+    from sparkdl.data.feed import check_columns, prepare
+    from sparkdl.launch.objectives import is_classification
+
+    config = RunConfig.from_kwargs(base=config, **options).validate()
+    data = config.data
+    check_columns(df, list(data.feature_cols) + ([data.label_col] if data.label_col else []))
+    classification = is_classification(config.train, label_is_integral(df, data.label_col))
+    prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
+                       num_workers=config.launch.num_workers, seed=config.train.seed)
+    module, _ = probe_model(model, config, prepared.layout.num_features)
+    return make_plan(module, config.merged({"tracking": {"progress": False}}), prepared.layout.num_features,
+                     _spark(df))
+
+
 def plan_strategy(module: Any, config: RunConfig, layout: Any) -> tuple[Any, dict[str, str]]:
     """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
     configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
@@ -190,14 +242,27 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
     module, out_width = probe_model(model, config, prepared.layout.num_features)
     check_output_width(config, out_width, prepared.layout.num_classes)
     check_enough_rows(config, prepared.num_rows)
+    auto_plan = None
+    if config.train.strategy == "auto":
+        auto_plan = make_plan(module, config, prepared.layout.num_features, _spark(df))
+        config = config.merged({"train": auto_plan.options})
     check_backend(config)
     plan, plan_params = plan_strategy(module, config, prepared.layout)
+    if auto_plan is not None:
+        plan_params.update(auto_plan.as_params())
     ship_by_value(model, config.train.loss, config.train.optimizer)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=prepared.layout, model=model, plan=plan)
     check_picklable(spec)
     tracker = new_tracker(config)
     tracker.start(params={**run_params(config, df, prepared), **plan_params}, tags={"sparkdl.run_id": spec.run_id})
+    if auto_plan is not None:
+        tracker.log_text(auto_plan.explain(), "plan.txt")
     state, history = tracked_submit(_spark(df), prepared.df, spec, tracker)
+    if auto_plan is not None and history and history[-1].get("steps"):
+        # Beside the prediction: the measured step time of the last epoch (data loading included).
+        measured = 1e3 * history[-1]["seconds"] / history[-1]["steps"]
+        tracker.log_metric_points([({"plan_measured_step_ms": measured,
+                                     "plan_predicted_step_ms": 1e3 * auto_plan.choice.predicted_step_s}, 0)])
     module.load_state_dict(state)
     module.eval()
     kind = output_kind(config, classification, out_width)

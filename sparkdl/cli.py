@@ -231,9 +231,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
         spark.stop()
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from sparkdl import api
+
+    config = load_config(args.conf, args.overrides)
+    fmt = input_format(config)
+    spark, created = get_spark(args.master)
+    try:
+        df = read_input(spark, config, fmt)
+        factory, _, _ = model_factory(df, config)
+        result = api.plan(factory, df, config=config.merged({"train": {"strategy": "auto"}}))
+        print(result.explain())
+        print(json.dumps({"strategy": result.strategy, "options": result.options,
+                          "predicted_step_s": result.choice.predicted_step_s, "emulated": result.emulated}))
+        return 0
+    finally:
+        if created:
+            spark.stop()
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sparkdl", description="Train PyTorch models on Spark DataFrames.")
-    sub = top.add_subparsers(dest="command", required=True, metavar="{train,demo}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="{train,plan,demo}")
     train = sub.add_parser("train", help="train an MLP described by a TOML config file")
     train.add_argument("--conf", required=True, metavar="PATH", help="TOML file (see conf/examples/)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -241,6 +260,13 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--master", help="Spark master (default: spark-submit's, else local[2]; an active "
                                         "session is always reused)")
     train.set_defaults(func=cmd_train)
+    plan = sub.add_parser("plan", help="print the layout the planner would choose, and every alternative, "
+                                       "without training")
+    plan.add_argument("--conf", required=True, metavar="PATH", help="TOML file (see conf/examples/)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one option (repeatable); train.strategy is treated as 'auto'")
+    plan.add_argument("--master", help="Spark master (as for train)")
+    plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="train on the bundled digits and print the test accuracy")
     demo.add_argument("--master", default="local-cluster[2,1,1024]", help="default: %(default)s")
     demo.add_argument("--epochs", type=int, default=15, help="default: %(default)s")

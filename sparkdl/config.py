@@ -20,7 +20,7 @@ from sparkdl.errors import ConfigError
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-STRATEGIES = ("data_parallel", "hybrid", "ist")
+STRATEGIES = ("data_parallel", "hybrid", "ist", "auto")
 SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16")
@@ -130,9 +130,17 @@ class LaunchConfig:
     threads_per_worker: int | None = None
     run_dir: str | None = None
     max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
+    emulate_network: dict | None = None  # {"latency_ms": .., "gbps": ..}: slow every message down (experiments)
 
     def validate(self) -> None:
         _positive_int("launch.num_workers", self.num_workers)
+        if self.emulate_network is not None:
+            emulated = self.emulate_network
+            if not isinstance(emulated, dict) or set(emulated) - {"latency_ms", "gbps"} or "gbps" not in emulated \
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in emulated.values()) \
+                    or emulated["gbps"] <= 0 or emulated.get("latency_ms", 0) < 0:
+                raise ConfigError(f"launch.emulate_network must be a table {{latency_ms = >= 0, gbps = > 0}}, "
+                                  f"got {emulated!r}", hint='for example emulate_network={"latency_ms": 1, "gbps": 0.1}')
         if self.max_memory_per_rank is not None:
             parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
         _choice("launch.backend", self.backend, BACKENDS)

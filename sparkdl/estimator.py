@@ -37,7 +37,7 @@ class TorchEstimator(Estimator, MLWritable):
         result = api.fit(dataset, self.model, self.config, validation_df=self.validation_df)
         model = TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
                            history=result.history, prediction_col=self.config.data.prediction_col,
-                           run_id=result.extra.get("mlflow_run_id"), options=self.config.flat())
+                           run_id=result.extra.get("mlflow_run_id"), options=result.config.flat())
         model.model_uri = result.extra.get("model_uri")  # the MLflow model (pyfunc-loadable)
         return model
 

@@ -183,6 +183,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s,
                                     exchange=context.allGather)
         stack.callback(comm.close)
+        comm = _maybe_emulate(spec, comm)
         # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
         stack.push(lambda kind, exc, tb: report_error(client, exc) if isinstance(exc, Exception) else None)
         row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
@@ -209,6 +210,19 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
     if payload is not None:
         for seq, start in enumerate(range(0, max(len(payload), 1), RESULT_CHUNK_BYTES)):
             yield _result_batch(world.rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES])
+
+
+def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
+    options = spec.config.launch.emulate_network
+    if not options:
+        return comm
+    from sparkdl.comm.emulated import EmulatedNetwork, network_from_options
+
+    latency_s, bandwidth = network_from_options(options)
+    if comm.rank == 0:
+        print(f"sparkdl: EMULATED network: every message slowed to {latency_s * 1e3:g} ms latency and "
+              f"{bandwidth * 8 / 1e9:g} Gbit/s (launch.emulate_network); timings are not this cluster's", flush=True)
+    return EmulatedNetwork(comm, latency_s, bandwidth)
 
 
 def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> tuple[Any, Any]:

@@ -1,7 +1,8 @@
 """Plan: every candidate layout with its predicted cost, the one chosen, and why. Standard library
 only: candidates come in as numbers (planner/cost.py), the choice and its explanation go out.
 
-The choice: among feasible candidates, the fastest predicted step, except that an exact strategy
+The choice: data parallel when it fits and its exposed allreduce is at most CHEAP_COMM of its compute;
+otherwise, among feasible candidates, the fastest predicted step, except that an exact strategy
 (data parallel, hybrid: the update equals synchronous training) is kept whenever it is predicted
 within EXACT_MARGIN of the fastest, since DiLoCo and IST change the optimisation. This is
 ALGORITHMS.md's rule list in one line: fits and communication is cheap -> data parallel; does not fit
@@ -14,6 +15,7 @@ from typing import Any
 
 EXACT = ("data_parallel", "hybrid")
 EXACT_MARGIN = 0.10
+CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,12 @@ def choose(candidates: list[Candidate]) -> tuple[int, str]:
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     if not feasible:
         raise ValueError("no candidate layout is feasible")
+    for i in feasible:
+        c = candidates[i]
+        if c.strategy == "data_parallel" and c.comm_s <= CHEAP_COMM * c.compute_s:
+            # IST may still predict a shorter step, but only by training a subnet: not worth it here.
+            return i, (f"fits, and its exposed allreduce ({c.comm_s * 1e3:.2f} ms) is at most "
+                       f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
     fastest = min(feasible, key=lambda i: candidates[i].predicted_step_s)
     best = candidates[fastest].predicted_step_s
     exact = [i for i in feasible if candidates[i].strategy in EXACT

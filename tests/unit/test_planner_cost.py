@@ -76,7 +76,14 @@ def test_ist_subnet_size_and_savings() -> None:
 def candidate(strategy: str, step: float, feasible: bool = True, **options: object) -> Candidate:
     return Candidate(strategy=strategy, options=tuple({"strategy": strategy, **options}.items()),
                      predicted_step_s=step, bytes_per_step=1.0, memory_bytes=1.0, feasible=feasible,
-                     reason="" if feasible else "over the memory budget")
+                     reason="" if feasible else "over the memory budget", compute_s=step / 2, comm_s=step / 2)
+
+
+def test_cheap_communication_keeps_data_parallel_even_if_ist_computes_less() -> None:
+    dp = Candidate("data_parallel", (("strategy", "data_parallel"),), 1.1, 1.0, 1.0, True, "", compute_s=1.0,
+                   comm_s=0.1)
+    index, reason = choose([dp, candidate("ist", 0.5, ist_sync_every=30)])
+    assert index == 0 and "at most 20% of compute" in reason
 
 
 def test_choose_prefers_exact_updates_within_the_margin() -> None:

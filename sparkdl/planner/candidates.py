@@ -1,0 +1,129 @@
+"""Build the planner's candidates for one model, configuration and cluster, and choose (driver side).
+
+Compute: each top-level layer's forward + backward is timed on the driver with a rank's thread count
+(planner/profile.py) and converted to FLOPs at the driver's measured matrix-product rate; a rank's
+time is then those FLOPs at the rank's measured rate (planner/cluster.py), so layers that run below
+peak (small or element-wise ones) keep their real cost. Network: the slowest measured link, or the
+emulated one. Then every candidate of ALGORITHMS.md's list is priced by planner/cost.py:
+data parallel; DiLoCo with H in DILOCO_H; hybrid for each K dividing W with m in {K, 2K, 4K, 8K};
+IST for eligible MLPs. Infeasible ones stay in the table with the reason.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.config import RunConfig, parse_bytes
+from sparkdl.planner import cost
+from sparkdl.planner.cluster import ClusterInfo, matmul_flops
+from sparkdl.planner.partition import balanced_cuts
+from sparkdl.planner.plan import Candidate, Plan, choose
+from sparkdl.planner.profile import ModelProfile, profile_sequential
+from sparkdl.planner.stages import optimizer_bytes_per_param
+
+DILOCO_H = (10, 50)
+IST_R = 30
+
+
+def whole_model_profile(model: nn.Module, num_features: int, rows: int) -> ModelProfile:
+    """A model that is not an nn.Sequential is one layer for the planner (data parallel, DiLoCo)."""
+    return profile_sequential(nn.Sequential(model), (num_features,), rows=rows)
+
+
+def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: ClusterInfo,
+               backend_ops: frozenset[str], threads: int = 1) -> Plan:
+    train, workers, rows = config.train, config.launch.num_workers, config.data.batch_size
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # time layers as a rank will run them
+    try:
+        profile = profile_sequential(model, (num_features,), rows=rows) if isinstance(model, nn.Sequential) \
+            else whole_model_profile(model, num_features, rows)
+        driver_flops = matmul_flops(threads)
+    finally:
+        torch.set_num_threads(previous)
+    layers = tuple(cost.LayerCost(params=layer.params, flops=layer.seconds * driver_flops / (3 * rows),
+                                  out_bytes=layer.out_bytes, saved_bytes=layer.saved_bytes, kind=layer.kind,
+                                  in_features=getattr(_layer(model, layer.index), "in_features", 0),
+                                  out_features=getattr(_layer(model, layer.index), "out_features", 0))
+                   for layer in profile.layers)
+    per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
+    work = cost.Workload(layers=layers, world=workers, rows=rows, flops_per_s=cluster.slowest_flops,
+                         optimizer_bytes_per_param=per_param, input_bytes_per_row=4.0 * num_features)
+    emulated = config.launch.emulate_network
+    if emulated:
+        from sparkdl.comm.emulated import network_from_options
+
+        latency, bandwidth = network_from_options(emulated)
+    else:
+        latency, bandwidth = cluster.worst_link()
+    net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth)
+    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
+        if config.launch.max_memory_per_rank is not None else None
+    candidates = _candidates(model, config, work, net, budget, backend_ops, profile)
+    index, reason = choose(candidates)
+    chosen = candidates[index]
+    candidates[index] = Candidate(**{**chosen.__dict__, "reason": reason})
+    notes = [f"compute: {cluster.slowest_flops / 1e9:.1f} GFLOP/s per rank (slowest of {workers}), profiled with "
+             f"{threads} thread(s) at batch {rows}",
+             "emulated network: timings are for the emulated links, not this cluster's" if emulated else
+             f"network: slowest measured link of {workers} ranks"]
+    return Plan(candidates=tuple(candidates), chosen=index, world=workers, latency_s=latency, bandwidth_Bps=bandwidth,
+                emulated=bool(emulated), memory_budget=budget, notes=tuple(notes))
+
+
+def _layer(model: nn.Module, index: int) -> Any:
+    return model[index] if isinstance(model, nn.Sequential) else model
+
+
+def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
+    if budget is not None and memory > budget:
+        return False, f"needs {memory / 2**20:.1f} MiB per rank, over the budget"
+    return True, ""
+
+
+def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
+                backend_ops: frozenset[str], profile: ModelProfile) -> list[Candidate]:
+    from sparkdl.strategies.ist import ist_layout
+
+    out: list[Candidate] = []
+
+    def add(strategy: str, options: dict[str, Any], estimate: cost.Estimate, feasible: bool, reason: str) -> None:
+        if feasible:
+            feasible, reason = _fits(estimate.memory_bytes, budget)
+        out.append(Candidate(strategy=strategy, options=tuple(options.items()),
+                             predicted_step_s=estimate.step_s, bytes_per_step=estimate.bytes_per_step,
+                             memory_bytes=estimate.memory_bytes, feasible=feasible, reason=reason,
+                             compute_s=estimate.compute_s, comm_s=estimate.comm_s))
+
+    add("data_parallel", {"strategy": "data_parallel", "sync": "allreduce"}, cost.data_parallel(work, net), True, "")
+    for every in DILOCO_H:
+        add("diloco", {"strategy": "data_parallel", "sync": "diloco", "sync_every": every},
+            cost.diloco(work, net, every), True, "")
+    workers = work.world
+    layers = len(profile.layers)
+    has_p2p = {"send_recv", "subgroup"} <= backend_ops
+    for stages in [k for k in range(2, workers + 1) if workers % k == 0]:
+        for micro in sorted({stages, 2 * stages, 4 * stages, 8 * stages}):
+            options = {"strategy": "hybrid", "stages": stages, "microbatches": micro}
+            if not isinstance(model, nn.Sequential) or stages > layers:
+                why = "not an nn.Sequential" if not isinstance(model, nn.Sequential) else \
+                    f"{stages} stages > {layers} layers"
+                out.append(Candidate("hybrid", tuple(options.items()), math.inf, math.inf, math.inf, False, why))
+                continue
+            if micro > stages * work.rows:
+                continue
+            cuts = balanced_cuts([layer.seconds for layer in profile.layers], stages)
+            add("hybrid", options, cost.hybrid(work, net, cuts, micro, config.train.schedule == "1f1b"),
+                has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
+    if workers >= 2:
+        try:
+            ist_layout(model, workers, IST_R, "scale", 0)
+            eligible, why = True, ""
+        except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
+            eligible, why = False, str(exc).splitlines()[0][:120]
+        estimate = cost.ist(work, net, IST_R) if eligible else cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
+        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, estimate, eligible, why)
+    return out

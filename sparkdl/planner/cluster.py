@@ -1,0 +1,161 @@
+"""ClusterInfo: what the planner knows about the cluster, from Spark and from a calibration probe.
+
+The probe is a short barrier job (`sparkdl.run`) of num_workers ranks that measures each rank's
+matrix-product FLOP/s (with the threads a training rank gets) and, for every pair of ranks, the
+latency (8-byte ping-pong) and bandwidth (4 MiB ping-pong). Results are cached per cluster (master,
+executors, worker count) for CACHE_TTL_S in ~/.cache/sparkdl/calibration.json, so only the first
+plan of a session pays for it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CACHE_TTL_S = 3600.0
+MATMUL_SIZE = 512
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    master: str
+    workers: int
+    executors: tuple[str, ...]  # executor host:port ids, driver excluded
+    flops_per_s: tuple[float, ...]  # per rank
+    latency_s: tuple[tuple[float, ...], ...]  # [i][j] between ranks i and j
+    bandwidth_Bps: tuple[tuple[float, ...], ...]
+    measured_at: float
+    probe_s: float
+
+    @property
+    def slowest_flops(self) -> float:
+        return min(self.flops_per_s)
+
+    def worst_link(self) -> tuple[float, float]:
+        """(largest latency, smallest bandwidth) over all pairs: a ring runs at its slowest link."""
+        pairs = [(i, j) for i in range(self.workers) for j in range(self.workers) if i != j]
+        if not pairs:
+            return 0.0, float("inf")
+        return max(self.latency_s[i][j] for i, j in pairs), min(self.bandwidth_Bps[i][j] for i, j in pairs)
+
+
+def matmul_flops(threads: int | None = None, size: int = MATMUL_SIZE, repeats: int = 5) -> float:
+    """FLOP/s of a float32 (size x size) @ (size x size) product with this many torch threads."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        a @ b  # warm-up
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - started)
+        return 2.0 * size ** 3 / statistics.median(times)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _probe(ctx: Any) -> dict[str, Any]:
+    """Runs on every rank of the calibration job."""
+    import torch
+
+    flops = matmul_flops()
+    world, rank = ctx.world_size, ctx.rank
+    latency = [[0.0] * world for _ in range(world)]
+    bandwidth = [[float("inf")] * world for _ in range(world)]
+    small, large = torch.zeros(2), torch.zeros(1 << 20)  # 8 bytes, 4 MiB
+    for i in range(world):
+        for j in range(i + 1, world):
+            for buffer, rounds, table in ((small, 20, latency), (large, 3, bandwidth)):
+                ctx.comm.barrier()
+                times = []
+                for _ in range(rounds):
+                    started = time.perf_counter()
+                    if rank == i:
+                        ctx.comm.send(buffer, j, 31).wait()
+                        ctx.comm.recv(buffer, j, 32)
+                    elif rank == j:
+                        ctx.comm.recv(buffer, i, 31)
+                        ctx.comm.send(buffer, i, 32).wait()
+                    times.append((time.perf_counter() - started) / 2)
+                if rank == i:
+                    one_way = statistics.median(times)
+                    if table is latency:
+                        latency[i][j] = latency[j][i] = one_way
+                    else:
+                        nbytes = buffer.numel() * buffer.element_size()
+                        seconds = max(one_way - latency[i][j], 1e-9)
+                        bandwidth[i][j] = bandwidth[j][i] = nbytes / seconds
+    gathered = ctx.comm.allgather_object({"flops": flops, "latency": latency, "bandwidth": bandwidth})
+    merged_latency = [[max(g["latency"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
+    merged_bandwidth = [[min(g["bandwidth"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
+    return {"flops": [g["flops"] for g in gathered], "latency": merged_latency, "bandwidth": merged_bandwidth}
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("SPARKDL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkdl")
+    return Path(root) / "calibration.json"
+
+
+def _executors(spark: Any) -> tuple[str, ...]:
+    try:
+        infos = spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()  # noqa: SLF001
+        hosts = sorted(f"{e.host()}:{e.port()}" for e in infos)
+        return tuple(hosts[1:]) if len(hosts) > 1 else tuple(hosts)  # the first entry is the driver
+    except Exception:  # noqa: BLE001 - Spark Connect: no JVM view
+        return ()
+
+
+def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False,
+                 backend: str = "torch") -> ClusterInfo:
+    """Measured (or cached) facts about the ranks a run of `workers` workers would get."""
+    master = spark.sparkContext.master
+    executors = _executors(spark)
+    key = f"{master}|{workers}|{','.join(executors)}"
+    path = _cache_path()
+    cache: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    entry = cache.get(key)
+    if entry and not refresh and time.time() - entry["measured_at"] < CACHE_TTL_S:
+        return _from_entry(entry)
+    import sparkdl
+
+    started = time.perf_counter()
+    options: dict[str, Any] = {"progress": False, "backend": "torch"}
+    if threads_per_worker:
+        options["threads_per_worker"] = threads_per_worker
+    probe = sparkdl.run(_probe, num_workers=workers, **options)
+    info = ClusterInfo(master=master, workers=workers, executors=executors,
+                       flops_per_s=tuple(probe["flops"]),
+                       latency_s=tuple(tuple(r) for r in probe["latency"]),
+                       bandwidth_Bps=tuple(tuple(r) for r in probe["bandwidth"]),
+                       measured_at=time.time(), probe_s=time.perf_counter() - started)
+    cache[key] = asdict(info)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home only costs the next plan another probe
+    return info
+
+
+def _from_entry(entry: dict[str, Any]) -> ClusterInfo:
+    return ClusterInfo(master=entry["master"], workers=entry["workers"], executors=tuple(entry["executors"]),
+                       flops_per_s=tuple(entry["flops_per_s"]),
+                       latency_s=tuple(tuple(r) for r in entry["latency_s"]),
+                       bandwidth_Bps=tuple(tuple(r) for r in entry["bandwidth_Bps"]),
+                       measured_at=entry["measured_at"], probe_s=entry["probe_s"])
