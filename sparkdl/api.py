@@ -165,13 +165,14 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
                      _spark(df))
 
 
-def plan_strategy(module: Any, config: RunConfig, layout: Any) -> tuple[Any, dict[str, str]]:
+def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = None) -> tuple[Any, dict[str, str]]:
     """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
     configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
     from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
 
     if config.train.strategy == "hybrid":
-        hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32")
+        hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32",
+                                              links)
         return hybrid, describe(hybrid, profile, memory)
     check_data_parallel_memory(module, config, layout.num_features)
     if config.train.strategy == "ist":
@@ -247,7 +248,8 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
         auto_plan = make_plan(module, config, prepared.layout.num_features, _spark(df))
         config = config.merged({"train": auto_plan.options})
     check_backend(config)
-    plan, plan_params = plan_strategy(module, config, prepared.layout)
+    links = (auto_plan.link_latency_s, auto_plan.link_bandwidth_Bps) if auto_plan is not None else None
+    plan, plan_params = plan_strategy(module, config, prepared.layout, links)
     if auto_plan is not None:
         plan_params.update(auto_plan.as_params())
     ship_by_value(model, config.train.loss, config.train.optimizer)

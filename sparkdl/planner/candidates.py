@@ -71,7 +71,9 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
              "emulated network: timings are for the emulated links, not this cluster's" if emulated else
              f"network: slowest measured link of {workers} ranks"]
     return Plan(candidates=tuple(candidates), chosen=index, world=workers, latency_s=latency, bandwidth_Bps=bandwidth,
-                emulated=bool(emulated), memory_budget=budget, notes=tuple(notes))
+                emulated=bool(emulated), memory_budget=budget, notes=tuple(notes),
+                link_latency_s=() if emulated else cluster.latency_s,
+                link_bandwidth_Bps=() if emulated else cluster.bandwidth_Bps)
 
 
 def _layer(model: nn.Module, index: int) -> Any:

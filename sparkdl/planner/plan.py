@@ -49,6 +49,8 @@ class Plan:
     emulated: bool = False
     memory_budget: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    link_latency_s: tuple[tuple[float, ...], ...] = ()  # measured [i][j], for placement (empty if emulated)
+    link_bandwidth_Bps: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.chosen < len(self.candidates):

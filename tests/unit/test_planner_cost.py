@@ -112,3 +112,46 @@ def test_plan_is_validated_and_explains_every_candidate() -> None:
         Plan(candidates=candidates, chosen=2, world=4, latency_s=0, bandwidth_Bps=1)
     with pytest.raises(ValueError, match="do not divide"):
         Plan(candidates=(candidate("hybrid", 1.0, stages=3),), chosen=0, world=4, latency_s=0, bandwidth_Bps=1)
+
+
+# -- heterogeneity (DT-FM) ---------------------------------------------------------------------------
+from sparkdl.planner.placement import batch_shares, place_hybrid, placement_cost  # noqa: E402
+
+
+def test_batch_shares_follow_measured_speed() -> None:
+    assert batch_shares([1.0, 1.0], 64) == [32, 32]
+    assert batch_shares([3.0, 1.0], 64) == [48, 16]
+    shares = batch_shares([2.0, 1.0, 1.0], 100)
+    assert sum(shares) == 100 and shares[0] == 50
+    assert min(batch_shares([100.0, 1.0], 10)) >= 1
+    with pytest.raises(ValueError):
+        batch_shares([1.0, 0.0], 8)
+
+
+def two_datacenters(world: int = 4, fast: float = 10e9, slow: float = 10e6) -> tuple[list[list[float]], list[list[float]]]:
+    """Ranks 0 and 2 in one datacenter, 1 and 3 in the other (interleaved, so rank order is no hint)."""
+    site = [r % 2 for r in range(world)]
+    latency = [[0.0 if i == j else (1e-4 if site[i] == site[j] else 2e-2) for j in range(world)] for i in range(world)]
+    bandwidth = [[float("inf") if i == j else (fast if site[i] == site[j] else slow) for j in range(world)]
+                 for i in range(world)]
+    return latency, bandwidth
+
+
+def test_hybrid_places_data_parallel_groups_on_fast_links() -> None:
+    latency, bandwidth = two_datacenters()
+    grid = place_hybrid(latency, bandwidth, stages=2, stage_grad_bytes=[40e6, 40e6], activation_bytes=256e3)
+    stage_groups = [sorted(grid[d][k] for d in range(2)) for k in range(2)]
+    assert sorted(stage_groups) == [[0, 2], [1, 3]]  # each stage's replicas share a datacenter
+    # ... and that beats the naive grid, whose data-parallel groups straddle the slow link
+    naive = [[0, 1], [2, 3]]
+    chosen = [[grid[d][k] for d in range(2)] for k in range(2)]
+    assert placement_cost(chosen, latency, bandwidth, [40e6, 40e6], 256e3) < \
+        placement_cost(naive, latency, bandwidth, [40e6, 40e6], 256e3) / 10
+
+
+def test_local_search_handles_larger_worlds() -> None:
+    latency, bandwidth = two_datacenters(world=12)
+    grid = place_hybrid(latency, bandwidth, stages=2, stage_grad_bytes=[40e6, 40e6], activation_bytes=256e3)
+    stage_sites = [{grid[d][k] % 2 for d in range(6)} for k in range(2)]
+    assert all(len(sites) == 1 for sites in stage_sites)
+    assert sorted(r for row in grid for r in row) == list(range(12))

@@ -1,0 +1,120 @@
+"""Heterogeneity (ALGORITHMS.md, DT-FM, Yuan et al. 2022): where each rank works, from measured speeds
+and links. Standard library only.
+
+- Data parallel on ranks of different speeds: each rank's share of the global batch is proportional
+  to its measured speed, so no rank waits for a slower one at every allreduce.
+- Hybrid on links of different speeds: the D replicas of a stage exchange that stage's gradients
+  every step (large), consecutive stages exchange one micro-batch's activations (small). So the
+  ranks are grouped into K data-parallel groups of D with the fastest links inside the groups, and
+  the groups are ordered into a pipeline whose slowest boundary is as fast as possible. Cost, as in
+  DT-FM: DataPCost + 2 x PipelineCost with DataPCost the slowest group member's ring allreduce and
+  PipelineCost the sum over boundaries of the bottleneck matching's link time. Exhaustive for small
+  worlds, else greedy plus pairwise-swap local search (DT-FM uses a genetic algorithm + local search).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+Matrix = Sequence[Sequence[float]]
+
+
+def batch_shares(speeds: Sequence[float], global_batch: int) -> list[int]:
+    """Rows per rank proportional to speed, summing to global_batch, at least one each."""
+    if not speeds or min(speeds) <= 0 or global_batch < len(speeds):
+        raise ValueError("speeds must be positive and the batch at least one row per rank")
+    total = sum(speeds)
+    raw = [global_batch * s / total for s in speeds]
+    shares = [max(1, int(r)) for r in raw]
+    # Largest remainders get the rows still missing (or give back the extra ones).
+    order = sorted(range(len(speeds)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    index = 0
+    while sum(shares) < global_batch:
+        shares[order[index % len(order)]] += 1
+        index += 1
+    while sum(shares) > global_batch:
+        i = max((i for i in range(len(shares)) if shares[i] > 1), key=lambda i: shares[i] - raw[i])
+        shares[i] -= 1
+    return shares
+
+
+def link_time(latency: Matrix, bandwidth: Matrix, i: int, j: int, nbytes: float) -> float:
+    return latency[i][j] + nbytes / bandwidth[i][j]
+
+
+def placement_cost(groups: Sequence[Sequence[int]], latency: Matrix, bandwidth: Matrix,
+                   stage_grad_bytes: Sequence[float], activation_bytes: float) -> float:
+    """DataPCost + 2 x PipelineCost of stage k running on groups[k] (replica d = groups[k][d])."""
+    data = 0.0
+    for k, group in enumerate(groups):
+        d = len(group)
+        if d > 1:
+            # ring allreduce: 2(D-1) steps of 1/D of the gradients over the group's slowest link
+            slowest = max(link_time(latency, bandwidth, a, b, stage_grad_bytes[k] / d)
+                          for a in group for b in group if a != b)
+            data = max(data, 2 * (d - 1) * slowest)
+    pipeline = 0.0
+    for k in range(len(groups) - 1):
+        pipeline += max(link_time(latency, bandwidth, a, b, activation_bytes) for a, b in zip(groups[k], groups[k + 1]))
+    return data + 2 * pipeline
+
+
+def place_hybrid(latency: Matrix, bandwidth: Matrix, stages: int, stage_grad_bytes: Sequence[float],
+                 activation_bytes: float) -> tuple[tuple[int, ...], ...]:
+    """grid[d][k] (the rank of stage k in replica d) minimising placement_cost."""
+    world = len(latency)
+    if world % stages:
+        raise ValueError(f"{stages} stages do not divide {world} ranks")
+    replicas = world // stages
+    if world <= 8:
+        best, best_cost = None, float("inf")
+        for order in itertools.permutations(range(world)):
+            groups = [order[k * replicas:(k + 1) * replicas] for k in range(stages)]
+            if any(list(g) != sorted(g) for g in groups[:1]):
+                continue  # replica order inside the first group is arbitrary: skip its permutations
+            c = placement_cost(groups, latency, bandwidth, stage_grad_bytes, activation_bytes)
+            if c < best_cost - 1e-15:
+                best, best_cost = groups, c
+        groups = best
+    else:
+        groups = _local_search(latency, bandwidth, stages, replicas, stage_grad_bytes, activation_bytes)
+    return tuple(tuple(groups[k][d] for k in range(stages)) for d in range(replicas))
+
+
+def _local_search(latency: Matrix, bandwidth: Matrix, stages: int, replicas: int,
+                  stage_grad_bytes: Sequence[float], activation_bytes: float) -> list[list[int]]:
+    """Greedy groups (each grows by the rank with the fastest link to it), then pairwise swaps while
+    they lower (placement_cost, total intra-group link time): the second term breaks the plateaus of
+    a max-based cost, where no single swap lowers the slowest group yet."""
+    world = stages * replicas
+    unassigned = set(range(world))
+    groups: list[list[int]] = []
+    for _ in range(stages):
+        seed = min(unassigned)
+        group = [seed]
+        unassigned.discard(seed)
+        while len(group) < replicas:
+            nearest = max(unassigned, key=lambda r: min(bandwidth[r][g] for g in group))
+            group.append(nearest)
+            unassigned.discard(nearest)
+        groups.append(group)
+
+    def score(trial: list[list[int]]) -> tuple[float, float]:
+        spread = sum(1.0 / bandwidth[a][b] for g in trial for a in g for b in g if a != b)
+        return placement_cost(trial, latency, bandwidth, stage_grad_bytes, activation_bytes), spread
+
+    best = score(groups)
+    improved = True
+    while improved:
+        improved = False
+        for a, b in itertools.combinations(range(world), 2):
+            ka, da = divmod(a, replicas)
+            kb, db = divmod(b, replicas)
+            if ka == kb:
+                continue
+            trial = [list(g) for g in groups]
+            trial[ka][da], trial[kb][db] = trial[kb][db], trial[ka][da]
+            candidate = score(trial)
+            if candidate < best:
+                groups, best, improved = trial, candidate, True
+    return groups
