@@ -1,8 +1,9 @@
 """Network emulation for experiments: a Communicator wrapper that makes every collective and message
 take as long as it would on a network with the given latency and bandwidth.
 
-After the real operation (on the fast local network), the wrapper sleeps latency x (messages on the
-critical path) + (bytes this rank sent) / bandwidth, so decisions can be checked at bandwidths this
+After a collective (on the fast local network), the wrapper sleeps latency x (messages on the
+critical path) + (bytes this rank sent) / bandwidth; a point-to-point message sleeps before it is
+sent (it arrives only after its time on the link), so decisions can be checked at bandwidths this
 machine does not have (`launch.emulate_network={"latency_ms": .., "gbps": ..}`, off by default). It is
 always labelled as emulation in logs and in the plan. Backend-independent: wraps any Communicator.
 """
@@ -52,7 +53,9 @@ class EmulatedNetwork(Communicator):
         pass  # the inner communicator counts
 
     def _delay(self, before: int, messages: int) -> None:
-        seconds = messages * self.latency_s + (self.inner.bytes_sent - before) / self.bandwidth_Bps
+        self._sleep(messages * self.latency_s + (self.inner.bytes_sent - before) / self.bandwidth_Bps)
+
+    def _sleep(self, seconds: float) -> None:
         if seconds > 0:
             self.emulated_s += seconds
             time.sleep(seconds)
@@ -80,10 +83,9 @@ class EmulatedNetwork(Communicator):
         self._delay(self.inner.bytes_sent, 1 if self.size > 1 else 0)
 
     def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Work:
-        before = self.inner.bytes_sent
-        work = self.inner.send(tensor, dst, tag)
-        self._delay(before, 1)
-        return work
+        # The message occupies the sender's link first and only then arrives: delay, then send.
+        self._sleep(self.latency_s + tensor.numel() * tensor.element_size() / self.bandwidth_Bps)
+        return self.inner.send(tensor, dst, tag)
 
     def irecv(self, tensor: "torch.Tensor", src: int, tag: int = 0) -> Work:
         return self.inner.irecv(tensor, src, tag)  # the sender pays for the message

@@ -21,7 +21,7 @@ from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo, matmul_flops
 from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import Candidate, Plan, choose
-from sparkdl.planner.profile import ModelProfile, profile_sequential
+from sparkdl.planner.profile import ModelProfile, profile_sequential  # noqa: F401
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
@@ -33,25 +33,49 @@ def whole_model_profile(model: nn.Module, num_features: int, rows: int) -> Model
     return profile_sequential(nn.Sequential(model), (num_features,), rows=rows)
 
 
+def layer_costs(model: nn.Module, num_features: int, rows: int, driver_flops: float, speed_ratio: float
+                ) -> tuple[ModelProfile, tuple[cost.LayerCost, ...]]:
+    """Per-layer cost from two timed batch sizes: time(n) = overhead + n x per-row time, the per-row
+    time expressed in FLOPs at the driver's matrix-product rate, the overhead scaled by the rank's
+    speed relative to the driver (speed_ratio = driver FLOP/s / rank FLOP/s)."""
+    small = max(1, rows // 8)
+    seq = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
+    large_profile = profile_sequential(seq, (num_features,), rows=rows)
+    small_profile = profile_sequential(seq, (num_features,), rows=small)
+    layers = []
+    for big, little in zip(large_profile.layers, small_profile.layers):
+        per_row = max((big.seconds - little.seconds) / (rows - small), 0.0) if rows > small else big.seconds / rows
+        overhead = max(big.seconds - per_row * rows, 0.0)
+        target = seq[big.index]
+        layers.append(cost.LayerCost(params=big.params, flops=per_row * driver_flops / 3, out_bytes=big.out_bytes,
+                                     saved_bytes=big.saved_bytes, kind=big.kind,
+                                     in_features=getattr(target, "in_features", 0),
+                                     out_features=getattr(target, "out_features", 0),
+                                     overhead_s=overhead * speed_ratio))
+    return large_profile, tuple(layers)
+
+
 def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: ClusterInfo,
                backend_ops: frozenset[str], threads: int = 1) -> Plan:
     train, workers, rows = config.train, config.launch.num_workers, config.data.batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:
-        profile = profile_sequential(model, (num_features,), rows=rows) if isinstance(model, nn.Sequential) \
-            else whole_model_profile(model, num_features, rows)
         driver_flops = matmul_flops(threads)
+        ratio = driver_flops / cluster.slowest_flops
+        profile, layers = layer_costs(model, num_features, rows, driver_flops, ratio)
+        subnet = _ist_subnet_costs(model, workers, num_features, rows, driver_flops, ratio)
+        try:
+            full_step = _full_step_s(model, config, num_features, rows)
+        except Exception:  # noqa: BLE001 - a custom loss with other targets: no overhead term
+            full_step = 0.0
+        overhead = max(full_step - sum(layer.seconds for layer in profile.layers), 0.0) * ratio
     finally:
         torch.set_num_threads(previous)
-    layers = tuple(cost.LayerCost(params=layer.params, flops=layer.seconds * driver_flops / (3 * rows),
-                                  out_bytes=layer.out_bytes, saved_bytes=layer.saved_bytes, kind=layer.kind,
-                                  in_features=getattr(_layer(model, layer.index), "in_features", 0),
-                                  out_features=getattr(_layer(model, layer.index), "out_features", 0))
-                   for layer in profile.layers)
     per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
     work = cost.Workload(layers=layers, world=workers, rows=rows, flops_per_s=cluster.slowest_flops,
-                         optimizer_bytes_per_param=per_param, input_bytes_per_row=4.0 * num_features)
+                         optimizer_bytes_per_param=per_param, input_bytes_per_row=4.0 * num_features,
+                         step_overhead_s=overhead)
     emulated = config.launch.emulate_network
     if emulated:
         from sparkdl.comm.emulated import network_from_options
@@ -62,7 +86,7 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
     net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth)
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
-    candidates = _candidates(model, config, work, net, budget, backend_ops, profile)
+    candidates = _candidates(model, config, work, net, budget, backend_ops, profile, subnet)
     index, reason = choose(candidates)
     chosen = candidates[index]
     candidates[index] = Candidate(**{**chosen.__dict__, "reason": reason})
@@ -76,8 +100,44 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
                 link_bandwidth_Bps=() if emulated else cluster.bandwidth_Bps)
 
 
-def _layer(model: nn.Module, index: int) -> Any:
-    return model[index] if isinstance(model, nn.Sequential) else model
+def _full_step_s(model: nn.Module, config: RunConfig, num_features: int, rows: int, repeats: int = 3) -> float:
+    """One local training step on a copy (zero_grad, forward, loss, backward, optimizer update)."""
+    import copy
+    import statistics
+    import time
+
+    from sparkdl.launch.objectives import build_optimizer, loss_function
+
+    local = copy.deepcopy(model)
+    optimizer = build_optimizer(config.train, local.parameters())
+    loss_fn = loss_function(config.train)
+    x = torch.randn(rows, num_features)
+    out_shape = local(x[:1]).shape[1:]
+    target = torch.zeros(rows, dtype=torch.long) if config.train.loss == "cross_entropy" else torch.zeros(rows, *out_shape)
+    times = []
+    for attempt in range(repeats + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(local(x), target).backward()
+        optimizer.step()
+        if attempt:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _ist_subnet_costs(model: nn.Module, workers: int, num_features: int, rows: int, driver_flops: float,
+                      ratio: float) -> tuple[cost.LayerCost, ...] | None:
+    """The measured cost of one rank's IST subnet (round 0), or None when IST does not apply."""
+    from sparkdl.strategies.ist import extract_subnet, ist_layout, partition
+
+    if workers < 2:
+        return None
+    try:
+        layout = ist_layout(model, workers, IST_R, "scale", 0)
+    except Exception:  # noqa: BLE001 - ineligible: the candidate carries the reason
+        return None
+    subnet = extract_subnet(model, layout, partition(layout, 0), 0)
+    return layer_costs(subnet, num_features, rows, driver_flops, ratio)[1]
 
 
 def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
@@ -87,7 +147,8 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 
 
 def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
-                backend_ops: frozenset[str], profile: ModelProfile) -> list[Candidate]:
+                backend_ops: frozenset[str], profile: ModelProfile,
+                subnet: tuple[cost.LayerCost, ...] | None) -> list[Candidate]:
     from sparkdl.strategies.ist import ist_layout
 
     out: list[Candidate] = []
@@ -126,6 +187,6 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
             eligible, why = True, ""
         except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
             eligible, why = False, str(exc).splitlines()[0][:120]
-        estimate = cost.ist(work, net, IST_R) if eligible else cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
+        estimate = cost.ist(work, net, IST_R, subnet) if eligible else cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
         add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, estimate, eligible, why)
     return out

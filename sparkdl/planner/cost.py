@@ -20,6 +20,7 @@ class LayerCost:
     kind: str = ""
     in_features: int = 0  # Linear layers: for IST's subnet sizes
     out_features: int = 0
+    overhead_s: float = 0.0  # per forward + backward call, whatever the rows (launch, Python, small kernels)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Workload:
     optimizer_bytes_per_param: int  # parameter + gradient + optimizer state
     input_bytes_per_row: float = 0.0
     param_bytes: int = 4
+    step_overhead_s: float = 0.0  # per step, beyond the layers: loss, optimizer update, zero_grad
 
     @property
     def params(self) -> int:
@@ -56,9 +58,13 @@ class Estimate:
     memory_bytes: float  # per rank, the largest rank
 
 
-def compute_s(flops_per_row: float, rows: float, flops_per_s: float) -> float:
-    """Forward + backward ~ 3 x forward FLOPs."""
-    return 3.0 * rows * flops_per_row / flops_per_s
+def compute_s(flops_per_row: float, rows: float, flops_per_s: float, overhead_s: float = 0.0) -> float:
+    """Forward + backward ~ 3 x forward FLOPs, plus the layers' fixed per-call cost."""
+    return overhead_s + 3.0 * rows * flops_per_row / flops_per_s
+
+
+def layers_compute_s(layers: Sequence[LayerCost], rows: float, flops_per_s: float) -> float:
+    return compute_s(sum(l.flops for l in layers), rows, flops_per_s, sum(l.overhead_s for l in layers))
 
 
 def allreduce_s(nbytes: float, world: int, net: Network) -> float:
@@ -75,7 +81,7 @@ def allreduce_bytes(nbytes: float, world: int) -> float:
 def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimate:
     """T = C(B/W) + max(0, T_AR(grad bytes) - overlap x T_bwd). sparkdl averages after backward
     (bucketed, not overlapped), so overlap defaults to 0."""
-    compute = compute_s(work.flops_per_row, work.rows, work.flops_per_s)
+    compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
     exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3)
     memory = work.params * work.optimizer_bytes_per_param + work.rows * sum(l.saved_bytes for l in work.layers)
@@ -84,7 +90,7 @@ def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimat
 
 def diloco(work: Workload, net: Network, every: int) -> Estimate:
     """T = C(B/W) + T_AR / H; the global copy and outer momentum add 8 bytes per parameter."""
-    compute = compute_s(work.flops_per_row, work.rows, work.flops_per_s)
+    compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
     comm = allreduce_s(grad_bytes, work.world, net) / every
     memory = work.params * (work.optimizer_bytes_per_param + 8) + work.rows * sum(l.saved_bytes for l in work.layers)
@@ -97,20 +103,27 @@ def stage_of_cuts(cuts: Sequence[int]) -> list[range]:
 
 def hybrid(work: Workload, net: Network, cuts: Sequence[int], microbatches: int, one_f_one_b: bool = True
            ) -> Estimate:
-    """T = (m-1) max_k(t_k + 2c_k) + sum_k t_k + 2 sum_k c_k + max_k T_AR(stage k, D), plus the
-    per-step gather of the replica's features (first stage) and labels (last stage)."""
+    """T = (m-1) max_k s_k + sum_k t_k + 2 sum_k c_k + max_k T_AR(stage k, D) + the per-step gather
+    of the replica's features (first stage) and labels (last stage), where t_k is stage k's forward +
+    backward of one micro-batch, c_k one message over boundary k, and s_k = t_k + c_k + c_{k-1}: a
+    stage sends its output forward and its input's gradient backward (links are full duplex, so the
+    two directions do not queue behind each other; ALGORITHMS.md's 2 c_k counts both on one link)."""
     stages = len(cuts) - 1
     replicas = work.world // stages
     replica_rows = stages * work.rows
     micro_rows = replica_rows / microbatches
     layers = [work.layers[r.start: r.stop] for r in stage_of_cuts(cuts)]
-    t = [compute_s(sum(l.flops for l in stage), micro_rows, work.flops_per_s) for stage in layers]
+    t = [layers_compute_s(stage, micro_rows, work.flops_per_s) for stage in layers]
     c = [net.latency_s + micro_rows * stage[-1].out_bytes / net.bandwidth_Bps for stage in layers[:-1]] + [0.0]
-    pipeline = (microbatches - 1) * max(tk + 2 * ck for tk, ck in zip(t, c)) + sum(t) + 2 * sum(c)
+    s = [t[k] + c[k] + (c[k - 1] if k > 0 else 0.0) for k in range(stages)]
+    pipeline = (microbatches - 1) * max(s) + sum(t) + 2 * sum(c)
     stage_grad_bytes = [sum(l.params for l in stage) * work.param_bytes for stage in layers]
     sync = max(allreduce_s(nbytes, replicas, net) for nbytes in stage_grad_bytes)
     gather = (stages - 1) * (net.latency_s + work.rows * (work.input_bytes_per_row + 8) / net.bandwidth_Bps)
-    comm = sync + 2 * sum(c) + (microbatches - 1) * 2 * max(c) + gather
+    # The update outside the pipeline: the largest stage's share of the per-step overhead.
+    update = work.step_overhead_s * max(sum(l.params for l in stage) for stage in layers) / max(work.params, 1)
+    step = pipeline + sync + gather + update
+    compute = sum(t) + (microbatches - 1) * max(t) + update
     boundary_bytes = [micro_rows * stage[-1].out_bytes * microbatches * 2 for stage in layers[:-1]] + [0.0]
     sent = max(b + allreduce_bytes(g, replicas) for b, g in zip(boundary_bytes, stage_grad_bytes)) \
         + work.rows * (work.input_bytes_per_row + 8)
@@ -119,7 +132,7 @@ def hybrid(work: Workload, net: Network, cuts: Sequence[int], microbatches: int,
         in_flight = min(stages - k, microbatches) if one_f_one_b else microbatches
         memory.append(sum(l.params for l in stage) * work.optimizer_bytes_per_param
                       + in_flight * micro_rows * sum(l.saved_bytes for l in stage))
-    return Estimate(pipeline + sync + gather, sum(t) * microbatches / max(microbatches, 1), comm, sent, max(memory))
+    return Estimate(step, compute, step - compute, sent, max(memory))
 
 
 def ist_subnet_params(work: Workload) -> float:
@@ -134,11 +147,18 @@ def ist_subnet_params(work: Workload) -> float:
     return total
 
 
-def ist(work: Workload, net: Network, every: int) -> Estimate:
-    """T = C_sub(B/W) + T_sync / R; T_sync: one allgather of the subnets (W-1 messages of p_sub)."""
+def ist(work: Workload, net: Network, every: int, subnet: Sequence[LayerCost] | None = None) -> Estimate:
+    """T = C_sub(B/W) + T_sync / R; T_sync: one allgather of the subnets (W-1 messages of p_sub).
+    `subnet`: the measured layers of one rank's subnet; without it, the full model's cost scaled by
+    the subnet's share of the Linear parameters."""
     sub = ist_subnet_params(work)
-    other_flops = sum(l.flops for l in work.layers if l.kind != "Linear")
-    compute = compute_s(2 * sub + other_flops / work.world, work.rows, work.flops_per_s)
+    share = sub / max(work.params, 1)
+    if subnet:
+        compute = layers_compute_s(subnet, work.rows, work.flops_per_s) + work.step_overhead_s * share
+    else:
+        linear_params = sum(l.params for l in work.layers if l.kind == "Linear") or 1
+        compute = (layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s) \
+            * sub / linear_params
     sync = (work.world - 1) * (net.latency_s + sub * work.param_bytes / net.bandwidth_Bps) if work.world > 1 else 0.0
     memory = work.params * work.param_bytes + sub * work.optimizer_bytes_per_param \
         + work.rows * sum(l.saved_bytes for l in work.layers) / work.world
