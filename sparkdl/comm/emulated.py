@@ -1,8 +1,8 @@
 """Network emulation for experiments: a Communicator wrapper that makes every collective and message
 take as long as it would on a network with the given latency and bandwidth.
 
-After a collective (on the fast local network), the wrapper sleeps latency x (messages on the
-critical path) + (bytes this rank sent) / bandwidth; a point-to-point message sleeps before it is
+A collective (run on the real local network) is stretched to latency x (messages on the critical
+path) + (bytes this rank sent) / bandwidth, or left as it is if the real one took longer; a point-to-point message sleeps before it is
 sent (it arrives only after its time on the link), so decisions can be checked at bandwidths this
 machine does not have (`launch.emulate_network={"latency_ms": .., "gbps": ..}`, off by default). It is
 always labelled as emulation in logs and in the plan. Backend-independent: wraps any Communicator.
@@ -52,8 +52,12 @@ class EmulatedNetwork(Communicator):
     def bytes_sent(self, value: int) -> None:
         pass  # the inner communicator counts
 
-    def _delay(self, before: int, messages: int) -> None:
-        self._sleep(messages * self.latency_s + (self.inner.bytes_sent - before) / self.bandwidth_Bps)
+    def _delay(self, before: int, messages: int, started: float | None = None) -> None:
+        """Sleep what the emulated link needs beyond the time the real operation already took (an
+        emulated link cannot be faster than the real one)."""
+        target = messages * self.latency_s + (self.inner.bytes_sent - before) / self.bandwidth_Bps
+        spent = time.perf_counter() - started if started is not None else 0.0
+        self._sleep(target - spent)
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -61,26 +65,27 @@ class EmulatedNetwork(Communicator):
             time.sleep(seconds)
 
     def allreduce(self, tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":
-        before = self.inner.bytes_sent
+        before, started = self.inner.bytes_sent, time.perf_counter()
         out = self.inner.allreduce(tensor, op)
-        self._delay(before, 2 * (self.size - 1) if self.size > 1 else 0)
+        self._delay(before, 2 * (self.size - 1) if self.size > 1 else 0, started)
         return out
 
     def broadcast(self, tensor: "torch.Tensor", src: int = 0) -> "torch.Tensor":
-        before = self.inner.bytes_sent
+        before, started = self.inner.bytes_sent, time.perf_counter()
         out = self.inner.broadcast(tensor, src)
-        self._delay(before, 1 if self.size > 1 else 0)
+        self._delay(before, 1 if self.size > 1 else 0, started)
         return out
 
     def allgather(self, tensor: "torch.Tensor") -> list["torch.Tensor"]:
-        before = self.inner.bytes_sent
+        before, started = self.inner.bytes_sent, time.perf_counter()
         out = self.inner.allgather(tensor)
-        self._delay(before, self.size - 1)
+        self._delay(before, self.size - 1, started)
         return out
 
     def barrier(self) -> None:
+        started = time.perf_counter()
         self.inner.barrier()
-        self._delay(self.inner.bytes_sent, 1 if self.size > 1 else 0)
+        self._delay(self.inner.bytes_sent, 1 if self.size > 1 else 0, started)
 
     def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Work:
         # The message occupies the sender's link first and only then arrives: delay, then send.

@@ -81,6 +81,9 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
         from sparkdl.comm.emulated import network_from_options
 
         latency, bandwidth = network_from_options(emulated)
+        # An emulated link only slows the real one down: the real latency and bandwidth still bound it.
+        real_latency, real_bandwidth = cluster.worst_link()
+        latency, bandwidth = max(latency, real_latency), min(bandwidth, real_bandwidth)
     else:
         latency, bandwidth = cluster.worst_link()
     net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth)
