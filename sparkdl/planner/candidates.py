@@ -152,7 +152,7 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
                 backend_ops: frozenset[str], profile: ModelProfile,
                 subnet: tuple[cost.LayerCost, ...] | None) -> list[Candidate]:
-    from sparkdl.strategies.ist import ist_layout
+    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
 
     out: list[Candidate] = []
 
@@ -186,8 +186,10 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
     if workers >= 2:
         try:
-            ist_layout(model, workers, IST_R, "scale", 0)
-            eligible, why = True, ""
+            narrow = narrow_layers(ist_layout(model, workers, IST_R, "scale", 0))
+            # Too few neurons per worker cost accuracy (IST/GIST papers); the step time would not show it.
+            eligible, why = (False, f"{narrow[0]} < {MIN_NEURONS_PER_RANK} x {workers}: accuracy risk") if narrow \
+                else (True, "")
         except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
             eligible, why = False, str(exc).splitlines()[0][:120]
         estimate = cost.ist(work, net, IST_R, subnet) if eligible else cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
