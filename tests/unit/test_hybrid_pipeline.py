@@ -2,8 +2,6 @@
 strategy itself on real gloo process groups (spawned processes) against data parallel."""
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from typing import Any
 
 import numpy as np
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gloo_world import run_world
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError, ResourceError
 from sparkdl.planner.partition import balanced_cuts, stage_costs
@@ -187,53 +186,35 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def _rank_main(rank: int, world: int, port: int, stages: int, schedule: str, queue: Any) -> None:
-    from sparkdl.comm.base import WorldInfo
-    from sparkdl.comm.torch_dist import TorchDistCommunicator
+def _hybrid_rank(comm: Any, stages: int, schedule: str) -> tuple[int, Any, list, list, dict]:
     from sparkdl.strategies.data_parallel import DataParallel
     from sparkdl.strategies.hybrid import Hybrid
 
-    torch.set_num_threads(1)
-    info = WorldInfo(rank=rank, size=world, local_rank=rank, local_size=world, hosts=("h",) * world,
-                     master_addr="127.0.0.1", master_port=port)
-    comm = TorchDistCommunicator(info, 60)
-    try:
-        if stages == 1:
-            strategy: Any = DataParallel(comm)
-        else:
-            cuts = {2: (0, 2, 5), 3: (0, 1, 3, 5)}[stages]
-            strategy = Hybrid(comm, HybridLayout(
-                stages=stages, replicas=world // stages, cuts=cuts, boundary_shapes=((16,),) * (stages - 1),
-                boundary_dtypes=("float32",) * (stages - 1), input_shape=(8,), label_dtype="int64", microbatches=4,
-                schedule=schedule, grid=default_grid(stages, world // stages)))
-        # SGD with momentum: per-stage optimizer state, without Adam's amplification of rounding noise.
-        strategy.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), F.cross_entropy)
-        generator = torch.Generator().manual_seed(100 + rank)  # each rank its own rows, as from Spark
-        losses = []
-        for _ in range(3):
-            x, y = torch.randn(10, 8, generator=generator), torch.randint(0, 3, (10,), generator=generator)
-            losses.append((float(strategy.train_step(x, y)), strategy.loss_rows(10)))
-        held_out = [(torch.randn(5 + rank, 8, generator=generator), torch.randint(0, 3, (5 + rank,), generator=generator))]
-        sums = comm.allreduce(strategy.evaluate(held_out, F.cross_entropy, True), "sum")
-        state = strategy.result_state()
-        queue.put((rank, {k: v.numpy() for k, v in state.items()} if state else None, losses, sums.tolist(),
-                   strategy.epoch_metrics()))
-    finally:
-        comm.close()
+    rank, world = comm.rank, comm.size
+    if stages == 1:
+        strategy: Any = DataParallel(comm)
+    else:
+        cuts = {2: (0, 2, 5), 3: (0, 1, 3, 5)}[stages]
+        strategy = Hybrid(comm, HybridLayout(
+            stages=stages, replicas=world // stages, cuts=cuts, boundary_shapes=((16,),) * (stages - 1),
+            boundary_dtypes=("float32",) * (stages - 1), input_shape=(8,), label_dtype="int64", microbatches=4,
+            schedule=schedule, grid=default_grid(stages, world // stages)))
+    # SGD with momentum: per-stage optimizer state, without Adam's amplification of rounding noise.
+    strategy.setup(_model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), F.cross_entropy)
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own rows, as from Spark
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(10, 8, generator=generator), torch.randint(0, 3, (10,), generator=generator)
+        losses.append((float(strategy.train_step(x, y)), strategy.loss_rows(10)))
+    held_out = [(torch.randn(5 + rank, 8, generator=generator), torch.randint(0, 3, (5 + rank,), generator=generator))]
+    sums = comm.allreduce(strategy.evaluate(held_out, F.cross_entropy, True), "sum")
+    state = strategy.result_state()
+    return (rank, {k: v.numpy() for k, v in state.items()} if state else None, losses, sums.tolist(),
+            strategy.epoch_metrics())
 
 
 def _run(world: int, stages: int, schedule: str = "1f1b") -> tuple[dict[str, np.ndarray], list[Any]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, stages, schedule, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = sorted((queue.get(timeout=120) for _ in procs), key=lambda r: r[0])
-    for proc in procs:
-        proc.join(timeout=30)
+    results = run_world(world, _hybrid_rank, stages, schedule)
     state: dict[str, np.ndarray] = {}
     for _, part, *_ in results:
         if part:
