@@ -8,6 +8,7 @@ from typing import Any, Callable
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError, SchemaError
 from sparkdl.launch.shipping import ship_by_value
+from sparkdl.planning import make_plan, plan_strategy
 
 
 @dataclass
@@ -113,41 +114,6 @@ def check_backend(config: RunConfig) -> None:
         import_horovod()
 
 
-def worker_threads(spark: Any, config: RunConfig) -> int:
-    """torch threads a training rank will get (as launch/worker.py chooses them)."""
-    import os
-
-    if config.launch.threads_per_worker:
-        return config.launch.threads_per_worker
-    master = spark.sparkContext.master
-    if master.startswith("local"):
-        return max(1, (os.cpu_count() or 1) // config.launch.num_workers)
-    return max(1, int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
-
-
-def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any) -> Any:
-    """Profile the model, measure (or recall) the cluster, price every layout, choose one."""
-    import logging
-
-    from sparkdl.comm import backend_class
-    from sparkdl.planner.candidates import build_plan
-    from sparkdl.planner.cluster import cluster_info
-
-    threads = worker_threads(spark, config)
-    cluster = cluster_info(spark, config.launch.num_workers, config.launch.threads_per_worker)
-    try:
-        result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads)
-    except ValueError as exc:
-        from sparkdl.errors import ResourceError
-
-        raise ResourceError(f"the planner found no layout that fits: {exc}",
-                            hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
-    logging.getLogger("sparkdl").info("%s", result.explain())
-    if config.tracking.progress:
-        print(result.explain(), flush=True)
-    return result
-
-
 def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -> Any:
     """The Plan a fit with these options would follow (strategy="auto"), without training:
     `plan.strategy`, `plan.candidates`, `plan.explain()`."""
@@ -163,42 +129,6 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     module, _ = probe_model(model, config, prepared.layout.num_features)
     return make_plan(module, config.merged({"tracking": {"progress": False}}), prepared.layout.num_features,
                      _spark(df))
-
-
-def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = None) -> tuple[Any, dict[str, str]]:
-    """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
-    configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
-    from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
-
-    if config.train.strategy == "hybrid":
-        hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32",
-                                              links)
-        return hybrid, describe(hybrid, profile, memory)
-    check_data_parallel_memory(module, config, layout.num_features)
-    if config.train.strategy == "ist":
-        return plan_ist(module, config)
-    return None, {}
-
-
-def plan_ist(module: Any, config: RunConfig) -> tuple[Any, dict[str, str]]:
-    import logging
-    import warnings
-
-    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers, use_batch_statistics
-
-    train = config.train
-    layout = ist_layout(module, config.launch.num_workers, train.ist_sync_every, train.ist_scale, train.seed)
-    narrow = narrow_layers(layout)
-    if narrow:
-        message = (f"sparkdl: IST deals each hidden layer's neurons over {layout.world} workers; "
-                   f"{', '.join(narrow)} are narrower than {MIN_NEURONS_PER_RANK} x {layout.world}, where the "
-                   "IST papers saw accuracy drop. Wider layers or fewer workers are safer.")
-        warnings.warn(message, stacklevel=3)
-        logging.getLogger("sparkdl").warning(message)
-    if train.ist_scale == "batchnorm":
-        use_batch_statistics(module)  # the driver's copy must match the trained state's keys
-    return layout, {"ist.hidden_widths": str(list(layout.widths)), "ist.linear_layers": str(list(layout.linears)),
-                    "ist.neurons_per_worker": str([w // layout.world for w in layout.widths])}
 
 
 def check_picklable(spec: Any) -> None:

@@ -1,0 +1,80 @@
+"""Driver: from options to a strategy's plan. `strategy="auto"` asks the planner (profile, calibrated
+cluster, cost model); hybrid gets its stage layout and IST its partition layout; bad combinations
+raise here, before any job. Composed by api.fit and api.plan.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sparkdl.config import RunConfig
+
+
+def worker_threads(spark: Any, config: RunConfig) -> int:
+    """torch threads a training rank will get (as launch/worker.py chooses them)."""
+    import os
+
+    if config.launch.threads_per_worker:
+        return config.launch.threads_per_worker
+    master = spark.sparkContext.master
+    if master.startswith("local"):
+        return max(1, (os.cpu_count() or 1) // config.launch.num_workers)
+    return max(1, int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
+
+
+def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any) -> Any:
+    """Profile the model, measure (or recall) the cluster, price every layout, choose one."""
+    import logging
+
+    from sparkdl.comm import backend_class
+    from sparkdl.planner.candidates import build_plan
+    from sparkdl.planner.cluster import cluster_info
+
+    threads = worker_threads(spark, config)
+    cluster = cluster_info(spark, config.launch.num_workers, config.launch.threads_per_worker)
+    try:
+        result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads)
+    except ValueError as exc:
+        from sparkdl.errors import ResourceError
+
+        raise ResourceError(f"the planner found no layout that fits: {exc}",
+                            hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
+    logging.getLogger("sparkdl").info("%s", result.explain())
+    if config.tracking.progress:
+        print(result.explain(), flush=True)
+    return result
+
+
+def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = None) -> tuple[Any, dict[str, str]]:
+    """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
+    configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
+    from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
+
+    if config.train.strategy == "hybrid":
+        hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32",
+                                              links)
+        return hybrid, describe(hybrid, profile, memory)
+    check_data_parallel_memory(module, config, layout.num_features)
+    if config.train.strategy == "ist":
+        return plan_ist(module, config)
+    return None, {}
+
+
+def plan_ist(module: Any, config: RunConfig) -> tuple[Any, dict[str, str]]:
+    import logging
+    import warnings
+
+    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers, use_batch_statistics
+
+    train = config.train
+    layout = ist_layout(module, config.launch.num_workers, train.ist_sync_every, train.ist_scale, train.seed)
+    narrow = narrow_layers(layout)
+    if narrow:
+        message = (f"sparkdl: IST deals each hidden layer's neurons over {layout.world} workers; "
+                   f"{', '.join(narrow)} are narrower than {MIN_NEURONS_PER_RANK} x {layout.world}, where the "
+                   "IST papers saw accuracy drop. Wider layers or fewer workers are safer.")
+        warnings.warn(message, stacklevel=3)
+        logging.getLogger("sparkdl").warning(message)
+    if train.ist_scale == "batchnorm":
+        use_batch_statistics(module)  # the driver's copy must match the trained state's keys
+    return layout, {"ist.hidden_widths": str(list(layout.widths)), "ist.linear_layers": str(list(layout.linears)),
+                    "ist.neurons_per_worker": str([w // layout.world for w in layout.widths])}
