@@ -93,6 +93,12 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
     index, reason = choose(candidates)
     chosen = candidates[index]
     candidates[index] = Candidate(**{**chosen.__dict__, "reason": reason})
+    for i, c in enumerate(candidates):
+        if c.feasible and i != index:  # why not this one
+            why = f"{c.predicted_step_s / chosen.predicted_step_s:.2f}x the chosen step"
+            if c.strategy in ("diloco", "ist") and c.predicted_step_s < chosen.predicted_step_s:
+                why += "; not exact, and the exact choice is within 10 % or communication is cheap"
+            candidates[i] = Candidate(**{**c.__dict__, "reason": why})
     notes = [f"compute: {cluster.slowest_flops / 1e9:.1f} GFLOP/s per rank (slowest of {workers}), profiled with "
              f"{threads} thread(s) at batch {rows}",
              "emulated network: timings are for the emulated links, not this cluster's" if emulated else

@@ -1,4 +1,5 @@
-"""ClusterInfo: what the planner knows about the cluster, from Spark and from a calibration probe.
+"""ClusterInfo: what the planner knows about the cluster, from Spark (executors, slots, executor
+memory, GPU amounts) and from a calibration probe.
 
 The probe is a short barrier job (`sparkdl.run`) of num_workers ranks that measures each rank's
 matrix-product FLOP/s (with the threads a training rank gets) and, for every pair of ranks, the
@@ -30,6 +31,10 @@ class ClusterInfo:
     bandwidth_Bps: tuple[tuple[float, ...], ...]
     measured_at: float
     probe_s: float
+    slots: int = 0  # tasks Spark can run at once
+    executor_memory: str = ""  # spark.executor.memory
+    gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
+    gpus_per_task: float = 0.0  # spark.task.resource.gpu.amount
 
     @property
     def slowest_flops(self) -> float:
@@ -137,11 +142,17 @@ def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None
     if threads_per_worker:
         options["threads_per_worker"] = threads_per_worker
     probe = sparkdl.run(_probe, num_workers=workers, **options)
+    conf = spark.sparkContext.getConf()
+    from sparkdl.launch.driver import concurrent_slots
+
     info = ClusterInfo(master=master, workers=workers, executors=executors,
                        flops_per_s=tuple(probe["flops"]),
                        latency_s=tuple(tuple(r) for r in probe["latency"]),
                        bandwidth_Bps=tuple(tuple(r) for r in probe["bandwidth"]),
-                       measured_at=time.time(), probe_s=time.perf_counter() - started)
+                       measured_at=time.time(), probe_s=time.perf_counter() - started,
+                       slots=concurrent_slots(spark), executor_memory=conf.get("spark.executor.memory", "1g"),
+                       gpus_per_executor=float(conf.get("spark.executor.resource.gpu.amount", "0")),
+                       gpus_per_task=float(conf.get("spark.task.resource.gpu.amount", "0")))
     cache[key] = asdict(info)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,4 +169,7 @@ def _from_entry(entry: dict[str, Any]) -> ClusterInfo:
                        flops_per_s=tuple(entry["flops_per_s"]),
                        latency_s=tuple(tuple(r) for r in entry["latency_s"]),
                        bandwidth_Bps=tuple(tuple(r) for r in entry["bandwidth_Bps"]),
-                       measured_at=entry["measured_at"], probe_s=entry["probe_s"])
+                       measured_at=entry["measured_at"], probe_s=entry["probe_s"], slots=entry.get("slots", 0),
+                       executor_memory=entry.get("executor_memory", ""),
+                       gpus_per_executor=entry.get("gpus_per_executor", 0.0),
+                       gpus_per_task=entry.get("gpus_per_task", 0.0))

@@ -45,3 +45,15 @@ def mlflow_server(tmp_path_factory):  # type: ignore[no-untyped-def]
     from mlflow_server import mlflow_server_fixture
 
     yield from mlflow_server_fixture(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache(tmp_path_factory) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """The planner's calibration cache goes to a temporary directory, not the user's home."""
+    previous = os.environ.get("SPARKDL_CACHE_DIR")
+    os.environ["SPARKDL_CACHE_DIR"] = str(tmp_path_factory.mktemp("sparkdl-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("SPARKDL_CACHE_DIR", None)
+    else:
+        os.environ["SPARKDL_CACHE_DIR"] = previous

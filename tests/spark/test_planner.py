@@ -37,6 +37,8 @@ def test_plan_lists_every_candidate_and_explains(digits) -> None:  # type: ignor
     assert strategies == {"data_parallel", "diloco", "hybrid", "ist"}
     for candidate in plan.candidates:
         assert candidate.predicted_step_s > 0 and candidate.memory_bytes > 0
+    for candidate in plan.candidates:
+        assert candidate.reason, f"{candidate.label} has no reason in the table"
     text = plan.explain()
     assert "EMULATED" in text and "chosen:" in text and "hybrid(stages=2" in text
     # 10 Mbit/s: a 4.5 MB gradient allreduce per step dominates; an exact strategy is not worth it.
@@ -84,3 +86,14 @@ def test_cli_plan_prints_the_table(spark, repo_root: Path, tmp_path: Path, capsy
     assert "chosen:" in out and "data_parallel" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["emulated"] is True and summary["strategy"]
+
+
+def test_cluster_info_records_spark_resources(spark) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.planner.cluster import cluster_info
+
+    info = cluster_info(spark, 2, refresh=True)
+    assert info.slots == 4 and info.executor_memory == "1g" and len(info.executors) == 2
+    assert len(info.flops_per_s) == 2 and min(info.flops_per_s) > 1e8
+    latency, bandwidth = info.worst_link()
+    assert 0 < latency < 0.1 and bandwidth > 1e6
+    assert cluster_info(spark, 2).measured_at == info.measured_at  # cached
