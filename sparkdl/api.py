@@ -102,8 +102,9 @@ def check_backend(config: RunConfig) -> None:
     from sparkdl.comm import backend_class
     from sparkdl.strategies import strategy_class
 
-    strategy = strategy_class(config.train.strategy)
-    missing = strategy.requires - backend_class(config.launch.backend).ops
+    # "auto" is resolved to a concrete strategy before this check in fit; a custom loop has none.
+    requires = strategy_class(config.train.strategy).requires if config.train.strategy != "auto" else frozenset()
+    missing = requires - backend_class(config.launch.backend).ops
     if missing:
         raise ConfigError(f"train.strategy={config.train.strategy!r} needs {', '.join(sorted(missing))}, which "
                           f"launch.backend={config.launch.backend!r} does not provide",

@@ -37,3 +37,9 @@ def test_a_model_larger_than_one_result_chunk_comes_back(spark) -> None:  # type
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     assert total > RESULT_CHUNK_BYTES
     assert torch.isfinite(module[0].weight).all()
+
+
+def test_strategy_options_do_not_break_a_custom_loop(spark) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+
+    assert sparkdl.run(lambda ctx: ctx.world_size, num_workers=2, strategy="auto", progress=False) == 2
