@@ -10,6 +10,7 @@ ALGORITHMS.md's rule list in one line: fits and communication is cheap -> data p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,9 +85,11 @@ class Plan:
         header = ("", "strategy", "step (ms)", "compute", "comm", "sent/step", "memory/rank", "feasible", "why")
         rows = [header]
         for index, c in enumerate(self.candidates):
-            rows.append(("*" if index == self.chosen else "", c.label, f"{c.predicted_step_s * 1e3:.2f}",
-                         f"{c.compute_s * 1e3:.2f}", f"{c.comm_s * 1e3:.2f}", _size(c.bytes_per_step),
-                         _size(c.memory_bytes), "yes" if c.feasible else "no", c.reason))
+            priced = math.isfinite(c.predicted_step_s)  # a candidate ruled out before pricing shows "-"
+            rows.append(("*" if index == self.chosen else "", c.label,
+                         f"{c.predicted_step_s * 1e3:.2f}" if priced else "-",
+                         f"{c.compute_s * 1e3:.2f}" if priced else "-", f"{c.comm_s * 1e3:.2f}" if priced else "-",
+                         _size(c.bytes_per_step), _size(c.memory_bytes), "yes" if c.feasible else "no", c.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for row in rows:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
@@ -133,7 +136,7 @@ def choose(candidates: list[Candidate]) -> tuple[int, str]:
 
 
 def _size(nbytes: float | None) -> str:
-    if nbytes is None:
+    if nbytes is None or not math.isfinite(nbytes):
         return "-"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:

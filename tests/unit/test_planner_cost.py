@@ -101,12 +101,15 @@ def test_choose_prefers_exact_updates_within_the_margin() -> None:
 
 def test_plan_is_validated_and_explains_every_candidate() -> None:
     candidates = (candidate("data_parallel", 0.002), candidate("hybrid", 0.004, stages=2, microbatches=8),
-                  candidate("ist", 0.001, feasible=False))
+                  candidate("ist", 0.001, feasible=False),
+                  Candidate("ist", (("strategy", "ist"),), float("inf"), float("inf"), float("inf"), False,
+                            "not an MLP"))
     plan = Plan(candidates=candidates, chosen=0, world=4, latency_s=1e-4, bandwidth_Bps=1 * GBPS, emulated=True,
                 memory_budget=2**30)
     text = plan.explain()
     assert "EMULATED" in text and "hybrid(stages=2, microbatches=8)" in text and "over the memory budget" in text
     assert text.count("\n") >= 5 and plan.strategy == "data_parallel"
+    assert "inf" not in text  # candidates ruled out before pricing show "-"
     assert plan.as_params()["plan.choice"] == "data_parallel"
     with pytest.raises(ValueError, match="not feasible"):
         Plan(candidates=candidates, chosen=2, world=4, latency_s=0, bandwidth_Bps=1)
