@@ -21,16 +21,11 @@ from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo, matmul_flops
 from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import Candidate, Plan, choose
-from sparkdl.planner.profile import ModelProfile, profile_sequential  # noqa: F401
+from sparkdl.planner.profile import ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
 IST_R = 30
-
-
-def whole_model_profile(model: nn.Module, num_features: int, rows: int) -> ModelProfile:
-    """A model that is not an nn.Sequential is one layer for the planner (data parallel, DiLoCo)."""
-    return profile_sequential(nn.Sequential(model), (num_features,), rows=rows)
 
 
 def layer_costs(model: nn.Module, num_features: int, rows: int, driver_flops: float, speed_ratio: float
@@ -57,7 +52,7 @@ def layer_costs(model: nn.Module, num_features: int, rows: int, driver_flops: fl
 
 def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: ClusterInfo,
                backend_ops: frozenset[str], threads: int = 1) -> Plan:
-    train, workers, rows = config.train, config.launch.num_workers, config.data.batch_size
+    workers, rows = config.launch.num_workers, config.data.batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:

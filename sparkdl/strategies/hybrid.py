@@ -309,7 +309,8 @@ class Hybrid(Strategy):
         with torch.no_grad():
             for index, start in enumerate(range(0, total, _EVAL_ROWS)):
                 count = min(_EVAL_ROWS, total - start)
-                x = features[start: start + count] if self.stage == 0 else self._recv_eval(count, index)
+                x = features[start: start + count] if self.stage == 0 else \
+                    self.comm.recv(self.incoming_buffer("F", count), self._prev, _tag(_TAG_ACTIVATION, index))
                 y = self._module(x)
                 if self._next is not None:
                     self.comm.send(y.contiguous(), self._next, _tag(_TAG_ACTIVATION, index)).wait()
@@ -329,12 +330,6 @@ class Hybrid(Strategy):
         if rows:
             self.comm.recv(buffer, src, _tag(kind))
         return buffer
-
-    def _recv_eval(self, rows: int, index: int) -> torch.Tensor:
-        x = torch.empty((rows, *self.layout.boundary_shapes[self.stage - 1]),
-                        dtype=_dtype(self.layout.boundary_dtypes[self.stage - 1]), device=self.comm.device)
-        self.comm.recv(x, self._prev, _tag(_TAG_ACTIVATION, index))
-        return x
 
     def result_state(self) -> dict[str, torch.Tensor] | None:
         """Replica 0's ranks each return their stage; the driver merges them into the full model."""

@@ -290,15 +290,12 @@ class Ist(Strategy):
                 pieces.append(values[offset: offset + _numel(shape)].view(shape))
                 offset += _numel(shape)
             write_back(self._model, self.layout, self._groups, rank, pieces)
-        if shared and self.comm.size > 1:
-            flat_shared = torch.cat([t.detach().reshape(-1) for t in shared])
-            self.comm.allreduce(flat_shared, op="avg")
-            for index in self.layout.linears[-1:]:
-                with torch.no_grad():
-                    self._model[index].bias.copy_(flat_shared)
-        elif shared:
+        if shared:  # the output layer's bias, trained by every subnet: averaged
+            bias = shared[0].detach().clone()
+            if self.comm.size > 1:
+                self.comm.allreduce(bias, op="avg")
             with torch.no_grad():
-                self._model[self.layout.linears[-1]].bias.copy_(shared[0])
+                self._model[self.layout.linears[-1]].bias.copy_(bias)
 
     def finish(self) -> None:
         """Write the last, partial round back so the full model holds every step."""
