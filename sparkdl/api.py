@@ -8,7 +8,7 @@ from typing import Any, Callable
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError, SchemaError
 from sparkdl.launch.shipping import ship_by_value
-from sparkdl.planning import make_plan, plan_strategy
+from sparkdl.planning import make_plan, plan_strategy, settle_without_planner
 
 
 @dataclass
@@ -129,7 +129,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
                        num_workers=config.launch.num_workers, seed=config.train.seed)
     module, _ = probe_model(model, config, prepared.layout.num_features)
     return make_plan(module, config.merged({"tracking": {"progress": False}}), prepared.layout.num_features,
-                     _spark(df))
+                     _spark(df), prepared.num_rows)
 
 
 def check_picklable(spec: Any) -> None:
@@ -175,8 +175,9 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
     check_output_width(config, out_width, prepared.layout.num_classes)
     check_enough_rows(config, prepared.num_rows)
     auto_plan = None
+    config = settle_without_planner(config)
     if config.train.strategy == "auto":
-        auto_plan = make_plan(module, config, prepared.layout.num_features, _spark(df))
+        auto_plan = make_plan(module, config, prepared.layout.num_features, _spark(df), prepared.num_rows)
         config = config.merged({"train": auto_plan.options})
     check_backend(config)
     links = (auto_plan.link_latency_s, auto_plan.link_bandwidth_Bps) if auto_plan is not None else None

@@ -6,8 +6,6 @@ Imports nothing from sparkdl but errors (layering rule).
 """
 from __future__ import annotations
 
-import difflib
-
 try:
     import tomllib
 except ImportError:  # Python 3.10 (Databricks runtimes before 15)
@@ -16,7 +14,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from sparkdl.config_values import _choice, _plain, _positive_int, parse_bytes, parse_literal, suggest
 from sparkdl.errors import ConfigError
+
+__all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
+           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -73,7 +75,7 @@ class TrainConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
-    strategy: str = "data_parallel"
+    strategy: str = "auto"  # "auto": the planner chooses (sparkdl.plan shows how); or one of STRATEGIES
     stages: int = 0  # hybrid: pipeline stages K (0 = the smallest K >= 2 dividing num_workers that fits)
     microbatches: int = 0  # hybrid: micro-batches per step (0 = 4 x stages, capped by the batch)
     schedule: str = "1f1b"  # hybrid: "1f1b" or "gpipe"
@@ -85,6 +87,19 @@ class TrainConfig:
     ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
+    approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
+
+    @property
+    def implied_strategy(self) -> str:
+        """`strategy`, except that under "auto" options only one strategy has decide it (sync="diloco":
+        data_parallel; stages >= 2 or microbatches: hybrid); "auto" when the planner is to choose."""
+        if self.strategy != "auto":
+            return self.strategy
+        if self.sync != "allreduce":
+            return "data_parallel"
+        if self.stages >= 2 or self.microbatches:
+            return "hybrid"
+        return "auto"
 
     def validate(self) -> None:
         _positive_int("train.epochs", self.epochs)
@@ -104,7 +119,7 @@ class TrainConfig:
         _choice("train.ist_scale", self.ist_scale, IST_SCALES)
         _positive_int("train.sync_every", self.sync_every)
         _positive_int("train.ist_sync_every", self.ist_sync_every)
-        if self.sync != "allreduce" and self.strategy != "data_parallel":
+        if self.sync != "allreduce" and self.strategy not in ("data_parallel", "auto"):
             raise ConfigError(f"train.sync={self.sync!r} is a synchronisation mode of data parallel, but "
                               f"train.strategy={self.strategy!r}", hint="use strategy='data_parallel' with sync='diloco'")
         if not self.outer_lr > 0:
@@ -114,6 +129,12 @@ class TrainConfig:
                               hint="DiLoCo uses 0.9")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
+        if not self.approximate_min_speedup >= 1:
+            raise ConfigError(f"train.approximate_min_speedup must be >= 1, got {self.approximate_min_speedup!r}",
+                              hint="1 = the planner takes the fastest layout; inf = never DiLoCo or IST")
+        if self.strategy == "auto" and self.sync != "allreduce" and (self.stages >= 2 or self.microbatches):
+            raise ConfigError(f"train.sync={self.sync!r} is data parallel, but train.stages/microbatches are "
+                              "hybrid options", hint="set strategy explicitly, and only that strategy's options")
         if self.strategy == "hybrid" and self.stages == 1:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
@@ -227,12 +248,13 @@ class RunConfig:
             _check_types(section, part)
             part.validate()
         stages, workers = self.train.stages, self.launch.num_workers
-        if self.train.strategy == "hybrid" and stages and workers % stages:
+        hybrid = self.train.implied_strategy == "hybrid"
+        if hybrid and stages and workers % stages:
             divisors = [k for k in range(2, workers + 1) if workers % k == 0]
             raise ConfigError(f"train.stages={stages} does not divide launch.num_workers={workers}: hybrid runs "
                               "stages x replicas ranks",
                               hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
-        if self.train.strategy == "hybrid" and workers < 2:
+        if hybrid and workers < 2:
             raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
                               hint="raise num_workers, or use strategy='data_parallel'")
         return self
@@ -357,63 +379,3 @@ def _coerce(part: Any, name: str, value: Any) -> Any:
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
-
-
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-
-
-def parse_bytes(value: Any, key: str = "size") -> int:
-    """Bytes from an int or a string such as "512MB", "2GiB" or "1.5g" (k/m/g: powers of 1024)."""
-    import re
-
-    if isinstance(value, int) and not isinstance(value, bool):
-        number, unit = float(value), ""
-    elif isinstance(value, str) and (match := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)):
-        number, unit = float(match.group(1)), match.group(2).lower()
-    else:
-        raise ConfigError(f"{key} must be a number of bytes or a size such as '512MB' or '2GiB', got {value!r}")
-    if unit not in _BYTE_UNITS:
-        raise ConfigError(f"{key} has an unknown unit {unit!r} in {value!r}",
-                          hint="use B, KB, MB, GB, KiB, MiB or GiB")
-    size = int(number * _BYTE_UNITS[unit])
-    if size <= 0:
-        raise ConfigError(f"{key} must be positive, got {value!r}")
-    return size
-
-
-def parse_literal(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def _plain(value: Any) -> Any:
-    if callable(value):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def suggest(name: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    listing = ", ".join(sorted(known))
-    return f"did you mean {close[0]!r}? Known: {listing}" if close else f"known: {listing}"
-
-
-def _positive_int(key: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-
-
-def _choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
-    if callable_ok and callable(value):
-        return
-    if value not in allowed:
-        extra = " or a callable" if callable_ok else ""
-        raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}{extra}; got {value!r}",
-                          hint=suggest(str(value), allowed))
-
-

@@ -21,7 +21,19 @@ def worker_threads(spark: Any, config: RunConfig) -> int:
     return max(1, int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
 
 
-def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any) -> Any:
+def settle_without_planner(config: RunConfig) -> RunConfig:
+    """Under strategy="auto", the concrete strategy when there is nothing to plan: options only one
+    strategy has (sync="diloco", stages, microbatches) name it, and one worker is data parallel."""
+    train = config.train
+    if train.strategy != "auto":
+        return config
+    implied = train.implied_strategy
+    if implied == "auto" and config.launch.num_workers == 1:
+        implied = "data_parallel"
+    return config if implied == "auto" else config.merged({"train": {"strategy": implied}})
+
+
+def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num_rows: int | None = None) -> Any:
     """Profile the model, measure (or recall) the cluster, price every layout, choose one."""
     import logging
 
@@ -32,7 +44,8 @@ def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any) -> 
     threads = worker_threads(spark, config)
     cluster = cluster_info(spark, config.launch.num_workers, config.launch.threads_per_worker)
     try:
-        result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads)
+        result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads,
+                            num_rows)
     except ValueError as exc:
         from sparkdl.errors import ResourceError
 

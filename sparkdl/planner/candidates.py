@@ -51,7 +51,9 @@ def layer_costs(model: nn.Module, num_features: int, rows: int, driver_flops: fl
 
 
 def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: ClusterInfo,
-               backend_ops: frozenset[str], threads: int = 1) -> Plan:
+               backend_ops: frozenset[str], threads: int = 1, num_rows: int | None = None) -> Plan:
+    """Price every candidate layout and choose; `num_rows` (the training rows, when known) lets the
+    choice weigh the whole run, not only one step."""
     workers, rows = config.launch.num_workers, config.data.batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
@@ -85,14 +87,18 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
     candidates = _candidates(model, config, work, net, budget, backend_ops, profile, subnet)
-    index, reason = choose(candidates)
+    steps = config.train.epochs * max(1, num_rows // (workers * rows)) if num_rows else None
+    index, reason = choose(candidates, config.train.approximate_min_speedup, steps)
     chosen = candidates[index]
     candidates[index] = Candidate(**{**chosen.__dict__, "reason": reason})
     for i, c in enumerate(candidates):
         if c.feasible and i != index:  # why not this one
             why = f"{c.predicted_step_s / chosen.predicted_step_s:.2f}x the chosen step"
             if c.strategy in ("diloco", "ist") and c.predicted_step_s < chosen.predicted_step_s:
-                why += "; not exact, and the exact choice is within 10 % or communication is cheap"
+                needed = config.train.approximate_min_speedup
+                why += (f"; approximate, and not {needed:g}x faster than the exact choice (approximate_min_speedup)"
+                        if chosen.predicted_step_s < needed * c.predicted_step_s
+                        else "; approximate, and the exact choice's communication is cheap or the run short")
             candidates[i] = Candidate(**{**c.__dict__, "reason": why})
     notes = [f"compute: {cluster.slowest_flops / 1e9:.1f} GFLOP/s per rank (slowest of {workers}), profiled with "
              f"{threads} thread(s) at batch {rows}",

@@ -2,11 +2,11 @@
 only: candidates come in as numbers (planner/cost.py), the choice and its explanation go out.
 
 The choice: data parallel when it fits and its exposed allreduce is at most CHEAP_COMM of its compute;
-otherwise, among feasible candidates, the fastest predicted step, except that an exact strategy
-(data parallel, hybrid: the update equals synchronous training) is kept whenever it is predicted
-within EXACT_MARGIN of the fastest, since DiLoCo and IST change the optimisation. This is
-ALGORITHMS.md's rule list in one line: fits and communication is cheap -> data parallel; does not fit
--> hybrid (the fastest K that fits); communication-bound -> IST for wide MLPs, otherwise DiLoCo.
+otherwise the fastest predicted exact strategy (data parallel, hybrid: the update equals synchronous
+training), unless an approximate one (DiLoCo, IST) is predicted at least APPROXIMATE_MIN_SPEEDUP times
+faster, since those change the optimisation. This is ALGORITHMS.md's rule list: fits and
+communication is cheap -> data parallel; does not fit -> hybrid (the fastest K that fits);
+communication-bound -> IST for wide MLPs, otherwise DiLoCo.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EXACT = ("data_parallel", "hybrid")
-EXACT_MARGIN = 0.10
+APPROXIMATE_MIN_SPEEDUP = 2.0  # train.approximate_min_speedup's default
+SHORT_RUN_S = 60.0  # a run predicted this short with exact updates keeps them
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
 
 
@@ -108,8 +109,15 @@ class Plan:
                 "plan.candidates": str(len(self.candidates))}
 
 
-def choose(candidates: list[Candidate]) -> tuple[int, str]:
-    """Index of the chosen candidate and the reason; ValueError when none is feasible."""
+def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXIMATE_MIN_SPEEDUP,
+           steps: int | None = None) -> tuple[int, str]:
+    """Index of the chosen candidate and the reason; ValueError when none is feasible.
+
+    An approximate strategy (DiLoCo, IST) must be predicted at least `approximate_min_speedup` times
+    faster than the best feasible exact one: it changes the optimisation (typically a little accuracy
+    per step for far fewer bytes), which only a large speed-up pays for. With 1.0, the fastest wins.
+    When the run's `steps` are known and the exact one would finish them within SHORT_RUN_S, it is
+    kept whatever the speed-up: seconds saved do not pay for a different optimisation either."""
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     if not feasible:
         raise ValueError("no candidate layout is feasible")
@@ -119,20 +127,30 @@ def choose(candidates: list[Candidate]) -> tuple[int, str]:
             # IST may still predict a shorter step, but only by training a subnet: not worth it here.
             return i, (f"fits, and its exposed allreduce ({c.comm_s * 1e3:.2f} ms) is at most "
                        f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
-    fastest = min(feasible, key=lambda i: candidates[i].predicted_step_s)
-    best = candidates[fastest].predicted_step_s
-    exact = [i for i in feasible if candidates[i].strategy in EXACT
-             and candidates[i].predicted_step_s <= best * (1 + EXACT_MARGIN)]
-    if exact:
-        index = min(exact, key=lambda i: candidates[i].predicted_step_s)
-        c = candidates[index]
-        if index == fastest:
-            return index, f"fastest predicted step ({c.predicted_step_s * 1e3:.2f} ms), exact updates"
-        return index, (f"exact updates within {EXACT_MARGIN:.0%} of the fastest ({candidates[fastest].label}, "
-                       f"{best * 1e3:.2f} ms)")
-    c = candidates[fastest]
-    return fastest, (f"fastest predicted step ({best * 1e3:.2f} ms); exact strategies are communication-bound "
-                     f"(best {min((candidates[i].predicted_step_s for i in feasible if candidates[i].strategy in EXACT), default=float('inf')) * 1e3:.2f} ms)")
+    exact = [i for i in feasible if candidates[i].strategy in EXACT]
+    approximate = [i for i in feasible if candidates[i].strategy not in EXACT]
+    best_exact = min(exact, key=lambda i: candidates[i].predicted_step_s) if exact else None
+    best_approx = min(approximate, key=lambda i: candidates[i].predicted_step_s) if approximate else None
+    if best_exact is None:
+        c = candidates[best_approx]  # type: ignore[index]
+        return best_approx, (f"fastest predicted step ({c.predicted_step_s * 1e3:.2f} ms); "  # type: ignore[return-value]
+                             "no exact strategy is feasible")
+    e = candidates[best_exact]
+    if best_approx is not None:
+        a = candidates[best_approx]
+        speedup = e.predicted_step_s / a.predicted_step_s if a.predicted_step_s > 0 else math.inf
+        run_s = e.predicted_step_s * steps if steps else math.inf
+        if speedup >= approximate_min_speedup and run_s <= SHORT_RUN_S:
+            return best_exact, (f"exact updates; the whole run ({steps} steps) is predicted at {run_s:.1f} s with "
+                                f"it, too short for {a.label} ({speedup:.1f}x faster per step) to pay off")
+        if speedup >= approximate_min_speedup:
+            return best_approx, (f"fastest predicted step ({a.predicted_step_s * 1e3:.2f} ms), {speedup:.1f}x the "
+                                 f"best exact strategy ({e.label}, {e.predicted_step_s * 1e3:.2f} ms), which is "
+                                 "communication-bound")
+        if speedup > 1:
+            return best_exact, (f"exact updates; {a.label} is predicted only {speedup:.2f}x faster "
+                                f"(approximate strategies need >= {approximate_min_speedup:g}x)")
+    return best_exact, f"fastest predicted step ({e.predicted_step_s * 1e3:.2f} ms), exact updates"
 
 
 def _size(nbytes: float | None) -> str:

@@ -337,3 +337,22 @@ def test_hybrid_options_are_checked() -> None:
         RunConfig.from_kwargs(feature_cols=["a"], microbatches=-1).validate()
     config = RunConfig.from_kwargs(feature_cols=["a"], strategy="hybrid", stages=2, num_workers=6).validate()
     assert (config.train.stages, config.train.schedule) == (2, "1f1b")
+
+
+def test_auto_is_the_default_and_single_strategy_options_decide_it() -> None:
+    def implied(**options: object) -> str:
+        return RunConfig.from_kwargs(feature_cols=["a"], **options).validate().train.implied_strategy
+
+    assert RunConfig().train.strategy == "auto" and implied() == "auto"
+    assert implied(sync="diloco") == "data_parallel"
+    assert implied(stages=2, num_workers=4) == "hybrid" and implied(microbatches=8) == "hybrid"
+    assert implied(strategy="ist") == "ist"
+    with pytest.raises(ConfigError, match="train.stages=3 does not divide"):
+        RunConfig.from_kwargs(feature_cols=["a"], stages=3, num_workers=4).validate()
+    with pytest.raises(ConfigError, match="hybrid options"):
+        RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", stages=2).validate()
+    with pytest.raises(ConfigError, match="train.sync='diloco' is a synchronisation mode of data parallel"):
+        RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", strategy="ist").validate()
+    with pytest.raises(ConfigError, match="approximate_min_speedup must be >= 1"):
+        RunConfig.from_kwargs(feature_cols=["a"], approximate_min_speedup=0.5).validate()
+    assert RunConfig.from_kwargs(feature_cols=["a"], approximate_min_speedup=float("inf")).validate()

@@ -86,9 +86,27 @@ def test_cheap_communication_keeps_data_parallel_even_if_ist_computes_less() -> 
     assert index == 0 and "at most 20% of compute" in reason
 
 
-def test_choose_prefers_exact_updates_within_the_margin() -> None:
+def test_choose_takes_an_approximate_strategy_only_for_a_large_speedup() -> None:
     index, reason = choose([candidate("data_parallel", 1.05), candidate("diloco", 1.0, sync_every=50)])
     assert index == 0 and "exact" in reason
+    # 1.9x faster is not enough at the default 2x; it is when the user asks for the fastest
+    index, reason = choose([candidate("data_parallel", 1.9), candidate("diloco", 1.0, sync_every=50)])
+    assert index == 0 and "only 1.90x faster" in reason
+    index, _ = choose([candidate("data_parallel", 1.9), candidate("diloco", 1.0, sync_every=50)],
+                      approximate_min_speedup=1.0)
+    assert index == 1
+    # the best exact one is compared, hybrid included
+    index, _ = choose([candidate("data_parallel", 5.0), candidate("hybrid", 1.5, stages=2),
+                       candidate("diloco", 1.0, sync_every=50)])
+    assert index == 1
+    # a run that exact updates finish within a minute keeps them (1000 steps x 0.05 s = 50 s)
+    fast = [candidate("data_parallel", 0.05), candidate("diloco", 0.01, sync_every=50)]
+    index, reason = choose(fast, steps=1000)
+    assert index == 0 and "too short" in reason
+    assert choose(fast, steps=2000)[0] == 1 and choose(fast)[0] == 1
+    # nothing exact fits: the approximate one is taken whatever its speed-up
+    index, reason = choose([candidate("data_parallel", 1.0, feasible=False), candidate("ist", 0.9, ist_sync_every=30)])
+    assert index == 1 and "no exact strategy" in reason
     index, reason = choose([candidate("data_parallel", 2.0), candidate("diloco", 1.0, sync_every=50),
                             candidate("ist", 0.8, ist_sync_every=30)])
     assert index == 2 and "communication-bound" in reason

@@ -1,0 +1,75 @@
+"""Value parsers and validators of the run configuration: sizes, TOML literals, choices, names.
+
+Split from config.py (which keeps the dataclasses and their loading); like it, imports nothing from
+sparkdl but errors, so every layer may use them.
+"""
+from __future__ import annotations
+
+import difflib
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (Databricks runtimes before 15)
+    import tomli as tomllib  # type: ignore[no-redef]
+from typing import Any, Sequence
+
+from sparkdl.errors import ConfigError
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(value: Any, key: str = "size") -> int:
+    """Bytes from an int or a string such as "512MB", "2GiB" or "1.5g" (k/m/g: powers of 1024)."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    elif isinstance(value, str) and (match := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)):
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ConfigError(f"{key} must be a number of bytes or a size such as '512MB' or '2GiB', got {value!r}")
+    if unit not in _BYTE_UNITS:
+        raise ConfigError(f"{key} has an unknown unit {unit!r} in {value!r}",
+                          hint="use B, KB, MB, GB, KiB, MiB or GiB")
+    size = int(number * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{key} must be positive, got {value!r}")
+    return size
+
+
+def parse_literal(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _plain(value: Any) -> Any:
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def suggest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    listing = ", ".join(sorted(known))
+    return f"did you mean {close[0]!r}? Known: {listing}" if close else f"known: {listing}"
+
+
+def _positive_int(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
+    if callable_ok and callable(value):
+        return
+    if value not in allowed:
+        extra = " or a callable" if callable_ok else ""
+        raise ConfigError(f"{key} must be one of {', '.join(map(repr, allowed))}{extra}; got {value!r}",
+                          hint=suggest(str(value), allowed))
+
+
