@@ -16,7 +16,7 @@ from typing import Any
 
 EXACT = ("data_parallel", "hybrid")
 APPROXIMATE_MIN_SPEEDUP = 2.0  # train.approximate_min_speedup's default
-SHORT_RUN_S = 60.0  # a run predicted this short with exact updates keeps them
+MIN_SAVING_S = 10.0  # an approximate strategy must save at least this much over the whole run
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
 
 
@@ -116,8 +116,9 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     An approximate strategy (DiLoCo, IST) must be predicted at least `approximate_min_speedup` times
     faster than the best feasible exact one: it changes the optimisation (typically a little accuracy
     per step for far fewer bytes), which only a large speed-up pays for. With 1.0, the fastest wins.
-    When the run's `steps` are known and the exact one would finish them within SHORT_RUN_S, it is
-    kept whatever the speed-up: seconds saved do not pay for a different optimisation either."""
+    When the run's `steps` are known and the approximate one would save less than MIN_SAVING_S over
+    the whole run, the exact one is kept whatever the speed-up: a few seconds do not pay for a
+    different optimisation (nor for the calibration job that priced it)."""
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     if not feasible:
         raise ValueError("no candidate layout is feasible")
@@ -139,10 +140,10 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     if best_approx is not None:
         a = candidates[best_approx]
         speedup = e.predicted_step_s / a.predicted_step_s if a.predicted_step_s > 0 else math.inf
-        run_s = e.predicted_step_s * steps if steps else math.inf
-        if speedup >= approximate_min_speedup and run_s <= SHORT_RUN_S:
-            return best_exact, (f"exact updates; the whole run ({steps} steps) is predicted at {run_s:.1f} s with "
-                                f"it, too short for {a.label} ({speedup:.1f}x faster per step) to pay off")
+        saving_s = (e.predicted_step_s - a.predicted_step_s) * steps if steps else math.inf
+        if speedup >= approximate_min_speedup and saving_s < MIN_SAVING_S:
+            return best_exact, (f"exact updates; {a.label} is {speedup:.1f}x faster per step but would save only "
+                                f"{saving_s:.1f} s over the run's {steps} steps: too short to pay off")
         if speedup >= approximate_min_speedup:
             return best_approx, (f"fastest predicted step ({a.predicted_step_s * 1e3:.2f} ms), {speedup:.1f}x the "
                                  f"best exact strategy ({e.label}, {e.predicted_step_s * 1e3:.2f} ms), which is "

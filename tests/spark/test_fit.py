@@ -42,7 +42,8 @@ def test_data_parallel_step_equals_single_process_step(spark) -> None:  # type: 
 
     est = TorchEstimator(model=factory, loss="cross_entropy", optimizer="sgd", lr=0.5,
                          feature_cols=["a", "b", "c", "d", "e"], label_col="label",
-                         batch_size=32, epochs=1, num_workers=2, shuffle=False, seed=7)
+                         batch_size=32, epochs=1, num_workers=2, shuffle=False, seed=7,
+                         strategy="data_parallel")
     trained = est.fit(df).torch_module()
     assert trained is not None
 

@@ -37,7 +37,8 @@ def test_horovod_and_torch_give_the_same_weights_after_5_steps(rows_df) -> None:
     def train(backend: str) -> dict[str, torch.Tensor]:
         est = TorchEstimator(model=factory, feature_cols=[f"f{i}" for i in range(6)], label_col="label",
                              optimizer="sgd", lr=0.3, momentum=0.9, batch_size=8, epochs=1, num_workers=2,
-                             shuffle=False, seed=3, backend=backend, tracking=False, progress=False)
+                             shuffle=False, seed=3, backend=backend, tracking=False, progress=False,
+                             strategy="data_parallel")
         model = est.fit(rows_df)
         assert model.history[0]["steps"] == 5
         return model.torch_module().state_dict()

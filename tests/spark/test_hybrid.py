@@ -47,7 +47,7 @@ def fit(df, **options):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("workers,stages", [(2, 2), (4, 2)])
 def test_hybrid_gives_the_weights_of_data_parallel(spark, workers: int, stages: int) -> None:  # type: ignore[no-untyped-def]
     df = rows(spark, workers * 3 * 8, workers)  # 3 steps of 8 rows on every rank
-    reference = fit(df, num_workers=workers)
+    reference = fit(df, num_workers=workers, strategy="data_parallel")
     hybrid = fit(df, num_workers=workers, strategy="hybrid", stages=stages, microbatches=4)
     expected = reference.torch_module().state_dict()
     got = hybrid.torch_module().state_dict()
@@ -79,7 +79,8 @@ def test_model_over_the_memory_budget_trains_with_hybrid(rows_df, tmp_path) -> N
     budget = "3MB"  # Adam needs ~16 bytes per parameter: ~4.2 MB for the whole model, ~2.1 MB per stage
     started = time.monotonic()
     with pytest.raises(ResourceError, match="max_memory_per_rank='3MB'") as info:
-        fit(rows_df, model=big_net, num_workers=2, max_memory_per_rank=budget, optimizer="adam", lr=1e-3)
+        fit(rows_df, model=big_net, num_workers=2, max_memory_per_rank=budget, optimizer="adam", lr=1e-3,
+            strategy="data_parallel")
     assert time.monotonic() - started < 30 and "strategy='hybrid'" in str(info.value)
 
     model = fit(rows_df, model=big_net, num_workers=2, strategy="hybrid", max_memory_per_rank=budget, epochs=2,

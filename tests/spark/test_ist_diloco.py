@@ -40,7 +40,7 @@ def total_bytes(model: TorchModel) -> int:
 
 @pytest.fixture(scope="module")
 def data_parallel(digits):  # type: ignore[no-untyped-def]
-    return fit(digits[0])
+    return fit(digits[0], strategy="data_parallel")
 
 
 def test_ist_trains_with_a_fraction_of_the_bytes(digits, data_parallel) -> None:  # type: ignore[no-untyped-def]
