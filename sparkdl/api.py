@@ -177,8 +177,9 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
     auto_plan = None
     config = settle_without_planner(config)
     if config.train.strategy == "auto":
-        auto_plan = make_plan(module, config, prepared.layout.num_features, _spark(df), prepared.num_rows)
-        config = config.merged({"train": auto_plan.options})
+        auto_plan = make_plan(module, config, prepared.layout.num_features, _spark(df), prepared.num_rows,
+                              fallback=True)
+        config = config.merged({"train": auto_plan.options if auto_plan is not None else {"strategy": "data_parallel"}})
     check_backend(config)
     links = (auto_plan.link_latency_s, auto_plan.link_bandwidth_Bps) if auto_plan is not None else None
     plan, plan_params = plan_strategy(module, config, prepared.layout, links)

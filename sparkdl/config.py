@@ -27,6 +27,7 @@ SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16")
 IST_SCALES = ("scale", "batchnorm")
+BATCH_BALANCES = ("equal", "speed")
 BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
 
@@ -88,14 +89,16 @@ class TrainConfig:
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
     approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
+    batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
 
     @property
     def implied_strategy(self) -> str:
-        """`strategy`, except that under "auto" options only one strategy has decide it (sync="diloco":
-        data_parallel; stages >= 2 or microbatches: hybrid); "auto" when the planner is to choose."""
+        """`strategy`, except that under "auto" options only one strategy has decide it (sync="diloco"
+        or batch_balance="speed": data_parallel; stages >= 2 or microbatches: hybrid); "auto" when the
+        planner is to choose."""
         if self.strategy != "auto":
             return self.strategy
-        if self.sync != "allreduce":
+        if self.sync != "allreduce" or self.batch_balance != "equal":
             return "data_parallel"
         if self.stages >= 2 or self.microbatches:
             return "hybrid"
@@ -117,6 +120,10 @@ class TrainConfig:
         _choice("train.sync", self.sync, SYNC_MODES)
         _choice("train.sync_dtype", self.sync_dtype, SYNC_DTYPES)
         _choice("train.ist_scale", self.ist_scale, IST_SCALES)
+        _choice("train.batch_balance", self.batch_balance, BATCH_BALANCES)
+        if self.batch_balance == "speed" and self.implied_strategy not in ("data_parallel", "auto"):
+            raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
+                              f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
         _positive_int("train.sync_every", self.sync_every)
         _positive_int("train.ist_sync_every", self.ist_sync_every)
         if self.sync != "allreduce" and self.strategy not in ("data_parallel", "auto"):
@@ -132,9 +139,10 @@ class TrainConfig:
         if not self.approximate_min_speedup >= 1:
             raise ConfigError(f"train.approximate_min_speedup must be >= 1, got {self.approximate_min_speedup!r}",
                               hint="1 = the planner takes the fastest layout; inf = never DiLoCo or IST")
-        if self.strategy == "auto" and self.sync != "allreduce" and (self.stages >= 2 or self.microbatches):
-            raise ConfigError(f"train.sync={self.sync!r} is data parallel, but train.stages/microbatches are "
-                              "hybrid options", hint="set strategy explicitly, and only that strategy's options")
+        if self.strategy == "auto" and (self.sync != "allreduce" or self.batch_balance != "equal") \
+                and (self.stages >= 2 or self.microbatches):
+            raise ConfigError("train.sync/batch_balance are data-parallel options, but train.stages/microbatches "
+                              "are hybrid ones", hint="set strategy explicitly, and only that strategy's options")
         if self.strategy == "hybrid" and self.stages == 1:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
@@ -152,6 +160,7 @@ class LaunchConfig:
     run_dir: str | None = None
     max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
     emulate_network: dict | None = None  # {"latency_ms": .., "gbps": ..}: slow every message down (experiments)
+    emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
 
     def validate(self) -> None:
         _positive_int("launch.num_workers", self.num_workers)
@@ -162,6 +171,12 @@ class LaunchConfig:
                     or emulated["gbps"] <= 0 or emulated.get("latency_ms", 0) < 0:
                 raise ConfigError(f"launch.emulate_network must be a table {{latency_ms = >= 0, gbps = > 0}}, "
                                   f"got {emulated!r}", hint='for example emulate_network={"latency_ms": 1, "gbps": 0.1}')
+        if self.emulate_speed is not None:
+            speeds = self.emulate_speed
+            if not isinstance(speeds, (list, tuple)) or len(speeds) != self.num_workers or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in speeds):
+                raise ConfigError(f"launch.emulate_speed must list one speed in (0, 1] per worker "
+                                  f"({self.num_workers}), got {speeds!r}", hint="for example emulate_speed=[1, 0.25]")
         if self.max_memory_per_rank is not None:
             parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
         _choice("launch.backend", self.backend, BACKENDS)
@@ -370,7 +385,8 @@ def _sections(config: RunConfig) -> list[str]:
 
 
 def _coerce(part: Any, name: str, value: Any) -> Any:
-    if name in ("feature_cols", "hidden") and not isinstance(value, (str, tuple)):
+    if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
+            and not (value is None and name == "emulate_speed"):
         try:
             return tuple(value)
         except TypeError:

@@ -33,24 +33,43 @@ def settle_without_planner(config: RunConfig) -> RunConfig:
     return config if implied == "auto" else config.merged({"train": {"strategy": implied}})
 
 
-def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num_rows: int | None = None) -> Any:
-    """Profile the model, measure (or recall) the cluster, price every layout, choose one."""
+def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num_rows: int | None = None,
+              fallback: bool = False) -> Any:
+    """Profile the model, measure (or recall) the cluster, price every layout, choose one.
+
+    With `fallback` (a fit under strategy="auto"), a model the planner cannot profile on the driver
+    (a forward that depends on call counts, inputs it does not expect, ...) trains data parallel
+    with a warning instead of failing: planning is an optimisation, not a new way to fail. Without
+    it (sparkdl.plan) that is a ModelError."""
     import logging
+    import warnings
 
     from sparkdl.comm import backend_class
+    from sparkdl.errors import ModelError, ResourceError, SparkdlError
     from sparkdl.planner.candidates import build_plan
     from sparkdl.planner.cluster import cluster_info
+    from sparkdl.planner.plan import NoFeasibleLayout
 
     threads = worker_threads(spark, config)
     cluster = cluster_info(spark, config.launch.num_workers, config.launch.threads_per_worker)
     try:
         result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads,
                             num_rows)
-    except ValueError as exc:
-        from sparkdl.errors import ResourceError
-
+    except NoFeasibleLayout as exc:
         raise ResourceError(f"the planner found no layout that fits: {exc}",
                             hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
+    except SparkdlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the user's model raises while profiled
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if not fallback:
+            raise ModelError(f"the planner could not profile the model on the driver: {reason}",
+                             hint="name a strategy instead of 'auto', e.g. strategy='data_parallel'") from exc
+        message = (f"sparkdl: strategy='auto' could not profile the model on the driver ({reason}); "
+                   "training data parallel. Name a strategy to silence this.")
+        warnings.warn(message, stacklevel=3)
+        logging.getLogger("sparkdl").warning(message)
+        return None
     logging.getLogger("sparkdl").info("%s", result.explain())
     if config.tracking.progress:
         print(result.explain(), flush=True)

@@ -21,6 +21,18 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     loss_fn = loss_function(config.train)
     strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_fn)
     del model  # a strategy may keep only part of it (a pipeline stage): let the rest go
+    emulated_speeds = config.launch.emulate_speed
+    if emulated_speeds:
+        strategy.compute_speed = float(emulated_speeds[ctx.rank])
+        if ctx.rank == 0:
+            print(f"sparkdl: EMULATED compute speeds {list(emulated_speeds)} (launch.emulate_speed); data-parallel "
+                  "steps are stretched, timings are not this cluster's", flush=True)
+    if config.train.batch_balance == "speed" and strategy.name == "data_parallel" and ctx.world_size > 1 \
+            and ctx.row_counts:
+        from sparkdl.launch.balance import agree_on_shares, loss_weight
+
+        ctx.batch_shares = agree_on_shares(ctx.comm, ctx.rank, config.data.batch_size, emulated_speeds)
+        strategy.loss_weight = loss_weight(ctx.batch_shares, ctx.rank)
     device = ctx.comm.device
     reporter = ctx.reporter
     steps = ctx.steps_per_epoch
@@ -67,6 +79,8 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
             "bytes_sent": ctx.comm.bytes_sent - bytes_before,
             "lr": strategy.learning_rate(),
         }
+        if ctx.batch_shares:
+            record["batch_rows_per_rank"] = list(ctx.batch_shares)
         local = dict(strategy.epoch_metrics(), bytes_sent=float(record["bytes_sent"]))
         for name, values in _gather_metrics(ctx, local).items():
             if name == "bytes_sent":

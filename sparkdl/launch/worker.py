@@ -63,6 +63,7 @@ class WorkerContext:
     _spool: Any = None
     _validation: Any = None
     reporter: Any = None  # metrics and progress to the driver (rank 0); see launch.reporter
+    batch_shares: list[int] | None = None  # rows per rank and step when shared by speed (launch.balance)
 
     @property
     def rank(self) -> int:
@@ -94,7 +95,13 @@ class WorkerContext:
         from sparkdl.data.batches import steps_per_epoch
 
         data = self.spec.config.data
-        return steps_per_epoch(self.row_counts, data.batch_size, data.drop_last) if self.row_counts else 0
+        if not self.row_counts:
+            return 0
+        if self.batch_shares:
+            from sparkdl.launch.balance import balanced_steps
+
+            return balanced_steps(self.row_counts, sum(self.batch_shares), data.drop_last)
+        return steps_per_epoch(self.row_counts, data.batch_size, data.drop_last)
 
     def batches(self, epoch: int = 0) -> Iterator[tuple[Any, Any]]:
         """(features, labels) torch batches of this rank's shard; the same step count on every rank."""
@@ -106,6 +113,11 @@ class WorkerContext:
             raise ConfigError("ctx.batches() needs data, but this run has no DataFrame",
                               hint="pass df= to sparkdl.run")
         data = self.spec.config.data
+        if self.batch_shares:  # every step holds this rank's full share
+            yield from self._spool.batches(
+                epoch, batch_size=self.batch_shares[self.rank], steps=self.steps_per_epoch, shuffle=data.shuffle,
+                seed=self.spec.config.train.seed, rank=self.rank, drop_last=True)
+            return
         yield from self._spool.batches(
             epoch, batch_size=data.batch_size, steps=self.steps_per_epoch, shuffle=data.shuffle,
             seed=self.spec.config.train.seed, rank=self.rank, drop_last=data.drop_last,

@@ -10,6 +10,7 @@ IST for eligible MLPs. Infeasible ones stay in the table with the reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -18,13 +19,15 @@ from torch import nn
 
 from sparkdl.config import RunConfig, parse_bytes
 from sparkdl.planner import cost
-from sparkdl.planner.cluster import ClusterInfo, matmul_flops
+from sparkdl.planner.cluster import ClusterInfo
+from sparkdl.planner.speed import matmul_flops
 from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import Candidate, Plan, choose
 from sparkdl.planner.profile import ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
+HETEROGENEOUS = 1.2  # fastest / slowest rank speed above which shares by speed are priced
 IST_R = 30
 
 
@@ -55,11 +58,13 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
     """Price every candidate layout and choose; `num_rows` (the training rows, when known) lets the
     choice weigh the whole run, not only one step."""
     workers, rows = config.launch.num_workers, config.data.batch_size
+    speeds = rank_speeds(cluster, config)
+    slowest = min(speeds)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:
         driver_flops = matmul_flops(threads)
-        ratio = driver_flops / cluster.slowest_flops
+        ratio = driver_flops / slowest
         profile, layers = layer_costs(model, num_features, rows, driver_flops, ratio)
         subnet = _ist_subnet_costs(model, workers, num_features, rows, driver_flops, ratio)
         try:
@@ -70,7 +75,7 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
     finally:
         torch.set_num_threads(previous)
     per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
-    work = cost.Workload(layers=layers, world=workers, rows=rows, flops_per_s=cluster.slowest_flops,
+    work = cost.Workload(layers=layers, world=workers, rows=rows, flops_per_s=slowest,
                          optimizer_bytes_per_param=per_param, input_bytes_per_row=4.0 * num_features,
                          step_overhead_s=overhead)
     emulated = config.launch.emulate_network
@@ -87,6 +92,14 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
     candidates = _candidates(model, config, work, net, budget, backend_ops, profile, subnet)
+    if max(speeds) > HETEROGENEOUS * slowest:
+        # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
+        balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(speeds) / len(speeds)), net)
+        feasible, why = _fits(balanced.memory_bytes, budget)
+        candidates.insert(1, Candidate("data_parallel", (("strategy", "data_parallel"), ("sync", "allreduce"),
+                                                         ("batch_balance", "speed")),
+                                       balanced.step_s, balanced.bytes_per_step, balanced.memory_bytes, feasible, why,
+                                       compute_s=balanced.compute_s, comm_s=balanced.comm_s))
     steps = config.train.epochs * max(1, num_rows // (workers * rows)) if num_rows else None
     index, reason = choose(candidates, config.train.approximate_min_speedup, steps)
     chosen = candidates[index]
@@ -100,14 +113,25 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
                         if chosen.predicted_step_s < needed * c.predicted_step_s
                         else "; approximate, and the exact choice's communication is cheap or the run short")
             candidates[i] = Candidate(**{**c.__dict__, "reason": why})
-    notes = [f"compute: {cluster.slowest_flops / 1e9:.1f} GFLOP/s per rank (slowest of {workers}), profiled with "
-             f"{threads} thread(s) at batch {rows}",
+    notes = [f"compute: {slowest / 1e9:.1f} GFLOP/s per rank (slowest of {workers}"
+             + (", EMULATED speeds" if config.launch.emulate_speed else "")
+             + (f"; fastest {max(speeds) / 1e9:.1f}" if max(speeds) > HETEROGENEOUS * slowest else "")
+             + f"), profiled with {threads} thread(s) at batch {rows}",
              "emulated network: timings are for the emulated links, not this cluster's" if emulated else
              f"network: slowest measured link of {workers} ranks"]
     return Plan(candidates=tuple(candidates), chosen=index, world=workers, latency_s=latency, bandwidth_Bps=bandwidth,
                 emulated=bool(emulated), memory_budget=budget, notes=tuple(notes),
                 link_latency_s=() if emulated else cluster.latency_s,
                 link_bandwidth_Bps=() if emulated else cluster.bandwidth_Bps)
+
+
+def rank_speeds(cluster: ClusterInfo, config: RunConfig) -> list[float]:
+    """Each rank's FLOP/s: calibrated, or under launch.emulate_speed the fastest calibrated rank
+    scaled by the declared relative speeds (the emulation slows alike ranks down)."""
+    emulated = config.launch.emulate_speed
+    if emulated:
+        return [max(cluster.flops_per_s) * float(s) for s in emulated]
+    return list(cluster.flops_per_s)
 
 
 def _full_step_s(model: nn.Module, config: RunConfig, num_features: int, rows: int, repeats: int = 3) -> float:
@@ -164,6 +188,8 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
     out: list[Candidate] = []
 
     def add(strategy: str, options: dict[str, Any], estimate: cost.Estimate, feasible: bool, reason: str) -> None:
+        if feasible and config.launch.emulate_speed and strategy in ("hybrid", "ist"):
+            feasible, reason = False, "launch.emulate_speed emulates data-parallel ranks only"
         if feasible:
             feasible, reason = _fits(estimate.memory_bytes, budget)
         out.append(Candidate(strategy=strategy, options=tuple(options.items()),

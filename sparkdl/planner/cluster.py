@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkdl.planner.speed import matmul_flops
+
 CACHE_TTL_S = 3600.0
-MATMUL_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -46,26 +47,6 @@ class ClusterInfo:
         if not pairs:
             return 0.0, float("inf")
         return max(self.latency_s[i][j] for i, j in pairs), min(self.bandwidth_Bps[i][j] for i, j in pairs)
-
-
-def matmul_flops(threads: int | None = None, size: int = MATMUL_SIZE, repeats: int = 5) -> float:
-    """FLOP/s of a float32 (size x size) @ (size x size) product with this many torch threads."""
-    import torch
-
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        a @ b  # warm-up
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - started)
-        return 2.0 * size ** 3 / statistics.median(times)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _probe(ctx: Any) -> dict[str, Any]:

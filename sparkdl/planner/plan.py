@@ -20,6 +20,10 @@ MIN_SAVING_S = 10.0  # an approximate strategy must save at least this much over
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
 
 
+class NoFeasibleLayout(ValueError):
+    """Every candidate is ruled out (memory budget, backend, model shape)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     strategy: str  # "data_parallel", "diloco", "hybrid" or "ist"
@@ -121,13 +125,15 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     different optimisation (nor for the calibration job that priced it)."""
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     if not feasible:
-        raise ValueError("no candidate layout is feasible")
-    for i in feasible:
+        raise NoFeasibleLayout("no candidate layout is feasible")
+    cheap = [i for i in feasible if candidates[i].strategy == "data_parallel"
+             and candidates[i].comm_s <= CHEAP_COMM * candidates[i].compute_s]
+    if cheap:
+        # IST may still predict a shorter step, but only by training a subnet: not worth it here.
+        i = min(cheap, key=lambda i: candidates[i].predicted_step_s)
         c = candidates[i]
-        if c.strategy == "data_parallel" and c.comm_s <= CHEAP_COMM * c.compute_s:
-            # IST may still predict a shorter step, but only by training a subnet: not worth it here.
-            return i, (f"fits, and its exposed allreduce ({c.comm_s * 1e3:.2f} ms) is at most "
-                       f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
+        return i, (f"fits, and its exposed allreduce ({c.comm_s * 1e3:.2f} ms) is at most "
+                   f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
     exact = [i for i in feasible if candidates[i].strategy in EXACT]
     approximate = [i for i in feasible if candidates[i].strategy not in EXACT]
     best_exact = min(exact, key=lambda i: candidates[i].predicted_step_s) if exact else None

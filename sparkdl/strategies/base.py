@@ -27,6 +27,15 @@ class Strategy(abc.ABC):
         self.comm = comm
         self.plan = plan
         self.train = train or TrainConfig()
+        self.loss_weight = 1.0  # data parallel with batches shared by speed (launch/balance.py)
+        self.compute_speed = 1.0  # launch.emulate_speed: < 1 stretches this rank's compute
+
+    def slow_down(self, since: float) -> None:
+        """Emulate a slower rank: stretch the compute done since `since` (perf_counter) to 1/speed."""
+        if self.compute_speed < 1.0:
+            import time
+
+            time.sleep((time.perf_counter() - since) * (1.0 / self.compute_speed - 1.0))
 
     def clip_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Clip the gradient norm of these parameters to train.grad_clip (0 = off)."""

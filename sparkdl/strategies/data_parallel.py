@@ -6,6 +6,7 @@ few large buckets because per-tensor collectives are latency bound on small laye
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -83,10 +84,16 @@ class DataParallel(Strategy):
             self._inner_steps = 0
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         self._model.train()
         self._optimizer.zero_grad()  # torch 2 defaults to set_to_none; Horovod's wrapper takes no argument
         loss = self._loss_fn(self._model(features), labels)
-        loss.backward()
+        if self.loss_weight != 1.0 and not self._diloco:
+            # Unequal shares: weighted so that the average over ranks is the mean over all rows.
+            (loss * self.loss_weight).backward()
+        else:
+            loss.backward()
+        self.slow_down(started)
         if self._diloco:
             self.clip_gradients(self._params)
             self._optimizer.step()

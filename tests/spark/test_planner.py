@@ -109,3 +109,51 @@ def test_cluster_info_records_spark_resources(spark) -> None:  # type: ignore[no
     latency, bandwidth = info.worst_link()
     assert 0 < latency < 0.1 and bandwidth > 1e6
     assert cluster_info(spark, 2).measured_at == info.measured_at  # cached
+
+
+def test_batches_shared_by_speed_give_the_step_over_all_rows(spark) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 5)).astype(np.float32)
+    y = rng.integers(0, 3, size=64)
+    cols = ["a", "b", "c", "d", "e", "label"]
+    # Two partitions, rows 0-31 and 32-63: partition r is rank r's shard.
+    df = spark.sparkContext.parallelize([(*map(float, r), int(t)) for r, t in zip(x, y)], 2).toDF(cols)
+
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    model = TorchEstimator(model=factory, optimizer="sgd", lr=0.5, feature_cols=cols[:-1], label_col="label",
+                           batch_size=32, epochs=1, num_workers=2, shuffle=False, seed=7, tracking=False,
+                           progress=False, batch_balance="speed", emulate_speed=[1.0, 1 / 3]).fit(df)
+    assert model.options["train.strategy"] == "data_parallel"
+    assert model.history[0]["batch_rows_per_rank"] == [48, 16] and model.history[0]["steps"] == 1
+
+    # Rank 0 (speed 1) takes 48 rows: its 32, then the first 16 again; rank 1 (speed 1/3) its first 16.
+    rows = list(range(32)) + list(range(16)) + list(range(32, 48))
+    torch.manual_seed(7)
+    reference = factory()
+    loss = nn.functional.cross_entropy(reference(torch.tensor(x[rows])), torch.tensor(y[rows]))
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for (name, got), want in zip(model.torch_module().state_dict().items(), reference.state_dict().values()):
+        assert torch.max(torch.abs(got - want)).item() < 1e-5, name
+
+
+def test_the_planner_shares_batches_on_ranks_of_different_speeds(digits) -> None:  # type: ignore[no-untyped-def]
+    model = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),  # noqa: E731
+                                  nn.Linear(256, 10))
+    options = common(batch_size=4096, epochs=1, emulate_speed=[1.0, 0.25],
+                     emulate_network={"latency_ms": 0.0, "gbps": 1000.0})
+    plan = sparkdl.plan(model, digits, **options)
+    equal = next(c for c in plan.candidates if c.label == "data_parallel")
+    shared = next(c for c in plan.candidates if c.label == "data_parallel(batch_balance=speed)")
+    # the slow rank sets the pace with equal shares: 1 / 0.25 vs 1 / mean(1, 0.25) of the fast rank's time
+    assert shared.compute_s < 0.75 * equal.compute_s, plan.explain()
+    assert plan.choice.label == shared.label and "EMULATED speeds" in plan.explain()
+    assert not any(c.feasible for c in plan.candidates if c.strategy in ("hybrid", "ist"))
+    fitted = TorchEstimator(model=model, **options).fit(digits)
+    assert fitted.options["train.batch_balance"] == "speed"
+    assert fitted.history[0]["batch_rows_per_rank"] == [6554, 1638]

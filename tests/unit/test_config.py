@@ -349,7 +349,7 @@ def test_auto_is_the_default_and_single_strategy_options_decide_it() -> None:
     assert implied(strategy="ist") == "ist"
     with pytest.raises(ConfigError, match="train.stages=3 does not divide"):
         RunConfig.from_kwargs(feature_cols=["a"], stages=3, num_workers=4).validate()
-    with pytest.raises(ConfigError, match="hybrid options"):
+    with pytest.raises(ConfigError, match="hybrid ones"):
         RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", stages=2).validate()
     with pytest.raises(ConfigError, match="train.sync='diloco' is a synchronisation mode of data parallel"):
         RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", strategy="ist").validate()

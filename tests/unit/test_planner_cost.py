@@ -176,3 +176,16 @@ def test_local_search_handles_larger_worlds() -> None:
     stage_sites = [{grid[d][k] % 2 for d in range(6)} for k in range(2)]
     assert all(len(sites) == 1 for sites in stage_sites)
     assert sorted(r for row in grid for r in row) == list(range(12))
+
+
+def test_shares_by_speed_keep_the_global_batch_and_the_mean_gradient() -> None:
+    from sparkdl.launch.balance import balanced_steps, loss_weight, shares_by_speed
+
+    shares = shares_by_speed([1.0, 1 / 3], batch_size=32)
+    assert shares == [48, 16]
+    # an epoch still covers every row once over all ranks: 100 + 90 rows, 64 per step
+    assert balanced_steps([100, 90], 64, drop_last=False) == 3 and balanced_steps([100, 90], 64, drop_last=True) == 2
+    # weighted means, averaged over ranks, are the mean over all rows
+    weights = [loss_weight(shares, r) for r in range(2)]
+    means = [2.0, 6.0]  # mean loss of each rank's rows
+    assert sum(w * m for w, m in zip(weights, means)) / 2 == pytest.approx((48 * 2.0 + 16 * 6.0) / 64)
