@@ -96,11 +96,19 @@ def make_train_fn(model_name: str, runs: list[dict[str, Any]], batch: int) -> An
                 strategy = Ist(ctx.comm, run["layout"], TrainConfig())
             torch.manual_seed(0)
             strategy.setup(MODELS[model_name](), lambda p: torch.optim.Adam(p, lr=1e-3), F.cross_entropy)
-            strategy.train_step(features, labels)  # warm-up
+            x, y = features, labels
+            if options.get("batch_balance") == "speed":  # as the built-in loop does (launch/balance.py)
+                from sparkdl.launch.balance import agree_on_shares, loss_weight
+
+                shares = agree_on_shares(ctx.comm, ctx.rank, batch, None)
+                rows = torch.arange(shares[ctx.rank]) % batch
+                x, y = features[rows], labels[rows]
+                strategy.loss_weight = loss_weight(shares, ctx.rank)
+            strategy.train_step(x, y)  # warm-up
             ctx.comm.barrier()
             started = time.perf_counter()
             for _ in range(run["steps"]):
-                strategy.train_step(features, labels)
+                strategy.train_step(x, y)
             ctx.comm.barrier()
             mine = (time.perf_counter() - started) / run["steps"]
             results.append(max(ctx.comm.allgather_object(mine)))

@@ -27,7 +27,7 @@ from sparkdl.planner.profile import ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
-HETEROGENEOUS = 1.2  # fastest / slowest rank speed above which shares by speed are priced
+HETEROGENEOUS = 1.5  # fastest / slowest rank speed above which shares by speed are priced (calibration noise stays below)
 IST_R = 30
 
 
@@ -88,7 +88,9 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
         latency, bandwidth = max(latency, real_latency), min(bandwidth, real_bandwidth)
     else:
         latency, bandwidth = cluster.worst_link()
-    net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth)
+    # Collectives: the measured allreduce, which an emulated network can only slow down further.
+    net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth, collective_latency_s=cluster.collective_latency_s,
+                       collective_bandwidth_Bps=cluster.collective_bandwidth_Bps)
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
     candidates = _candidates(model, config, work, net, budget, backend_ops, profile, subnet)
@@ -119,6 +121,10 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
              + f"), profiled with {threads} thread(s) at batch {rows}",
              "emulated network: timings are for the emulated links, not this cluster's" if emulated else
              f"network: slowest measured link of {workers} ranks"]
+    if cluster.collective_bandwidth_Bps:
+        ring_latency, ring_bandwidth = net.ring
+        notes.append(f"collectives: the measured allreduce behaves as a ring of {ring_latency * 1e3:.3g} ms and "
+                     f"{ring_bandwidth * 8 / 1e9:.3g} Gbit/s per hop")
     return Plan(candidates=tuple(candidates), chosen=index, world=workers, latency_s=latency, bandwidth_Bps=bandwidth,
                 emulated=bool(emulated), memory_budget=budget, notes=tuple(notes),
                 link_latency_s=() if emulated else cluster.latency_s,

@@ -32,6 +32,9 @@ class ClusterInfo:
     bandwidth_Bps: tuple[tuple[float, ...], ...]
     measured_at: float
     probe_s: float
+    # Effective per-hop latency and bandwidth of the backend's ring allreduce (0: not measured).
+    collective_latency_s: float = 0.0
+    collective_bandwidth_Bps: float = 0.0
     slots: int = 0  # tasks Spark can run at once
     executor_memory: str = ""  # spark.executor.memory
     gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
@@ -80,10 +83,37 @@ def _probe(ctx: Any) -> dict[str, Any]:
                         nbytes = buffer.numel() * buffer.element_size()
                         seconds = max(one_way - latency[i][j], 1e-9)
                         bandwidth[i][j] = bandwidth[j][i] = nbytes / seconds
+    collective_latency, collective_bandwidth = _collective(ctx, small, large)
     gathered = ctx.comm.allgather_object({"flops": flops, "latency": latency, "bandwidth": bandwidth})
     merged_latency = [[max(g["latency"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
     merged_bandwidth = [[min(g["bandwidth"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
-    return {"flops": [g["flops"] for g in gathered], "latency": merged_latency, "bandwidth": merged_bandwidth}
+    return {"flops": [g["flops"] for g in gathered], "latency": merged_latency, "bandwidth": merged_bandwidth,
+            "collective_latency": collective_latency, "collective_bandwidth": collective_bandwidth}
+
+
+def _collective(ctx: Any, small: Any, large: Any) -> tuple[float, float]:
+    """Ring parameters that reproduce the measured allreduce of 8 bytes and of 4 MiB:
+    T(n) = 2(W-1) a + 2(W-1)/W n / b. Rank 0's medians (after a barrier, so all ranks start together)."""
+    world = ctx.world_size
+    if world < 2:
+        return 0.0, 0.0
+    medians = []
+    for buffer, rounds in ((small, 20), (large, 5)):
+        ctx.comm.barrier()
+        ctx.comm.allreduce(buffer.clone(), op="sum")  # warm-up
+        times = []
+        for _ in range(rounds):
+            work = buffer.clone()
+            started = time.perf_counter()
+            ctx.comm.allreduce(work, op="avg")
+            times.append(time.perf_counter() - started)
+        medians.append(statistics.median(times))
+    hops = 2 * (world - 1)
+    latency = medians[0] / hops
+    nbytes = large.numel() * large.element_size()
+    bandwidth = hops / world * nbytes / max(medians[1] - medians[0], 1e-9)
+    decided = ctx.comm.allgather_object((latency, bandwidth))[0]  # every rank reports rank 0's
+    return decided
 
 
 def _cache_path() -> Path:
@@ -114,7 +144,7 @@ def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None
         except (OSError, ValueError):
             cache = {}
     entry = cache.get(key)
-    if entry and not refresh and time.time() - entry["measured_at"] < CACHE_TTL_S:
+    if entry and not refresh and time.time() - entry["measured_at"] < CACHE_TTL_S and "collective_latency_s" in entry:
         return _from_entry(entry)
     import sparkdl
 
@@ -130,6 +160,8 @@ def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None
                        flops_per_s=tuple(probe["flops"]),
                        latency_s=tuple(tuple(r) for r in probe["latency"]),
                        bandwidth_Bps=tuple(tuple(r) for r in probe["bandwidth"]),
+                       collective_latency_s=probe["collective_latency"],
+                       collective_bandwidth_Bps=probe["collective_bandwidth"],
                        measured_at=time.time(), probe_s=time.perf_counter() - started,
                        slots=concurrent_slots(spark), executor_memory=conf.get("spark.executor.memory", "1g"),
                        gpus_per_executor=float(conf.get("spark.executor.resource.gpu.amount", "0")),
@@ -151,6 +183,8 @@ def _from_entry(entry: dict[str, Any]) -> ClusterInfo:
                        latency_s=tuple(tuple(r) for r in entry["latency_s"]),
                        bandwidth_Bps=tuple(tuple(r) for r in entry["bandwidth_Bps"]),
                        measured_at=entry["measured_at"], probe_s=entry["probe_s"], slots=entry.get("slots", 0),
+                       collective_latency_s=entry.get("collective_latency_s", 0.0),
+                       collective_bandwidth_Bps=entry.get("collective_bandwidth_Bps", 0.0),
                        executor_memory=entry.get("executor_memory", ""),
                        gpus_per_executor=entry.get("gpus_per_executor", 0.0),
                        gpus_per_task=entry.get("gpus_per_task", 0.0))

@@ -27,6 +27,16 @@ class LayerCost:
 class Network:
     latency_s: float
     bandwidth_Bps: float  # bytes per second between two ranks
+    # A collective's own effective latency per ring hop and bandwidth, when measured: a backend's
+    # allreduce pays for chunking, copies and the reduction on top of the links (0: the link's).
+    collective_latency_s: float = 0.0
+    collective_bandwidth_Bps: float = 0.0
+
+    @property
+    def ring(self) -> tuple[float, float]:
+        """(latency, bandwidth) of one ring hop of a collective."""
+        return (max(self.latency_s, self.collective_latency_s),
+                min(self.bandwidth_Bps, self.collective_bandwidth_Bps or self.bandwidth_Bps))
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,8 @@ def allreduce_s(nbytes: float, world: int, net: Network) -> float:
     """Ring allreduce: 2(W-1) latencies and 2(W-1)/W of the buffer over the slowest link."""
     if world <= 1:
         return 0.0
-    return 2 * (world - 1) * net.latency_s + 2 * (world - 1) / world * nbytes / net.bandwidth_Bps
+    latency, bandwidth = net.ring
+    return 2 * (world - 1) * latency + 2 * (world - 1) / world * nbytes / bandwidth
 
 
 def allreduce_bytes(nbytes: float, world: int) -> float:
@@ -159,7 +170,8 @@ def ist(work: Workload, net: Network, every: int, subnet: Sequence[LayerCost] | 
         linear_params = sum(l.params for l in work.layers if l.kind == "Linear") or 1
         compute = (layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s) \
             * sub / linear_params
-    sync = (work.world - 1) * (net.latency_s + sub * work.param_bytes / net.bandwidth_Bps) if work.world > 1 else 0.0
+    latency, bandwidth = net.ring  # one allgather of the subnets
+    sync = (work.world - 1) * (latency + sub * work.param_bytes / bandwidth) if work.world > 1 else 0.0
     memory = work.params * work.param_bytes + sub * work.optimizer_bytes_per_param \
         + work.rows * sum(l.saved_bytes for l in work.layers) / work.world
     return Estimate(compute + sync / every, compute, sync / every,
