@@ -8,7 +8,7 @@ from typing import Any, Callable
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError, SchemaError
 from sparkdl.launch.shipping import ship_by_value
-from sparkdl.planning import make_plan, plan_strategy, settle_without_planner
+from sparkdl.planning import make_plan, measured_links, plan_strategy, settle_without_planner
 
 
 @dataclass
@@ -181,7 +181,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
                               fallback=True)
         config = config.merged({"train": auto_plan.options if auto_plan is not None else {"strategy": "data_parallel"}})
     check_backend(config)
-    links = (auto_plan.link_latency_s, auto_plan.link_bandwidth_Bps) if auto_plan is not None else None
+    links = auto_plan.executor_links if auto_plan is not None else measured_links(_spark(df), config)
     plan, plan_params = plan_strategy(module, config, prepared.layout, links)
     if auto_plan is not None:
         plan_params.update(auto_plan.as_params())

@@ -76,7 +76,18 @@ def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num
     return result
 
 
-def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = None) -> tuple[Any, dict[str, str]]:
+def measured_links(spark: Any, config: RunConfig) -> tuple[tuple[str, str, float, float], ...]:
+    """For an explicitly hybrid run: links between executors from an earlier calibration of this
+    cluster, if one is cached (no probe is started for it); otherwise none (the default grid)."""
+    if config.train.strategy != "hybrid" or config.launch.emulate_network:
+        return ()
+    from sparkdl.planner.cluster import cached_cluster_info
+
+    cluster = cached_cluster_info(spark, config.launch.num_workers)
+    return cluster.executor_links() if cluster is not None else ()
+
+
+def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = ()) -> tuple[Any, dict[str, str]]:
     """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
     configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
     from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid

@@ -38,6 +38,7 @@ class WorldInfo:
     master_addr: str
     master_port: int
     gpus: tuple[str, ...] = field(default_factory=tuple)  # this task's GPU addresses
+    executors: tuple[str, ...] = field(default_factory=tuple)  # executor address (host:port) of every rank
 
     @property
     def is_chief(self) -> bool:

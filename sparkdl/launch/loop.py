@@ -17,7 +17,13 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
     config = ctx.spec.config
     torch.manual_seed(config.train.seed)
     model = build_model(ctx.spec.model, config.train.seed)
-    strategy = strategy_class(config.train.strategy)(ctx.comm, ctx.spec.plan, config.train)
+    plan = ctx.spec.plan
+    if hasattr(plan, "placed"):  # hybrid: its grid placed on the executors this job's ranks got
+        plan = plan.placed(tuple(ctx.world.executors))
+        if plan is not ctx.spec.plan and ctx.rank == 0:
+            print(f"sparkdl: hybrid grid placed on measured links: {[list(r) for r in plan.grid]} "
+                  "(grid[replica][stage] = rank)", flush=True)
+    strategy = strategy_class(config.train.strategy)(ctx.comm, plan, config.train)
     loss_fn = loss_function(config.train)
     strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_fn)
     del model  # a strategy may keep only part of it (a pipeline stage): let the rest go
@@ -81,6 +87,8 @@ def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str,
         }
         if ctx.batch_shares:
             record["batch_rows_per_rank"] = list(ctx.batch_shares)
+        if hasattr(plan, "grid"):
+            record["hybrid_grid"] = [list(ranks) for ranks in plan.grid]
         local = dict(strategy.epoch_metrics(), bytes_sent=float(record["bytes_sent"]))
         for name, values in _gather_metrics(ctx, local).items():
             if name == "bytes_sent":

@@ -41,7 +41,8 @@ def task_gpus(context: BarrierContext) -> tuple[str, ...]:
 
 def rendezvous(context: BarrierContext) -> WorldInfo:
     rank = context.partitionId()
-    hosts = tuple(info.address.rsplit(":", 1)[0] for info in context.getTaskInfos())
+    executors = tuple(info.address for info in context.getTaskInfos())
+    hosts = tuple(address.rsplit(":", 1)[0] for address in executors)
     port = free_port() if rank == 0 else 0
     messages = [json.loads(m) for m in context.allGather(json.dumps({"rank": rank, "port": port}))]
     master_port = next(m["port"] for m in messages if m["rank"] == 0)
@@ -55,4 +56,5 @@ def rendezvous(context: BarrierContext) -> WorldInfo:
         master_addr=hosts[0],
         master_port=int(master_port),
         gpus=task_gpus(context),
+        executors=executors,
     )

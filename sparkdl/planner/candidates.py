@@ -127,8 +127,7 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
                      f"{ring_bandwidth * 8 / 1e9:.3g} Gbit/s per hop")
     return Plan(candidates=tuple(candidates), chosen=index, world=workers, latency_s=latency, bandwidth_Bps=bandwidth,
                 emulated=bool(emulated), memory_budget=budget, notes=tuple(notes),
-                link_latency_s=() if emulated else cluster.latency_s,
-                link_bandwidth_Bps=() if emulated else cluster.bandwidth_Bps)
+                executor_links=() if emulated else cluster.executor_links())
 
 
 def rank_speeds(cluster: ClusterInfo, config: RunConfig) -> list[float]:

@@ -32,6 +32,7 @@ class ClusterInfo:
     bandwidth_Bps: tuple[tuple[float, ...], ...]
     measured_at: float
     probe_s: float
+    rank_executors: tuple[str, ...] = ()  # executor address of each calibration rank (links are between these)
     # Effective per-hop latency and bandwidth of the backend's ring allreduce (0: not measured).
     collective_latency_s: float = 0.0
     collective_bandwidth_Bps: float = 0.0
@@ -50,6 +51,22 @@ class ClusterInfo:
         if not pairs:
             return 0.0, float("inf")
         return max(self.latency_s[i][j] for i, j in pairs), min(self.bandwidth_Bps[i][j] for i, j in pairs)
+
+    def executor_links(self) -> tuple[tuple[str, str, float, float], ...]:
+        """(executor a, executor b, latency, bandwidth) for every measured pair, keyed by executor
+        address: Spark places a job's ranks on executors anew, so rank indices do not carry over."""
+        if len(self.rank_executors) != self.workers:
+            return ()
+        best: dict[tuple[str, str], tuple[float, float]] = {}
+        for i in range(self.workers):
+            for j in range(self.workers):
+                if i == j:
+                    continue
+                key = tuple(sorted((self.rank_executors[i], self.rank_executors[j])))
+                latency, bandwidth = self.latency_s[i][j], self.bandwidth_Bps[i][j]
+                old = best.get(key)  # type: ignore[arg-type]
+                best[key] = (max(latency, old[0]), min(bandwidth, old[1])) if old else (latency, bandwidth)  # type: ignore[index]
+        return tuple((a, b, lat, bw) for (a, b), (lat, bw) in sorted(best.items()))
 
 
 def _probe(ctx: Any) -> dict[str, Any]:
@@ -88,7 +105,8 @@ def _probe(ctx: Any) -> dict[str, Any]:
     merged_latency = [[max(g["latency"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
     merged_bandwidth = [[min(g["bandwidth"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
     return {"flops": [g["flops"] for g in gathered], "latency": merged_latency, "bandwidth": merged_bandwidth,
-            "collective_latency": collective_latency, "collective_bandwidth": collective_bandwidth}
+            "collective_latency": collective_latency, "collective_bandwidth": collective_bandwidth,
+            "executors": list(ctx.world.executors)}
 
 
 def _collective(ctx: Any, small: Any, large: Any) -> tuple[float, float]:
@@ -130,21 +148,41 @@ def _executors(spark: Any) -> tuple[str, ...]:
         return ()
 
 
+def _cache_key(spark: Any, workers: int) -> str:
+    return f"{spark.sparkContext.master}|{workers}|{','.join(_executors(spark))}"
+
+
+def _read_cache() -> dict[str, Any]:
+    path = _cache_path()
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+    return {}
+
+
+def _fresh(entry: dict[str, Any] | None) -> bool:
+    # Entries written before the collective probe and executor addresses existed are measured again.
+    return bool(entry) and time.time() - entry["measured_at"] < CACHE_TTL_S and "rank_executors" in entry  # type: ignore[index]
+
+
+def cached_cluster_info(spark: Any, workers: int) -> ClusterInfo | None:
+    """The cached measurement of this cluster, if fresh; never starts a probe."""
+    entry = _read_cache().get(_cache_key(spark, workers))
+    return _from_entry(entry) if _fresh(entry) else None
+
+
 def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False,
                  backend: str = "torch") -> ClusterInfo:
     """Measured (or cached) facts about the ranks a run of `workers` workers would get."""
     master = spark.sparkContext.master
     executors = _executors(spark)
-    key = f"{master}|{workers}|{','.join(executors)}"
+    key = _cache_key(spark, workers)
     path = _cache_path()
-    cache: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
+    cache = _read_cache()
     entry = cache.get(key)
-    if entry and not refresh and time.time() - entry["measured_at"] < CACHE_TTL_S and "collective_latency_s" in entry:
+    if not refresh and _fresh(entry):
         return _from_entry(entry)
     import sparkdl
 
@@ -160,6 +198,7 @@ def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None
                        flops_per_s=tuple(probe["flops"]),
                        latency_s=tuple(tuple(r) for r in probe["latency"]),
                        bandwidth_Bps=tuple(tuple(r) for r in probe["bandwidth"]),
+                       rank_executors=tuple(probe["executors"]),
                        collective_latency_s=probe["collective_latency"],
                        collective_bandwidth_Bps=probe["collective_bandwidth"],
                        measured_at=time.time(), probe_s=time.perf_counter() - started,
@@ -183,6 +222,7 @@ def _from_entry(entry: dict[str, Any]) -> ClusterInfo:
                        latency_s=tuple(tuple(r) for r in entry["latency_s"]),
                        bandwidth_Bps=tuple(tuple(r) for r in entry["bandwidth_Bps"]),
                        measured_at=entry["measured_at"], probe_s=entry["probe_s"], slots=entry.get("slots", 0),
+                       rank_executors=tuple(entry.get("rank_executors", ())),
                        collective_latency_s=entry.get("collective_latency_s", 0.0),
                        collective_bandwidth_Bps=entry.get("collective_bandwidth_Bps", 0.0),
                        executor_memory=entry.get("executor_memory", ""),

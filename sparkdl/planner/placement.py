@@ -60,8 +60,9 @@ def placement_cost(groups: Sequence[Sequence[int]], latency: Matrix, bandwidth: 
 
 
 def place_hybrid(latency: Matrix, bandwidth: Matrix, stages: int, stage_grad_bytes: Sequence[float],
-                 activation_bytes: float) -> tuple[tuple[int, ...], ...]:
-    """grid[d][k] (the rank of stage k in replica d) minimising placement_cost."""
+                 activation_bytes: float, last_stage: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """grid[d][k] (the rank of stage k in replica d) minimising placement_cost; with `last_stage`,
+    among grids where that rank runs a last stage."""
     world = len(latency)
     if world % stages:
         raise ValueError(f"{stages} stages do not divide {world} ranks")
@@ -72,17 +73,20 @@ def place_hybrid(latency: Matrix, bandwidth: Matrix, stages: int, stage_grad_byt
             groups = [order[k * replicas:(k + 1) * replicas] for k in range(stages)]
             if any(list(g) != sorted(g) for g in groups[:1]):
                 continue  # replica order inside the first group is arbitrary: skip its permutations
+            if last_stage is not None and last_stage not in groups[-1]:
+                continue
             c = placement_cost(groups, latency, bandwidth, stage_grad_bytes, activation_bytes)
             if c < best_cost - 1e-15:
                 best, best_cost = groups, c
         groups = best
     else:
-        groups = _local_search(latency, bandwidth, stages, replicas, stage_grad_bytes, activation_bytes)
+        groups = _local_search(latency, bandwidth, stages, replicas, stage_grad_bytes, activation_bytes, last_stage)
     return tuple(tuple(groups[k][d] for k in range(stages)) for d in range(replicas))
 
 
 def _local_search(latency: Matrix, bandwidth: Matrix, stages: int, replicas: int,
-                  stage_grad_bytes: Sequence[float], activation_bytes: float) -> list[list[int]]:
+                  stage_grad_bytes: Sequence[float], activation_bytes: float,
+                  last_stage: int | None = None) -> list[list[int]]:
     """Greedy groups (each grows by the rank with the fastest link to it), then pairwise swaps while
     they lower (placement_cost, total intra-group link time): the second term breaks the plateaus of
     a max-based cost, where no single swap lowers the slowest group yet."""
@@ -98,6 +102,9 @@ def _local_search(latency: Matrix, bandwidth: Matrix, stages: int, replicas: int
             group.append(nearest)
             unassigned.discard(nearest)
         groups.append(group)
+    if last_stage is not None:
+        keeper = next(k for k, g in enumerate(groups) if last_stage in g)
+        groups[keeper], groups[-1] = groups[-1], groups[keeper]
 
     def score(trial: list[list[int]]) -> tuple[float, float]:
         spread = sum(1.0 / bandwidth[a][b] for g in trial for a in g for b in g if a != b)
@@ -114,7 +121,39 @@ def _local_search(latency: Matrix, bandwidth: Matrix, stages: int, replicas: int
                 continue
             trial = [list(g) for g in groups]
             trial[ka][da], trial[kb][db] = trial[kb][db], trial[ka][da]
+            if last_stage is not None and last_stage not in trial[-1]:
+                continue
             candidate = score(trial)
             if candidate < best:
                 groups, best, improved = trial, candidate, True
     return groups
+
+
+def place_on_executors(links: Sequence[tuple[str, str, float, float]], executors: Sequence[str], stages: int,
+                       stage_grad_bytes: Sequence[float], boundary_bytes: float
+                       ) -> tuple[tuple[int, ...], ...] | None:
+    """The hybrid grid for ranks on these executors (rank r on executors[r]), from links measured
+    between executors; None when a pair was not measured. Two
+    ranks on one executor whose link was not measured get the best measured link (same process
+    host, shared memory). grid[0][-1] is rank 0: it computes the loss that is reported."""
+    table = {(a, b): (lat, bw) for a, b, lat, bw in links}
+    table.update({(b, a): v for (a, b), v in list(table.items())})
+    if not table:
+        return None
+    best = (min(v[0] for v in table.values()), max(v[1] for v in table.values()))
+    world = len(executors)
+    latency = [[0.0] * world for _ in range(world)]
+    bandwidth = [[float("inf")] * world for _ in range(world)]
+    for i in range(world):
+        for j in range(world):
+            if i == j:
+                continue
+            pair = table.get((executors[i], executors[j]))
+            if pair is None and executors[i] == executors[j]:
+                pair = best
+            if pair is None:
+                return None
+            latency[i][j], bandwidth[i][j] = pair
+    grid = place_hybrid(latency, bandwidth, stages, list(stage_grad_bytes), boundary_bytes, last_stage=0)
+    replica = next(d for d, ranks in enumerate(grid) if ranks[-1] == 0)
+    return (tuple(grid[replica]),) + tuple(tuple(r) for d, r in enumerate(grid) if d != replica)

@@ -55,8 +55,7 @@ class Plan:
     emulated: bool = False
     memory_budget: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
-    link_latency_s: tuple[tuple[float, ...], ...] = ()  # measured [i][j], for placement (empty if emulated)
-    link_bandwidth_Bps: tuple[tuple[float, ...], ...] = ()
+    executor_links: tuple[tuple[str, str, float, float], ...] = ()  # measured, for placement (empty if emulated)
 
     def __post_init__(self) -> None:
         if not 0 <= self.chosen < len(self.candidates):

@@ -92,8 +92,10 @@ def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features
 
 
 def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dtype: str,
-                links: tuple[Any, Any] | None = None) -> tuple[HybridLayout, ModelProfile, list[MemoryEstimate]]:
-    """Stage cuts balancing measured per-layer time; every check that can fail happens here."""
+                links: tuple[tuple[str, str, float, float], ...] = ()
+                ) -> tuple[HybridLayout, ModelProfile, list[MemoryEstimate]]:
+    """Stage cuts balancing measured per-layer time; every check that can fail happens here.
+    `links`: measured links between executors, for placing the grid at run time."""
     if not isinstance(model, nn.Sequential):
         raise ModelError(f"strategy='hybrid' cuts an nn.Sequential at its top-level layers, but the model is a "
                          f"{type(model).__name__}",
@@ -147,31 +149,16 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dt
             boundary_shapes=tuple(profile.layers[c - 1].out_shape for c in cuts[1:-1]),
             boundary_dtypes=tuple(profile.layers[c - 1].out_dtype for c in cuts[1:-1]),
             input_shape=(num_features,), label_dtype=label_dtype, microbatches=m,
-            schedule=schedule, grid=_grid(profile, cuts, stages, workers, m, links))
+            schedule=schedule, grid=default_grid(stages, workers // stages), executor_links=tuple(links or ()),
+            stage_grad_bytes=tuple(4.0 * sum(layer.params for layer in profile.layers[a:b])
+                                   for a, b in zip(cuts, cuts[1:])),
+            boundary_bytes=max(profile.layers[c - 1].out_bytes for c in cuts[1:-1]) * profile.rows / m)
         return layout, profile, hybrid_memory(profile, config, cuts, m, schedule)
     listing = ", ".join(f"K={k}: {_mib(w)}" for k, w in tried)
     raise ResourceError(f"no hybrid layout fits launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}: "
                         f"the largest stage needs at least {listing} per rank",
                         hint="use more workers (more stages), a smaller batch_size or more micro-batches, "
                              "or raise max_memory_per_rank")
-
-
-def _grid(profile: ModelProfile, cuts: list[int], stages: int, workers: int, microbatches: int,
-          links: tuple[Any, Any] | None) -> tuple[tuple[int, ...], ...]:
-    """With measured links: data-parallel groups on fast links, stage boundaries on slow ones
-    (planner/placement.py); else the default grid."""
-    if not links or not links[0]:
-        return default_grid(stages, workers // stages)
-    from sparkdl.planner.placement import place_hybrid
-
-    grads = [4.0 * sum(layer.params for layer in profile.layers[a:b]) for a, b in zip(cuts, cuts[1:])]
-    boundary = max(profile.layers[c - 1].out_bytes for c in cuts[1:-1]) * profile.rows / microbatches
-    grid = place_hybrid(links[0], links[1], stages, grads, boundary)
-    # Rank 0 must compute the loss (it reports metrics): relabel replicas so it is a last stage.
-    replica = next(d for d, ranks in enumerate(grid) if 0 in ranks)
-    if grid[replica][-1] != 0:
-        return default_grid(stages, workers // stages)
-    return (grid[replica],) + tuple(r for d, r in enumerate(grid) if d != replica)
 
 
 def _best_memory(profile: ModelProfile, config: RunConfig, stages: int, microbatches: int, schedule: str) -> int:
@@ -191,7 +178,8 @@ def describe(layout: HybridLayout, profile: ModelProfile, memory: list[MemoryEst
         "hybrid.stage_layers": " | ".join(f"{a}-{b - 1}" for a, b in zip(layout.cuts, layout.cuts[1:])),
         "hybrid.stage_ms": " | ".join(f"{1000 * c:.3f}" for c in costs),
         "hybrid.stage_memory_mib": " | ".join(f"{e.total / 2**20:.1f}" for e in memory),
-        "hybrid.grid": str([list(r) for r in layout.grid]),
+        "hybrid.grid": str([list(r) for r in layout.grid]) + (" (placed on measured links at run time)"
+                                                               if layout.executor_links else ""),
     }
 
 

@@ -61,6 +61,26 @@ class HybridLayout:
     microbatches: int
     schedule: str
     grid: tuple[tuple[int, ...], ...]
+    # Measured links between executors (a, b, latency s, bandwidth B/s) and what crosses them, for
+    # placing the grid once the ranks' executors are known (`placed`); empty: the default grid.
+    executor_links: tuple[tuple[str, str, float, float], ...] = ()
+    stage_grad_bytes: tuple[float, ...] = ()
+    boundary_bytes: float = 0.0
+
+    def placed(self, executors: tuple[str, ...]) -> "HybridLayout":
+        """This layout with its grid placed on the ranks' executors (DT-FM, planner/placement.py):
+        each stage's data-parallel group on fast links, stage boundaries on slow ones. Every rank
+        computes the same grid from the same inputs. Unchanged without measured links, or when an
+        executor was not part of the measurement."""
+        if not self.executor_links or len(executors) != self.stages * self.replicas:
+            return self
+        from dataclasses import replace
+
+        from sparkdl.planner.placement import place_on_executors
+
+        grid = place_on_executors(self.executor_links, executors, self.stages, self.stage_grad_bytes,
+                                  self.boundary_bytes)
+        return replace(self, grid=grid) if grid else self
 
     def position(self, rank: int) -> tuple[int, int]:
         """(replica, stage) of a global rank."""

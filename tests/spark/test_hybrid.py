@@ -45,10 +45,22 @@ def fit(df, **options):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("workers,stages", [(2, 2), (4, 2)])
-def test_hybrid_gives_the_weights_of_data_parallel(spark, workers: int, stages: int) -> None:  # type: ignore[no-untyped-def]
+def test_hybrid_gives_the_weights_of_data_parallel(spark, workers: int, stages: int, capsys) -> None:  # type: ignore[no-untyped-def]
     df = rows(spark, workers * 3 * 8, workers)  # 3 steps of 8 rows on every rank
     reference = fit(df, num_workers=workers, strategy="data_parallel")
+    if workers == 4:
+        # With this cluster calibrated, the grid is placed on the measured links between the
+        # executors this job's ranks land on (at run time); the update must not depend on it.
+        from sparkdl.planner.cluster import cluster_info
+
+        cluster_info(spark, workers)
     hybrid = fit(df, num_workers=workers, strategy="hybrid", stages=stages, microbatches=4)
+    grid = hybrid.history[0]["hybrid_grid"]
+    assert grid[0][-1] == 0 and sorted(r for ranks in grid for r in ranks) == list(range(workers))
+    assert len(grid) == workers // stages and all(len(ranks) == stages for ranks in grid)
+    captured = capsys.readouterr()
+    placed = "hybrid grid placed on measured links" in captured.out + captured.err
+    assert placed == (workers == 4)
     expected = reference.torch_module().state_dict()
     got = hybrid.torch_module().state_dict()
     assert sorted(got) == sorted(expected)

@@ -176,6 +176,10 @@ def test_local_search_handles_larger_worlds() -> None:
     stage_sites = [{grid[d][k] % 2 for d in range(6)} for k in range(2)]
     assert all(len(sites) == 1 for sites in stage_sites)
     assert sorted(r for row in grid for r in row) == list(range(12))
+    anchored = place_hybrid(latency, bandwidth, stages=2, stage_grad_bytes=[40e6, 40e6], activation_bytes=256e3,
+                            last_stage=0)
+    assert any(row[-1] == 0 for row in anchored)  # rank 0 reports the loss: a last stage
+    assert all(len({anchored[d][k] % 2 for d in range(6)}) == 1 for k in range(2))
 
 
 def test_shares_by_speed_keep_the_global_batch_and_the_mean_gradient() -> None:
@@ -189,3 +193,21 @@ def test_shares_by_speed_keep_the_global_batch_and_the_mean_gradient() -> None:
     weights = [loss_weight(shares, r) for r in range(2)]
     means = [2.0, 6.0]  # mean loss of each rank's rows
     assert sum(w * m for w, m in zip(weights, means)) / 2 == pytest.approx((48 * 2.0 + 16 * 6.0) / 64)
+
+
+def test_the_hybrid_grid_is_placed_by_executor_not_by_calibration_rank() -> None:
+    from sparkdl.planner.placement import place_on_executors
+
+    fast, slow = (1e-4, 10e9), (2e-2, 10e6)
+    links = [("dc1:1", "dc1:2", *fast), ("dc2:1", "dc2:2", *fast), ("dc1:1", "dc2:1", *slow),
+             ("dc1:1", "dc2:2", *slow), ("dc1:2", "dc2:1", *slow), ("dc1:2", "dc2:2", *slow)]
+    # This job's ranks landed on the executors in another order than the calibration's.
+    executors = ["dc1:1", "dc2:1", "dc2:2", "dc1:2"]
+    grid = place_on_executors(links, executors, stages=2, stage_grad_bytes=[4e8, 4e8], boundary_bytes=1e4)
+    assert grid is not None and grid[0][-1] == 0 and sorted(r for ranks in grid for r in ranks) == [0, 1, 2, 3]
+    for stage in range(2):  # each stage's data-parallel group stays inside one datacenter
+        group = {executors[grid[d][stage]].split(":")[0] for d in range(2)}
+        assert len(group) == 1, grid
+    # two ranks on one executor use the best measured link; an executor never measured: no placement
+    assert place_on_executors(links, ["dc1:1", "dc1:1", "dc2:1", "dc2:1"], 2, [4e8, 4e8], 1e4) is not None
+    assert place_on_executors(links, ["dc1:1", "dc3:1", "dc2:1", "dc2:2"], 2, [4e8, 4e8], 1e4) is None
