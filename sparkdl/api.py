@@ -1,6 +1,8 @@
 """Driver entry points: fit, run and predict. Composes config, data feed, launch and inference."""
 from __future__ import annotations
 
+import logging
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -9,6 +11,8 @@ from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError, SchemaError
 from sparkdl.launch.shipping import ship_by_value
 from sparkdl.planning import make_plan, measured_links, plan_strategy, settle_without_planner
+
+_log = logging.getLogger("sparkdl")
 
 
 @dataclass
@@ -267,13 +271,26 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
     config = spec.config
     monitor = RunMonitor(tracker, progress=config.tracking.progress)
     host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+    attempts = max_attempts(spark, config)
     try:
         with DriverChannel(host, monitor.on_message) as channel:
             try:
-                result = submit(spark, job_df, replace(spec, channel=channel.address))
+                for attempt in range(1, attempts + 1):
+                    try:
+                        result = submit(spark, job_df, replace(spec, channel=channel.address))
+                        break
+                    except TrainingError as failure:
+                        channel.drain()
+                        monitor.flush()
+                        if attempt == attempts or not retryable(monitor.errors):
+                            raise
+                        message = (f"sparkdl: attempt {attempt} of {attempts} failed ({str(failure).splitlines()[0]}); "
+                                   f"retrying, every rank resumes from the latest checkpoint in "
+                                   f"{config.train.checkpoint_dir}")
+                        _log.info("%s", message)
+                        print(message, file=sys.stderr, flush=True)
+                        monitor.errors.clear()
             except TrainingError as exc:
-                channel.drain()
-                monitor.flush()
                 root = monitor.root_error()
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
@@ -289,6 +306,27 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
     finally:
         monitor.close()
     return result
+
+
+def max_attempts(spark: Any, config: RunConfig) -> int:
+    """Attempts of one fit: with checkpoints, as many as Spark allows a stage
+    (spark.stage.maxConsecutiveAttempts, 4 by default); without, one (a retry would start over)."""
+    if not config.train.checkpoint_dir:
+        return 1
+    try:
+        return max(1, int(spark.sparkContext.getConf().get("spark.stage.maxConsecutiveAttempts", "4")))
+    except (TypeError, ValueError):
+        return 4
+
+
+def retryable(errors: dict[int, dict[str, Any]]) -> bool:
+    """A failure worth another attempt: ranks only saw a peer vanish (a worker killed, an executor
+    lost). Not a rank's own exception (it would fail again), nor a timeout (a stalled peer would
+    stall again)."""
+    texts = [str(m.get("text", "")) for m in errors.values()]
+    if any(not m.get("peer_failure") for m in errors.values()):
+        return False
+    return not any("timeout" in t.lower() or "timed out" in t.lower() for t in texts)
 
 
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:

@@ -90,6 +90,9 @@ class TrainConfig:
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
     approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
+    checkpoint_dir: str | None = None  # local path or pyarrow filesystem URI; None: no checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
+    keep_checkpoints: int = 2  # complete checkpoints kept
 
     @property
     def implied_strategy(self) -> str:
@@ -136,6 +139,15 @@ class TrainConfig:
                               hint="DiLoCo uses 0.9")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
+        if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \
+                or self.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every must be an integer >= 0 (0 = epoch ends only), got "
+                              f"{self.checkpoint_every!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError(f"train.checkpoint_every={self.checkpoint_every} needs train.checkpoint_dir",
+                              hint="set checkpoint_dir to a directory every executor can reach, e.g. "
+                                   "'/dbfs/tmp/ckpt', 's3://bucket/ckpt' or a local path on local masters")
+        _positive_int("train.keep_checkpoints", self.keep_checkpoints)
         if not self.approximate_min_speedup >= 1:
             raise ConfigError(f"train.approximate_min_speedup must be >= 1, got {self.approximate_min_speedup!r}",
                               hint="1 = the planner takes the fastest layout; inf = never DiLoCo or IST")

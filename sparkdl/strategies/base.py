@@ -98,6 +98,23 @@ class Strategy(abc.ABC):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.module().state_dict().items()}
 
+    # Every rank holds the same training state (data parallel with allreduce): only rank 0's is saved.
+    replicated_state = False
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this rank needs to continue training exactly: tensors and plain values only
+        (checkpoints are read with torch.load(weights_only=True))."""
+        state: dict[str, Any] = {"module": self.state_dict()}
+        optimizer = getattr(self, "_optimizer", None)
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.module().load_state_dict(state["module"])
+        if "optimizer" in state:
+            self._optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
+
     def result_state(self) -> dict[str, torch.Tensor] | None:
         """What this rank contributes to the trained model the driver assembles (None: nothing).
         State dicts of several ranks are merged by key."""

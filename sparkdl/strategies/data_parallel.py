@@ -136,6 +136,26 @@ class DataParallel(Strategy):
                 param.grad = None
         self._inner_steps = 0
 
+    @property
+    def replicated_state(self) -> bool:  # type: ignore[override]
+        return not self._diloco  # DiLoCo's ranks drift apart between synchronisations
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        state = super().checkpoint_state()
+        if self._diloco:
+            state.update(global_params=[p.detach().cpu() for p in self._global], outer=self._outer.state_dict(),
+                         inner_steps=self._inner_steps)
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        if self._diloco:
+            with torch.no_grad():
+                for mine, saved in zip(self._global, state["global_params"]):
+                    mine.copy_(saved)
+            self._outer.load_state_dict(state["outer"])
+            self._inner_steps = int(state["inner_steps"])
+
     def finish(self) -> None:
         if self._diloco and self._inner_steps:
             self._outer_step()  # the last partial round, so the result is the global model

@@ -297,6 +297,20 @@ class Ist(Strategy):
             with torch.no_grad():
                 self._model[self.layout.linears[-1]].bias.copy_(bias)
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The full model as of the round's start, the subnet and its optimizer as of now."""
+        return {"module": self.state_dict(), "round": self._round, "steps_in_round": self._steps_in_round,
+                "subnet": {k: v.detach().cpu() for k, v in self._subnet.state_dict().items()},
+                "optimizer": self._optimizer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self._model.load_state_dict(state["module"])
+        self._round = int(state["round"])
+        self._begin_round()  # the round's partition and a subnet of the right shapes
+        self._subnet.load_state_dict(state["subnet"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._steps_in_round = int(state["steps_in_round"])
+
     def finish(self) -> None:
         """Write the last, partial round back so the full model holds every step."""
         if self._steps_in_round:

