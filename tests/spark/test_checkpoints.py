@@ -3,8 +3,10 @@ the barrier stage, every rank resumes from the last complete checkpoint, and the
 those of an uninterrupted run."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 from sparkdl import TorchEstimator
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, TrainingError
 
 FEATURES = [f"f{i}" for i in range(6)]
 
@@ -22,25 +24,30 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 3))
 
 
-class KillOnce(nn.Module):
-    """The same network; the second rank's process kills itself (SIGKILL, no clean-up) at its 8th
-    training step, once per marker file: the retried attempt trains through."""
+MARKER = {"path": "", "rank": 1, "calls_per_step": 1}  # shipped by value with the loss, set before each fit
+CALLS = {"n": 0}
 
-    marker = ""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = net()
-        self.calls = 0
+def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy; the chosen rank's process kills itself (SIGKILL, no clean-up) at its 8th
+    step, once per marker file, so the retried attempt trains through."""
+    CALLS["n"] += 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    at_step_8 = CALLS["n"] == 8 * MARKER["calls_per_step"]
+    if rank == MARKER["rank"] and at_step_8 and MARKER["path"] and not os.path.exists(MARKER["path"]):
+        Path(MARKER["path"]).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return nn.functional.cross_entropy(output, labels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.calls += 1
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            if rank == 1 and self.calls == 8 and not os.path.exists(self.marker):
-                Path(self.marker).touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-        return self.body(x)
+
+def failing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Rank 1 raises at its 3rd step; every call that raises leaves a file behind (one per attempt)."""
+    CALLS["n"] += 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 1 and CALLS["n"] == 3:
+        Path(f"{MARKER['path']}-{os.getpid()}-{time.time_ns()}").touch()
+        raise ValueError("bad batch on purpose")
+    return nn.functional.cross_entropy(output, labels)
 
 
 def rows_df(spark):  # type: ignore[no-untyped-def]
@@ -52,26 +59,36 @@ def rows_df(spark):  # type: ignore[no-untyped-def]
     return spark.sparkContext.parallelize(data, 2).toDF(FEATURES + ["label"]).cache()
 
 
-def fit(df, model, **options):  # type: ignore[no-untyped-def]
-    settings = dict(feature_cols=FEATURES, label_col="label", batch_size=8, epochs=2, num_workers=2,
+def fit(df, **options):  # type: ignore[no-untyped-def]
+    settings = dict(model=net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=2, num_workers=2,
                     optimizer="sgd", lr=0.1, momentum=0.9, seed=5, strategy="data_parallel", tracking=False,
-                    progress=False)
+                    progress=False, loss=killing_loss)
     settings.update(options)
-    return TorchEstimator(model=model, **settings).fit(df)
+    return TorchEstimator(**settings).fit(df)
 
 
-def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("options, killed_rank", [
+    ({}, 1),
+    ({"sync": "diloco", "sync_every": 4}, 1),
+    ({"strategy": "ist", "ist_sync_every": 4}, 1),
+    # rank 0 holds the last stage: it computes the loss, once per micro-batch
+    ({"strategy": "hybrid", "stages": 2, "microbatches": 2}, 0),
+], ids=["data_parallel", "diloco", "ist", "hybrid"])
+def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsys, options,  # type: ignore[no-untyped-def]
+                                                         killed_rank) -> None:
     df = rows_df(spark)
-    KillOnce.marker = str(tmp_path / "killed")
-    Path(KillOnce.marker).touch()  # present: the uninterrupted reference run never kills
-    reference = fit(df, KillOnce)
-    os.remove(KillOnce.marker)
+    MARKER.update(path=str(tmp_path / "killed"), rank=killed_rank, calls_per_step=options.get("microbatches", 1))
+    Path(MARKER["path"]).touch()  # present: the uninterrupted reference run never kills
+    reference = fit(df, **options)
+    os.remove(MARKER["path"])
 
     checkpoints = tmp_path / "checkpoints"
-    resumed = fit(df, KillOnce, checkpoint_dir=str(checkpoints), checkpoint_every=3)
-    assert os.path.exists(KillOnce.marker), "the worker was never killed"
+    with pytest.warns(UserWarning) if options.get("strategy") == "ist" else contextlib.nullcontext():
+        resumed = fit(df, checkpoint_dir=str(checkpoints), checkpoint_every=3, **options)
+    assert os.path.exists(MARKER["path"]), "the worker was never killed"
     captured = capsys.readouterr()
     assert "resumed from the checkpoint of step 6" in captured.out + captured.err
+    assert "attempt 1 of 4 failed" in captured.err
     assert resumed.history[0]["resumed_from_step"] == 6  # at most one interval (3 steps) redone
     assert [h["steps"] for h in resumed.history] == [h["steps"] for h in reference.history] == [10, 10]
     # the epoch's loss includes the steps before the failure (their sums were checkpointed too)
@@ -84,6 +101,15 @@ def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsy
     kept = sorted(p.name for p in run_dir.iterdir())
     assert len(kept) == 2 and all((run_dir / name / "COMPLETE").exists() for name in kept)
     assert not list(checkpoints.rglob("*.tmp-*"))
+
+
+def test_a_rank_exception_is_not_retried(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    MARKER.update(path=str(tmp_path / "raised"), rank=1, calls_per_step=1)
+    started = time.monotonic()
+    with pytest.raises(TrainingError, match="rank 1.*ValueError: bad batch on purpose"):
+        fit(rows_df(spark), loss=failing_loss, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+    assert len(list(tmp_path.glob("raised-*"))) == 1  # one attempt: it would fail again
+    assert time.monotonic() - started < 60
 
 
 def test_a_step_without_its_complete_marker_is_never_loaded(tmp_path) -> None:
