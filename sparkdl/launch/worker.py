@@ -150,9 +150,10 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             peer = is_peer_failure(exc)
             report_error(client, exc)
-            if peer:
+            if peer and "timed out" not in detail.lower():
                 # Spark reports the first task failure it hears of; let the rank that failed first
-                # (whose error made this collective break) be heard before this echo of it.
+                # (whose error made this collective break) be heard before this echo of it. A
+                # timeout has no such first rank (a stalled peer says nothing): fail at once.
                 time.sleep(PEER_FAILURE_DELAY_S)
             raise RuntimeError(f"{FAILURE_MARKER} rank={rank}: {detail}\n{traceback.format_exc()}") from None
         finally:
