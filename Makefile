@@ -12,17 +12,19 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.sparkdl-install-hash
 DEPS   := setup.cfg requirements-dev.txt pyproject.toml
 MIN_JAVA := 17
+JAR    := sparkdl/jars/sparkdl-bridge.jar
 
 # Executors must run the same Python as the driver (DESIGN.md, "Things that bite").
 SPARK_ENV := PYSPARK_PYTHON=$(abspath $(VPY)) PYSPARK_DRIVER_PYTHON=$(abspath $(VPY))
 
-.PHONY: help venv check-java demo test bench-ingest horovod clean distclean
+.PHONY: help venv check-java jvm demo test bench-ingest horovod clean distclean
 
 help:
 	@echo "make demo          set up .venv if needed, then train a small model on the bundled digits data"
 	@echo "make test          set up .venv if needed, then run the whole test suite"
 	@echo "make venv          create/refresh .venv (pip runs only when $(DEPS) changed)"
 	@echo "make check-java    verify Java >= $(MIN_JAVA) (PySpark needs it)"
+	@echo "make jvm           compile jvm-bridge/ with javac into $(JAR) (Preflight, BarrierWatch)"
 	@echo "make bench-ingest  run benchmarks/ingest.py (prints JSON)"
 	@echo "make horovod       build horovod 0.28.1 against the venv's torch (5-15 min cold, seconds once cached) and install it"
 	@echo "make clean         remove build outputs and caches; make distclean also removes .venv"
@@ -72,12 +74,18 @@ check-java:
 	fi; \
 	echo "java $$ver ok"
 
-demo: venv check-java
+# The JVM bridge: javac against the jars inside the pyspark wheel (no Maven); rebuilt when a source changed.
+jvm: venv check-java
+	@if [ ! -f "$(JAR)" ] || [ -n "$$(find jvm-bridge/src -name '*.java' -newer "$(JAR)")" ]; then \
+	  $(VPY) -c "from sparkdl.jvm import build_jar; print('built', build_jar())"; \
+	else echo "$(JAR) is up to date"; fi
+
+demo: venv check-java jvm
 	$(SPARK_ENV) $(VENV)/bin/sparkdl demo
 
 # Horovod is built (about 6 minutes cold on 2 cores, seconds from the wheel cache) so that its
 # tests run; SPARKDL_REQUIRE_HOROVOD makes them fail rather than skip if it is missing.
-test: venv check-java horovod
+test: venv check-java jvm horovod
 	$(SPARK_ENV) SPARKDL_REQUIRE_HOROVOD=1 $(VPY) -m pytest tests -q -p no:cacheprovider
 
 bench-ingest: venv check-java
@@ -89,7 +97,7 @@ horovod: venv
 	PYTHON=$(VPY) bash scripts/build_horovod.sh
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache spark-warehouse metastore_db derby.log
+	rm -rf build dist *.egg-info .pytest_cache spark-warehouse metastore_db derby.log $(JAR)
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean

@@ -119,6 +119,19 @@ def check_backend(config: RunConfig) -> None:
         import_horovod()
 
 
+def preflight(spark: Any, workers: int) -> None:
+    """The JVM bridge's checks besides the slot count (which ensure_slots waits for): dynamic
+    allocation, executor GPUs without task GPU amounts. Also attaches BarrierWatch, whose events
+    explain failures. Without the bridge (no jar, Spark Connect) nothing happens."""
+    from sparkdl import jvm
+
+    jvm.attach(spark)
+    report = jvm.preflight(spark, workers)
+    problems = [p for p in (report or {}).get("problems", []) if p.get("code") != "slots"]
+    if problems:
+        raise ConfigError("; ".join(p["message"] for p in problems), hint="; ".join(p["fix"] for p in problems))
+
+
 def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -> Any:
     """The Plan a fit with these options would follow (strategy="auto"), without training:
     `plan.strategy`, `plan.candidates`, `plan.explain()`."""
@@ -171,6 +184,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
                           hint="pass label_col=..., or use sparkdl.run for a custom loop without labels")
     check_columns(df, list(data.feature_cols) + [data.label_col])
     ensure_slots(_spark(df), config.launch.num_workers, config.launch.slot_wait_s)
+    preflight(_spark(df), config.launch.num_workers)
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers, validation_df=validation_df,
@@ -272,6 +286,9 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
     monitor = RunMonitor(tracker, progress=config.tracking.progress)
     host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
     attempts = max_attempts(spark, config)
+    from sparkdl import jvm
+
+    jvm.drain_events(spark)  # only this job's events explain its failure
     try:
         with DriverChannel(host, monitor.on_message) as channel:
             try:
@@ -291,13 +308,16 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
                         print(message, file=sys.stderr, flush=True)
                         monitor.errors.clear()
             except TrainingError as exc:
+                exc = explain_lost_executors(spark, exc)
                 root = monitor.root_error()
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
                 if root is not None and f"rank {root[0]}" not in str(exc):
                     line = root[1].strip().splitlines()[0] if root[1].strip() else ""
-                    raise TrainingError(f"training failed on rank {root[0]}: {line}", hint=exc.hint) from None
-                raise
+                    named = TrainingError(f"training failed on rank {root[0]}: {line}", hint=exc.hint)
+                    named.events = exc.events
+                    raise named from None
+                raise exc from None
             except BaseException:
                 tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
                 raise
@@ -306,6 +326,22 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
     finally:
         monitor.close()
     return result
+
+
+def explain_lost_executors(spark: Any, exc: Any) -> Any:
+    """The job's BarrierWatch events on the error (`exc.events`), and executors lost during the job
+    in its hint: a killed or out-of-memory executor shows in Spark's own message only as a closed
+    connection."""
+    from sparkdl import jvm
+
+    jvm.wait_for_events(spark)
+    events = jvm.drain_events(spark)
+    lost = [e for e in events if e.get("event") == "executor_removed"]
+    if lost:
+        detail = "; ".join(f"executor {e.get('executor')} was lost: {e.get('reason')}" for e in lost)
+        exc = type(exc)(exc.message, hint=f"{detail}. {exc.hint or ''}".strip())
+    exc.events = events
+    return exc
 
 
 def max_attempts(spark: Any, config: RunConfig) -> int:
@@ -351,6 +387,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         config.launch.validate()
     spark = _spark(df)
     ensure_slots(spark, num_workers, config.launch.slot_wait_s)
+    preflight(spark, num_workers)
     if df is not None:
         classification = config.train.task == "classification" or (
             config.train.task == "auto" and label_is_integral(df, config.data.label_col))

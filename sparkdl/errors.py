@@ -52,7 +52,11 @@ class InsufficientSlotsError(ResourceError):
 
 
 class TrainingError(SparkdlError):
-    """A worker failed during training; the message carries the failing rank's exception."""
+    """A worker failed during training; the message carries the failing rank's exception.
+    `events`: what the JVM bridge's BarrierWatch saw during the job (executors lost, tasks failed
+    with rank, host and exception line); empty without the bridge."""
+
+    events: list = []  # noqa: RUF012 - replaced per instance when the driver drains the events
 
 
 class ModelError(SparkdlError):
