@@ -89,6 +89,34 @@ def check_output_width(config: RunConfig, out_width: int, num_classes: int | Non
                          hint="make the last layer output 1, or pass a callable loss")
 
 
+def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: int) -> Any:
+    """on_invalid="skip" with cross-entropy: class indices the model has no logit for are invalid
+    labels too; those rows are dropped (one more counting job), others still raise."""
+    from dataclasses import replace
+
+    from pyspark.sql import functions as F
+
+    from sparkdl.data.layout import LABEL_COLUMN
+    from sparkdl.errors import EmptyDataError
+
+    classes = prepared.layout.num_classes
+    if config.data.on_invalid != "skip" or config.train.loss != "cross_entropy" or not classes \
+            or classes <= out_width or out_width < 2:
+        return prepared
+    kept = prepared.df.filter(F.col(LABEL_COLUMN) < out_width)
+    split = prepared.layout.split_column
+    rows = kept.filter(F.col(split) == 0).count() if split else kept.count()
+    dropped = prepared.num_rows - rows
+    if rows == 0:
+        raise EmptyDataError(f"every label of {config.data.label_col!r} is a class index >= the model's "
+                             f"{out_width} outputs", hint=f"make the last layer output {classes}")
+    _log.warning("sparkdl: on_invalid='skip' dropped %d rows whose label is a class index >= the model's %d "
+                 "outputs", dropped, out_width)
+    return replace(prepared, df=kept.repartition(config.launch.num_workers), num_rows=rows,
+                   dropped_rows=prepared.dropped_rows + dropped,
+                   layout=replace(prepared.layout, num_classes=out_width))
+
+
 def check_enough_rows(config: RunConfig, num_rows: int) -> None:
     workers, batch = config.launch.num_workers, config.data.batch_size
     if num_rows < workers:
@@ -143,7 +171,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     check_columns(df, list(data.feature_cols) + ([data.label_col] if data.label_col else []))
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
-                       num_workers=config.launch.num_workers, seed=config.train.seed)
+                       num_workers=config.launch.num_workers, seed=config.train.seed, on_invalid=data.on_invalid)
     module, _ = probe_model(model, config, prepared.layout.num_features)
     return make_plan(module, config.merged({"tracking": {"progress": False}}), prepared.layout.num_features,
                      _spark(df), prepared.num_rows)
@@ -188,8 +216,10 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers, validation_df=validation_df,
-                       validation_fraction=data.validation_fraction, seed=config.train.seed)
+                       validation_fraction=data.validation_fraction, seed=config.train.seed,
+                       on_invalid=data.on_invalid)
     module, out_width = probe_model(model, config, prepared.layout.num_features)
+    prepared = drop_labels_beyond_the_model(config, prepared, out_width)
     check_output_width(config, out_width, prepared.layout.num_classes)
     check_enough_rows(config, prepared.num_rows)
     auto_plan = None
@@ -245,6 +275,7 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
         "dataset.rows": prepared.num_rows, "dataset.validation_rows": prepared.num_validation_rows,
         "dataset.columns": ", ".join(f"{c}:{types.get(c)}" for c in used),
         "dataset.num_features": prepared.layout.num_features, "dataset.source": _source(df),
+        "dataset.dropped_invalid_rows": prepared.dropped_rows,
         "world.workers": config.launch.num_workers, "world.master": df.sparkSession.sparkContext.master,
     })
     params.update(versions())
@@ -392,7 +423,8 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         classification = config.train.task == "classification" or (
             config.train.task == "auto" and label_is_integral(df, config.data.label_col))
         prepared = prepare(df, config.data.feature_cols, config.data.label_col,
-                           classification=classification, num_workers=num_workers)
+                           classification=classification, num_workers=num_workers,
+                           on_invalid=config.data.on_invalid)
         if prepared.num_rows < num_workers:
             check_enough_rows(config, prepared.num_rows)
         job_df, layout = prepared.df, prepared.layout

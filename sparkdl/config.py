@@ -42,6 +42,7 @@ class DataConfig:
     prediction_col: str = "prediction"
     spool_dir: str | None = None
     validation_fraction: float = 0.0  # rows held out (randomly, by seed) for per-epoch validation
+    on_invalid: str = "error"  # rows with NaN/Inf features or unusable labels: "error", or "skip" (dropped, counted)
 
     def validate(self) -> None:
         if isinstance(self.feature_cols, str):
@@ -61,6 +62,7 @@ class DataConfig:
             raise ConfigError(f"data.label_col {self.label_col!r} is also a feature column",
                               hint="remove the label from feature_cols")
         _positive_int("data.batch_size", self.batch_size)
+        _choice("data.on_invalid", self.on_invalid, ("error", "skip"))
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction!r}",
                               hint="for example validation_fraction=0.2")

@@ -5,6 +5,7 @@ barrier job starts; one aggregation job gathers all the statistics the checks ne
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -23,6 +24,8 @@ from sparkdl.errors import (
     NullValuesError,
 )
 
+_log = logging.getLogger("sparkdl")
+
 
 @dataclass(frozen=True)
 class PreparedData:
@@ -30,6 +33,7 @@ class PreparedData:
     layout: FeedLayout
     num_rows: int  # training rows
     num_validation_rows: int = 0
+    dropped_rows: int = 0  # invalid rows dropped under on_invalid="skip"
 
 
 def check_columns(df: DataFrame, columns: Sequence[str]) -> None:
@@ -79,6 +83,37 @@ def features_expression(df: DataFrame, feature_cols: Sequence[str]) -> Column:
     return parts[0] if len(parts) == 1 else F.concat(*parts)
 
 
+def _nonfinite(value: Column) -> Column:
+    as_double = value.cast("double")
+    return F.isnan(as_double) | (F.abs(as_double) == float("inf"))
+
+
+def feature_invalid(df: DataFrame, name: str) -> Column:
+    """True for a row whose feature column holds NaN or +-Inf (anywhere in an array or vector)."""
+    kind = feature_kind(df, name)
+    if kind == "scalar":
+        return F.coalesce(_nonfinite(F.col(name)), F.lit(False))
+    arr = F.col(name) if kind == "array" else vector_to_array(F.col(name))
+    return F.coalesce(F.exists(arr, lambda x: F.coalesce(_nonfinite(x), F.lit(False))), F.lit(False))
+
+
+def label_invalid(label_col: str, classification: bool) -> Column:
+    """True for a row whose label no built-in loss can use: NaN/Inf, or not a class index 0..C-1."""
+    label = F.col(label_col).cast("double")
+    bad = _nonfinite(label)
+    if classification:
+        bad = bad | (label < 0) | (label != F.floor(label))
+    return F.coalesce(bad, F.lit(False))
+
+
+def row_invalid(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, classification: bool) -> Column:
+    """True for a row on_invalid="skip" drops: NaN/Inf in a feature, or a label no loss can use."""
+    bad = F.lit(False)
+    for name in feature_cols:
+        bad = bad | feature_invalid(df, name)
+    return bad | label_invalid(label_col, classification) if label_col is not None else bad
+
+
 def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
            classification: bool) -> dict[str, int | None]:
     aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
@@ -90,36 +125,43 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
             aggs += [F.min(F.size(arr)).alias(f"min_{i}"), F.max(F.size(arr)).alias(f"max_{i}")]
             if kind == "array":
                 aggs.append(F.sum(F.exists(arr, lambda x: x.isNull()).cast("long")).alias(f"inner_{i}"))
+        aggs.append(F.sum(feature_invalid(df, name).cast("long")).alias(f"nonfinite_{i}"))
+    aggs.append(F.sum(row_invalid(df, feature_cols, label_col, classification).cast("long")).alias("invalid_rows"))
     if label_col is not None:
         aggs.append(F.sum(F.col(label_col).isNull().cast("long")).alias("null_label"))
         as_double = F.col(label_col).cast("double")
         aggs.append(F.sum((F.isnan(as_double) | (F.abs(as_double) == float("inf"))).cast("long"))
                     .alias("nonfinite_label"))
+        invalid = label_invalid(label_col, classification)
+        aggs.append(F.sum(invalid.cast("long")).alias("invalid_label"))
         if classification:
             # Spark ML labels are doubles: accepted for classification when they hold whole numbers.
             label = F.col(label_col).cast("double")
             aggs += [F.min(label).alias("label_min"), F.max(label).alias("label_max"),
-                     F.sum((label != F.floor(label)).cast("long")).alias("label_fractional")]
+                     F.sum((label != F.floor(label)).cast("long")).alias("label_fractional"),
+                     F.max(F.when(~invalid, label)).alias("valid_label_max")]
     row = df.agg(*aggs).collect()[0]
     return row.asDict()
 
 
 def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
             num_workers: int, validation_df: DataFrame | None = None, validation_fraction: float = 0.0,
-            seed: int = 0) -> PreparedData:
+            seed: int = 0, on_invalid: str = "error") -> PreparedData:
     """Checked, selected and sharded data. With validation (a DataFrame, or a fraction held out by
     seed), validation rows travel in the same barrier job, marked by a split column, so every rank
     evaluates its share each epoch without a second Spark job."""
-    prepared = _prepare_one(df, feature_cols, label_col, classification=classification)
+    prepared = _prepare_one(df, feature_cols, label_col, classification=classification, on_invalid=on_invalid)
     layout, selected = prepared.layout, prepared.df
     num_rows, num_val = prepared.num_rows, 0
     if validation_df is not None:
-        val = _prepare_one(validation_df, feature_cols, label_col, classification=classification, what="validation_df")
+        val = _prepare_one(validation_df, feature_cols, label_col, classification=classification, what="validation_df",
+                           on_invalid=on_invalid)
         if val.layout.num_features != layout.num_features:
             raise ArrayLengthError(f"validation_df has {val.layout.num_features} feature values per row, the "
                                    f"training DataFrame {layout.num_features}", hint="use the same feature columns")
         selected = selected.withColumn(SPLIT_COLUMN, F.lit(0)).unionByName(val.df.withColumn(SPLIT_COLUMN, F.lit(1)))
         num_val = val.num_rows
+        prepared = replace(prepared, dropped_rows=prepared.dropped_rows + val.dropped_rows)
     elif validation_fraction > 0:
         held_out = (F.rand(seed) < F.lit(validation_fraction)).cast("int")
         selected = selected.withColumn(SPLIT_COLUMN, held_out)
@@ -128,15 +170,23 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
     if num_val:
         layout = replace(layout, split_column=SPLIT_COLUMN)
         selected = selected.repartition(num_workers)  # a union cannot run in a barrier stage as is
-    elif selected.rdd.getNumPartitions() != num_workers:
+    elif selected.rdd.getNumPartitions() != num_workers or prepared.dropped_rows \
+            or _has_an_empty_partition(selected, num_workers):
         # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
-        # exactly num_workers partitions keeps its partitioning and row order.
+        # exactly num_workers non-empty partitions keeps its partitioning and row order.
         selected = selected.repartition(num_workers)
-    return PreparedData(df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val)
+    return PreparedData(df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val,
+                        dropped_rows=prepared.dropped_rows)
+
+
+def _has_an_empty_partition(df: DataFrame, num_workers: int) -> bool:
+    """A DataFrame of exactly num_workers partitions keeps them (one per rank); an empty one would
+    leave a rank without rows. One small job, only in that case."""
+    return df.select(F.spark_partition_id().alias("p")).distinct().count() < num_workers
 
 
 def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
-                 what: str = "the DataFrame") -> PreparedData:
+                 what: str = "the DataFrame", on_invalid: str = "error") -> PreparedData:
     used = list(feature_cols) + ([label_col] if label_col is not None else [])
     check_columns(df, used)
     kinds = [feature_kind(df, name) for name in feature_cols]
@@ -153,6 +203,12 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
         if nulls:
             raise NullValuesError(f"feature column {name!r} has {nulls} null value(s) in {stats['rows']} rows",
                                   hint=f"drop or fill them first, e.g. df.na.drop(subset=[{name!r}]) or df.na.fill(...)")
+        nonfinite = stats[f"nonfinite_{i}"] or 0
+        if nonfinite and on_invalid == "error":
+            raise NullValuesError(f"feature column {name!r} has {nonfinite} row(s) with NaN or infinite values "
+                                  f"(of {stats['rows']} in {what})",
+                                  hint="fix or drop them first, or pass on_invalid='skip' to drop such rows "
+                                       "(they are counted and logged)")
         if kind == "scalar":
             num_features += 1
             continue
@@ -175,17 +231,31 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
             raise NullValuesError(f"label column {label_col!r} has {nulls} null value(s) in {stats['rows']} rows",
                                   hint=f"drop them first, e.g. df.na.drop(subset=[{label_col!r}])")
         nonfinite = stats["nonfinite_label"] or 0
-        if nonfinite:
+        if nonfinite and on_invalid == "error":
             raise NullValuesError(f"label column {label_col!r} has {nonfinite} NaN or infinite value(s)",
-                                  hint=f"drop them first, e.g. df.filter(~F.isnan({label_col!r}))")
+                                  hint=f"drop them first, e.g. df.filter(~F.isnan({label_col!r})), or pass "
+                                       "on_invalid='skip' to drop such rows")
         if classification:
             low, high = stats["label_min"], stats["label_max"]
-            if low < 0 or stats["label_fractional"]:
+            if on_invalid == "skip":
+                high = stats["valid_label_max"]
+                if high is None:
+                    raise EmptyDataError(f"label column {label_col!r} of {what} holds no class index 0..C-1",
+                                         hint="index the labels (StringIndexer) or use loss='mse' for regression")
+            elif low < 0 or stats["label_fractional"]:
                 raise ColumnTypeError(
                     f"label column {label_col!r} must hold class indices 0..C-1 for a classification loss "
                     f"(found values from {low} to {high})",
                     hint="index the labels (StringIndexer) or use loss='mse' for regression")
             num_classes = int(high) + 1
+    dropped = int(stats["invalid_rows"] or 0) if on_invalid == "skip" else 0
+    if dropped:
+        if dropped == stats["rows"]:
+            raise EmptyDataError(f"every row of {what} is invalid ({dropped} rows with NaN/Inf features or "
+                                 "unusable labels): none left to train on", hint="check the data and the filters")
+        _log.warning("sparkdl: on_invalid='skip' dropped %d of %d rows of %s (NaN/Inf features or unusable labels)",
+                     dropped, stats["rows"], what)
+        df = df.filter(~row_invalid(df, feature_cols, label_col, classification))
     selected = [features_expression(df, feature_cols).alias(FEATURES_COLUMN)]
     if label_col is not None:
         cast = "long" if label_dtype == "int64" else "float"
@@ -194,4 +264,4 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
                         source_feature_cols=tuple(feature_cols), source_label_col=label_col,
                         num_classes=num_classes)
-    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]))
+    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]) - dropped, dropped_rows=dropped)

@@ -164,3 +164,64 @@ def test_a_stalled_rank_ends_in_an_error_within_the_timeout(small_df) -> None:  
     with pytest.raises(TrainingError, match="rank 0"):
         sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=5)
     assert time.monotonic() - started < 120
+
+
+def invalid_rows_df(spark):  # type: ignore[no-untyped-def]
+    inf, nan = float("inf"), float("nan")
+    rows = [([float(i), float(i % 3)], float(i % 2), i % 2) for i in range(40)]
+    rows[3] = ([nan, 1.0], 1.0, 1)  # NaN inside the array feature
+    rows[7] = ([1.0, 2.0], -inf, 0)  # infinite scalar feature
+    rows[11] = ([1.0, 2.0], 1.0, 1)
+    df = spark.createDataFrame(rows, "v array<double>, c double, label long")
+    return df
+
+
+def test_nan_and_inf_features_are_named_with_their_count(spark) -> None:  # type: ignore[no-untyped-def]
+    df = invalid_rows_df(spark)
+    with pytest.raises(NullValuesError, match="feature column 'v' has 1 row\\(s\\) with NaN or infinite") as info:
+        estimator(model=lambda: nn.Linear(3, 2), feature_cols=["v", "c"]).fit(df)
+    assert "on_invalid='skip'" in str(info.value)
+    with pytest.raises(NullValuesError, match="feature column 'c' has 1 row"):
+        estimator(model=lambda: nn.Linear(3, 2), feature_cols=["v", "c"]).fit(df.filter("label >= 0").limit(40)
+                                                                             .where("not isnan(v[0])"))
+
+
+def test_on_invalid_skip_drops_and_counts_the_rows(spark) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.data.feed import prepare
+
+    df = invalid_rows_df(spark)
+    nan_label = spark.createDataFrame([([1.0, 1.0], 1.0, None)], "v array<double>, c double, label long")
+    prepared = prepare(df, ["v", "c"], "label", classification=True, num_workers=2, on_invalid="skip")
+    assert (prepared.num_rows, prepared.dropped_rows) == (38, 2)
+    model = estimator(model=lambda: nn.Linear(3, 2), feature_cols=["v", "c"], on_invalid="skip",
+                      tracking=False, progress=False).fit(df)
+    assert model.history[0]["steps"] > 0 and model.history[0]["loss"] == model.history[0]["loss"]  # not NaN
+    # nulls stay an error: "skip" is for values no loss can use, not for missing ones
+    with pytest.raises(NullValuesError, match="null"):
+        estimator(model=lambda: nn.Linear(3, 2), feature_cols=["v", "c"], on_invalid="skip").fit(df.union(nan_label))
+
+
+def test_on_invalid_skip_drops_class_indices_the_model_has_no_logit_for(spark) -> None:  # type: ignore[no-untyped-def]
+    rows = [(float(i), float(i % 5), i % 3) for i in range(30)] + [(1.0, 1.0, 7)]
+    df = spark.createDataFrame(rows, "a double, b double, label long")
+    with pytest.raises(ModelError, match="holds 8 classes but the model outputs 3"):
+        estimator(model=lambda: nn.Linear(2, 3)).fit(df)
+    model = estimator(model=lambda: nn.Linear(2, 3), on_invalid="skip", tracking=False, progress=False).fit(df)
+    assert model.history[0]["steps"] > 0
+
+
+def test_every_row_invalid_is_an_empty_data_error(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.createDataFrame([(float("nan"), 1.0, 1), (float("inf"), 2.0, 0)], "a double, b double, label long")
+    with pytest.raises(EmptyDataError, match="every row of the DataFrame is invalid"):
+        estimator(on_invalid="skip").fit(df)
+
+
+def test_an_empty_partition_is_rebalanced_not_a_failing_rank(spark) -> None:  # type: ignore[no-untyped-def]
+    rows = [(float(i), float(i % 3), i % 2) for i in range(20)]
+    # two partitions, the second empty: kept as they are, rank 1 would have no rows
+    df = spark.sparkContext.parallelize(rows, 1).toDF(["a", "b", "label"]).union(
+        spark.createDataFrame([], "a double, b double, label long"))
+    df = df.coalesce(2) if df.rdd.getNumPartitions() > 2 else df
+    assert df.rdd.getNumPartitions() == 2 and min(len(p) for p in df.rdd.glom().collect()) == 0
+    model = estimator(tracking=False, progress=False).fit(df)
+    assert model.history[0]["steps"] > 0
