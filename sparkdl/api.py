@@ -265,8 +265,9 @@ def new_tracker(config: RunConfig) -> Any:
 
 
 def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
-    """Every option (flattened), the dataset and the versions: what makes a run reproducible."""
-    from sparkdl.tracking import versions
+    """Every option (flattened), the dataset and the versions: what makes a run reproducible
+    (credentials redacted)."""
+    from sparkdl.tracking import redact, versions
 
     params: dict[str, Any] = dict(config.flat())
     used = list(config.data.feature_cols) + ([config.data.label_col] if config.data.label_col else [])
@@ -279,7 +280,7 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
         "world.workers": config.launch.num_workers, "world.master": df.sparkSession.sparkContext.master,
     })
     params.update(versions())
-    return params
+    return redact(params)
 
 
 def _source(df: Any) -> str:

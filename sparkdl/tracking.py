@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import platform
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -228,3 +229,21 @@ def loss_curve_png(history: Sequence[Mapping[str, Any]]) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")
     return buffer.getvalue()
+
+
+_CREDENTIALS_IN_URL = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+_SECRET_NAMES = ("password", "secret", "token", "credential", "api_key", "apikey", "access_key")
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Params safe to log: passwords in URLs (user:password@host) and values of options whose names
+    say secret, token, password, ... are replaced by '***'. Environment variables are never logged."""
+    safe: dict[str, Any] = {}
+    for key, value in params.items():
+        if any(word in key.lower() for word in _SECRET_NAMES):
+            safe[key] = "***"
+        elif isinstance(value, str):
+            safe[key] = _CREDENTIALS_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", value)
+        else:
+            safe[key] = value
+    return safe

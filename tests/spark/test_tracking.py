@@ -179,3 +179,17 @@ def test_validation_df_gives_per_epoch_validation_metrics(spark) -> None:  # typ
     assert all({"val_loss", "val_accuracy"} <= set(h) for h in model.history)
     assert model.history[-1]["val_loss"] < model.history[0]["val_loss"]
     assert sum(h["samples"] for h in model.history[:1]) >= len(train_idx)
+
+
+def test_no_credentials_or_environment_reach_mlflow(spark, mlflow_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("SPARKDL_TEST_API_TOKEN", "tok-98765-secret")
+    uri = mlflow_server.uri.replace("http://", "http://bob:pw-s3cret@")
+    model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64, num_workers=2,
+                           tracking_uri=uri, experiment="sparkdl-secrets", progress=False,
+                           strategy="data_parallel").fit(digits_dataframe(spark).limit(256))
+    run = MlflowClient(tracking_uri=mlflow_server.uri).get_run(model.run_id)
+    logged = " ".join(f"{k}={v}" for k, v in {**run.data.params, **run.data.tags}.items())
+    assert "pw-s3cret" not in logged and "tok-98765" not in logged
+    assert run.data.params["tracking.tracking_uri"] == mlflow_server.uri.replace("http://", "http://bob:***@")
