@@ -341,15 +341,11 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
                         monitor.errors.clear()
             except TrainingError as exc:
                 exc = explain_lost_executors(spark, exc)
-                root = monitor.root_error()
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
-                if root is not None and f"rank {root[0]}" not in str(exc):
-                    line = root[1].strip().splitlines()[0] if root[1].strip() else ""
-                    named = TrainingError(f"training failed on rank {root[0]}: {line}", hint=exc.hint)
-                    named.events = exc.events
-                    raise named from None
-                raise exc from None
+                named = name_the_failure(monitor.errors, spec.world_size, config, exc)
+                named.events = exc.events
+                raise named from None
             except BaseException:
                 tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
                 raise
@@ -358,6 +354,34 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[An
     finally:
         monitor.close()
     return result
+
+
+def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config: RunConfig, exc: Any) -> Any:
+    """The error to raise: the rank (and host) whose own exception started the failure with its
+    exception line; or, when every report is a collective that timed out, the ranks that never
+    reported: they stopped responding (a stalled process cannot say so itself)."""
+    from sparkdl.errors import TrainingError
+
+    own = sorted((rank, m) for rank, m in errors.items() if not m.get("peer_failure"))
+    if own:
+        rank, message = own[0]
+    elif errors:
+        texts = [str(m.get("text", "")).lower() for m in errors.values()]
+        silent = [r for r in range(world_size) if r not in errors]
+        if silent and all("timed out" in t or "timeout" in t for t in texts):
+            waiting = sorted(errors)
+            return TrainingError(
+                f"training failed: rank(s) {silent} stopped responding; the collectives of rank(s) {waiting} timed "
+                f"out after launch.timeout_s={config.launch.timeout_s:g} s",
+                hint="a stalled or swapped-out worker (see its executor's log), or a step longer than the timeout: "
+                     "raise launch.timeout_s")
+        rank, message = sorted(errors.items())[0]
+    else:
+        return exc
+    text = str(message.get("text", "")).strip()
+    line = text.splitlines()[0] if text else ""
+    host = f" (on host {message['host']})" if message.get("host") else ""
+    return TrainingError(f"training failed on rank {rank}: {line}{host}", hint=exc.hint)
 
 
 def explain_lost_executors(spark: Any, exc: Any) -> Any:

@@ -45,7 +45,9 @@ def report_error(client: Any, exc: BaseException) -> None:
         return
     detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc))
+    import socket
+
+    client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc), host=socket.gethostname())
     try:
         exc._sparkdl_reported = True  # type: ignore[attr-defined]
     except AttributeError:  # some C-level exceptions take no attributes

@@ -94,7 +94,7 @@ def test_a_failing_rank_gives_a_driver_side_error_naming_it(small_df) -> None:  
             raise ValueError("boom from the user loop")
         ctx.comm.barrier()
 
-    with pytest.raises(TrainingError, match=r"rank 1: ValueError: boom from the user loop"):
+    with pytest.raises(TrainingError, match=r"rank 1: ValueError: boom from the user loop \(on host \S+\)"):
         sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=30)
 
 
@@ -161,9 +161,9 @@ def test_a_stalled_rank_ends_in_an_error_within_the_timeout(small_df) -> None:  
         ctx.comm.allreduce(torch.ones(2))
 
     started = time.monotonic()
-    with pytest.raises(TrainingError, match="rank 0"):
+    with pytest.raises(TrainingError, match=r"rank\(s\) \[1\] stopped responding.*rank\(s\) \[0\] timed out"):
         sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=5)
-    assert time.monotonic() - started < 120
+    assert time.monotonic() - started < 60
 
 
 def invalid_rows_df(spark):  # type: ignore[no-untyped-def]
