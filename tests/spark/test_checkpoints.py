@@ -151,3 +151,33 @@ def test_checkpoint_options_are_checked() -> None:
         RunConfig.from_kwargs(feature_cols=["a"], checkpoint_every=10).validate()
     with pytest.raises(ConfigError, match="train.keep_checkpoints"):
         RunConfig.from_kwargs(feature_cols=["a"], checkpoint_dir="/tmp/x", keep_checkpoints=0).validate()
+
+
+def _write_forever(root: str, ready: str) -> None:
+    from sparkdl.launch.checkpoint import CheckpointStore
+
+    store = CheckpointStore(root, "run", rank=0)
+    Path(ready).touch()
+    store.write_rank(20, {"w": torch.zeros(64 << 20)})  # 256 MB: killed long before it is done
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path) -> None:
+    import multiprocessing
+
+    from sparkdl.launch.checkpoint import CheckpointStore
+
+    store = CheckpointStore(str(tmp_path), "run", rank=0)
+    store.write_rank(10, {"w": torch.ones(4)})
+    store.mark_complete(10)
+    ready = tmp_path / "ready"
+    writer = multiprocessing.get_context("spawn").Process(target=_write_forever, args=(str(tmp_path), str(ready)))
+    writer.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # inside torch.save or the write of the temporary file
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL
+    assert store.latest() == 10 and torch.equal(store.read_rank(10, 0)["w"], torch.ones(4))
+    assert not (tmp_path / "run" / "step-000000020" / "rank-0.pt").exists()

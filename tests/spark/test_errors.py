@@ -150,20 +150,35 @@ def test_loading_a_missing_model_is_a_clear_error(spark, tmp_path) -> None:  # t
         TorchModel.load(str(tmp_path / "nothing-here"))
 
 
-def test_a_stalled_rank_ends_in_an_error_within_the_timeout(small_df) -> None:  # type: ignore[no-untyped-def]
+def test_a_stalled_rank_ends_in_an_error_within_the_timeout(small_df, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import signal
+
+    pid_file = str(tmp_path / "stopped.pid")
+
     def train_fn(ctx):  # type: ignore[no-untyped-def]
-        import time as clock
+        import os as system
+        import signal as signals
 
         import torch
 
         if ctx.rank == 1:
-            clock.sleep(90)  # stalled: never joins the collective
+            with open(pid_file, "w") as out:
+                out.write(str(system.getpid()))
+            system.kill(system.getpid(), signals.SIGSTOP)  # stalled: never joins the collective
         ctx.comm.allreduce(torch.ones(2))
 
     started = time.monotonic()
-    with pytest.raises(TrainingError, match=r"rank\(s\) \[1\] stopped responding.*rank\(s\) \[0\] timed out"):
-        sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=5)
-    assert time.monotonic() - started < 60
+    try:
+        with pytest.raises(TrainingError, match=r"rank\(s\) \[1\] stopped responding.*rank\(s\) \[0\] timed out"):
+            sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=5)
+        assert time.monotonic() - started < 60
+    finally:
+        if os.path.exists(pid_file):
+            try:
+                os.kill(int(open(pid_file).read()), signal.SIGKILL)  # never leave a stopped worker behind
+            except ProcessLookupError:
+                pass
 
 
 def invalid_rows_df(spark):  # type: ignore[no-untyped-def]
