@@ -55,16 +55,7 @@ def get_spark(master: str | None) -> tuple[Any, bool]:
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ or "--master" in os.environ.get("PYSPARK_SUBMIT_ARGS", "")
     if master or not under_submit:
         builder = builder.master(master or "local[2]").config("spark.ui.showConsoleProgress", "false")
-    return _with_bridge(builder).getOrCreate(), True
-
-
-def _with_bridge(builder: Any) -> Any:
-    """Load the JVM bridge with the session (BarrierWatch sees executors from the start)."""
-    from sparkdl.jvm import session_options
-
-    for key, value in session_options().items():
-        builder = builder.config(key, value)
-    return builder
+    return builder.getOrCreate(), True
 
 
 def input_format(config: RunConfig) -> str:
@@ -198,8 +189,8 @@ def demo_session(master: str, workers: int) -> Any:
     from sparkdl.launch.driver import concurrent_slots
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    builder = _with_bridge(SparkSession.builder.appName("sparkdl-demo").config("spark.ui.enabled", "false")
-                           .config("spark.ui.showConsoleProgress", "false"))
+    builder = (SparkSession.builder.appName("sparkdl-demo").config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false"))
     try:
         spark = builder.master(master).getOrCreate()
         deadline = time.monotonic() + 60

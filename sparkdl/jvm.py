@@ -72,9 +72,12 @@ def build_jar(output: Path | None = None, sources: Path = _SOURCES) -> Path:
 
 
 def session_options(jar: Path | None = None) -> dict[str, str]:
-    """Spark options that load the bridge when a session is created (listener from the start)."""
+    """Spark options that load the bridge when a session is created (listener from the start).
+    Empty when the driver JVM is already running (spark-submit, an existing gateway): spark.jars set
+    then would not reach the driver's class path, and an unloadable listener fails the session;
+    `attach` (run by every fit) covers that case."""
     jar = jar or jar_path()
-    if jar is None:
+    if jar is None or "PYSPARK_GATEWAY_PORT" in os.environ:
         return {}
     return {"spark.jars": str(jar), "spark.extraListeners": LISTENER}
 

@@ -1,0 +1,67 @@
+"""Every script in examples/ runs on tiny settings: in this session for the Python ones (their
+getOrCreate() picks up the active session, as in a notebook), under spark-submit for the CLI one."""
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name: str, *argv: str):  # type: ignore[no-untyped-def]
+    namespace = runpy.run_path(str(EXAMPLES / name), run_name="example")
+    return namespace["main"](list(argv))
+
+
+def test_every_example_is_short_and_documented() -> None:
+    scripts = sorted(EXAMPLES.glob("*.py")) + sorted(EXAMPLES.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"data_parallel.py", "hybrid.py", "ist.py", "diloco.py", "custom_loop.py",
+                                        "horovod_backend.py", "spark_submit_train.sh"}
+    for path in scripts:
+        text = path.read_text()
+        assert len(text.splitlines()) < 100, path.name
+        assert text.lstrip().startswith(('"""', "#!")), path.name
+
+
+def test_data_parallel_example(spark) -> None:  # type: ignore[no-untyped-def]
+    assert run_example("data_parallel.py", "--epochs", "4") > 0.8
+
+
+def test_hybrid_example(spark) -> None:  # type: ignore[no-untyped-def]
+    last = run_example("hybrid.py", "--epochs", "2", "--workers", "2", "--stages", "2")
+    assert last["steps"] > 0 and last["max_param_bytes_per_rank"] > 0
+
+
+def test_ist_example(spark) -> None:  # type: ignore[no-untyped-def]
+    last = run_example("ist.py", "--epochs", "2")
+    assert last["val_accuracy"] > 0.5 and last["bytes_sent_all_ranks"] > 0
+
+
+def test_diloco_example(spark) -> None:  # type: ignore[no-untyped-def]
+    last = run_example("diloco.py", "--epochs", "2", "--sync-every", "10")
+    assert last["val_accuracy"] > 0.5
+
+
+def test_custom_loop_example(spark) -> None:  # type: ignore[no-untyped-def]
+    result = run_example("custom_loop.py", "--epochs", "2")
+    assert result["world_size"] == 2 and result["losses"][1] < result["losses"][0]
+
+
+@pytest.mark.horovod
+def test_horovod_example(spark) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("horovod.torch")
+    assert run_example("horovod_backend.py", "--epochs", "2")["val_accuracy"] > 0.5
+
+
+def test_spark_submit_example(tmp_path: Path) -> None:
+    repo = EXAMPLES.parent
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run([str(EXAMPLES / "spark_submit_train.sh"), str(tmp_path / "out"), "1"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "model").is_dir() and "model saved to" in done.stdout
