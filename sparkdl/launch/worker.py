@@ -195,6 +195,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         spool, validation = _spool_input(spec, batches, stack)
         world = rendezvous(context)
         _limit_threads(spec, world, stack)
+        _pin_gpus(world, stack)
         comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s,
                                     exchange=context.allGather)
         stack.callback(comm.close)
@@ -279,6 +280,29 @@ def _check_shards(spec: TrainSpec, row_counts: list[int]) -> None:
     if steps_per_epoch(row_counts, data.batch_size, data.drop_last) == 0:
         raise EmptyDataError(f"drop_last=True with batch_size={data.batch_size} leaves no full batch "
                              f"(rows per rank: {row_counts})", hint="lower batch_size or set drop_last=False")
+
+
+def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
+    """CUDA_VISIBLE_DEVICES follows the GPU addresses Spark gave this task (BarrierTaskContext
+    resources), so the rank and any library it loads see only its own GPUs; restored afterwards,
+    since Spark reuses Python workers across tasks. Left alone once CUDA is initialised in this
+    process (it would no longer take effect); comm/torch_dist.cuda_index maps addresses either way."""
+    if not world.gpus:
+        return
+    import torch
+
+    if torch.cuda.is_initialized():
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(world.gpus)
+
+    def restore() -> None:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+    stack.callback(restore)
 
 
 def _limit_threads(spec: TrainSpec, world: WorldInfo, stack: ExitStack) -> None:
