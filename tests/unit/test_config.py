@@ -356,3 +356,15 @@ def test_auto_is_the_default_and_single_strategy_options_decide_it() -> None:
     with pytest.raises(ConfigError, match="approximate_min_speedup must be >= 1"):
         RunConfig.from_kwargs(feature_cols=["a"], approximate_min_speedup=0.5).validate()
     assert RunConfig.from_kwargs(feature_cols=["a"], approximate_min_speedup=float("inf")).validate()
+
+
+def test_spark_conf_files_are_spark_defaults(repo_root: Path) -> None:
+    for path in sorted((repo_root / "conf" / "spark").glob("*.conf")):
+        for line in path.read_text().splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            key, _, value = line.strip().partition(" ")
+            assert key.startswith("spark.") and value.strip(), f"{path.name}: {line!r}"
+    gpu = dict(line.split(None, 1) for line in (repo_root / "conf" / "spark" / "gpu-cluster.conf").read_text()
+               .splitlines() if line.strip() and not line.startswith("#"))
+    assert gpu["spark.task.resource.gpu.amount"] == "1" and gpu["spark.dynamicAllocation.enabled"] == "false"
