@@ -147,15 +147,17 @@ def check_backend(config: RunConfig) -> None:
         import_horovod()
 
 
-def preflight(spark: Any, workers: int) -> None:
+def preflight(spark: Any, workers: int, gpus_per_worker: int = 0) -> None:
     """The JVM bridge's checks besides the slot count (which ensure_slots waits for): dynamic
-    allocation, executor GPUs without task GPU amounts. Also attaches BarrierWatch, whose events
-    explain failures. Without the bridge (no jar, Spark Connect) nothing happens."""
+    allocation, executor GPUs without task GPU amounts (unless the training stage asks for GPUs
+    itself, launch.gpus_per_worker). Also attaches BarrierWatch, whose events explain failures.
+    Without the bridge (no jar, Spark Connect) nothing happens."""
     from sparkdl import jvm
 
     jvm.attach(spark)
     report = jvm.preflight(spark, workers)
-    problems = [p for p in (report or {}).get("problems", []) if p.get("code") != "slots"]
+    skipped = {"slots"} | ({"task_gpus"} if gpus_per_worker else set())
+    problems = [p for p in (report or {}).get("problems", []) if p.get("code") not in skipped]
     if problems:
         raise ConfigError("; ".join(p["message"] for p in problems), hint="; ".join(p["fix"] for p in problems))
 
@@ -212,7 +214,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
                           hint="pass label_col=..., or use sparkdl.run for a custom loop without labels")
     check_columns(df, list(data.feature_cols) + [data.label_col])
     ensure_slots(_spark(df), config.launch.num_workers, config.launch.slot_wait_s)
-    preflight(_spark(df), config.launch.num_workers)
+    preflight(_spark(df), config.launch.num_workers, config.launch.gpus_per_worker)
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers, validation_df=validation_df,
@@ -443,7 +445,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         config.launch.validate()
     spark = _spark(df)
     ensure_slots(spark, num_workers, config.launch.slot_wait_s)
-    preflight(spark, num_workers)
+    preflight(spark, num_workers, config.launch.gpus_per_worker)
     if df is not None:
         classification = config.train.task == "classification" or (
             config.train.task == "auto" and label_is_integral(df, config.data.label_col))

@@ -174,6 +174,7 @@ class LaunchConfig:
     run_dir: str | None = None
     max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
     emulate_network: dict | None = None  # {"latency_ms": .., "gbps": ..}: slow every message down (experiments)
+    gpus_per_worker: int = 0  # GPUs per rank for the training stage only (stage-level ResourceProfile); 0: app's
     emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
 
     def validate(self) -> None:
@@ -185,6 +186,11 @@ class LaunchConfig:
                     or emulated["gbps"] <= 0 or emulated.get("latency_ms", 0) < 0:
                 raise ConfigError(f"launch.emulate_network must be a table {{latency_ms = >= 0, gbps = > 0}}, "
                                   f"got {emulated!r}", hint='for example emulate_network={"latency_ms": 1, "gbps": 0.1}')
+        if not isinstance(self.gpus_per_worker, int) or isinstance(self.gpus_per_worker, bool) \
+                or self.gpus_per_worker < 0:
+            raise ConfigError(f"launch.gpus_per_worker must be a whole number of GPUs >= 0, got {self.gpus_per_worker!r}",
+                              hint="1 for one GPU per rank (NCCL needs a GPU of its own per rank); 0 = the "
+                                   "application's spark.task.resource.gpu.amount")
         if self.emulate_speed is not None:
             speeds = self.emulate_speed
             if not isinstance(speeds, (list, tuple)) or len(speeds) != self.num_workers or not all(

@@ -55,10 +55,24 @@ def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float) -> int:
     return slots
 
 
+def training_profile(spark: SparkSession, gpus_per_worker: int) -> Any:
+    """A stage-level ResourceProfile asking `gpus_per_worker` GPUs per task for the training stage
+    only, so a CPU-default application (no spark.task.resource.gpu.amount) can train on GPUs;
+    None when not asked for. Needs executors that have GPUs (spark.executor.resource.gpu.*)."""
+    if not gpus_per_worker:
+        return None
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    cpus = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
+    requests = TaskResourceRequests().cpus(cpus).resource("gpu", float(gpus_per_worker))
+    return ResourceProfileBuilder().require(requests).build
+
+
 def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
     """Run the barrier job; returns (the trained state or train_fn's result, history)."""
     ensure_slots(spark, spec.world_size, spec.config.launch.slot_wait_s)
-    job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True)
+    profile = training_profile(spark, spec.config.launch.gpus_per_worker)
+    job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
     sc = spark.sparkContext
     sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "
                    f"({spec.world_size} workers)", interruptOnCancel=True)
@@ -72,7 +86,8 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
             # at submission, before any task runs. A shuffle boundary is always accepted.
             log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is "
                         "(e.g. a union); repartitioning it to %d partitions", spec.world_size)
-            job = df.repartition(spec.world_size).mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True)
+            job = df.repartition(spec.world_size).mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True,
+                                                             profile=profile)
             rows = job.collect()
     except Exception as exc:  # noqa: BLE001 - turned into one readable error below
         raise training_error(exc) from None
