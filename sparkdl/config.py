@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import _choice, _plain, _positive_int, parse_bytes, parse_literal, suggest
+from sparkdl.config_values import (_check_types, _choice, _coerce, _plain, _positive_int, parse_bytes,
+                                   parse_literal, suggest)
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -372,46 +373,5 @@ def option_owners(config: RunConfig | None = None) -> dict[str, str]:
     return owners
 
 
-_SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
-    "bool": (bool,), "int": (int,), "float": (int, float), "str": (str,),
-}
-
-
-def _check_types(section: str, part: Any) -> None:
-    """Options read from TOML or `--set` arrive untyped: check each against its annotation."""
-    for f in fields(part):
-        annotation = str(f.type).replace(" ", "")
-        optional = annotation.endswith("|None")
-        base = annotation[: -len("|None")] if optional else annotation
-        allowed = _SIMPLE_TYPES.get(base)
-        if allowed is None:
-            continue
-        value = getattr(part, f.name)
-        if value is None and optional:
-            continue
-        bad_bool = isinstance(value, bool) and base != "bool"
-        if bad_bool or not isinstance(value, allowed):
-            expected = base + (" or None" if optional else "")
-            raise ConfigError(f"{section}.{f.name} must be of type {expected}, got {value!r}",
-                              hint=f"see conf/defaults.toml for {section}.{f.name}")
-    if section == "train":
-        for key in ("momentum", "weight_decay"):
-            if getattr(part, key) < 0:
-                raise ConfigError(f"train.{key} must be >= 0, got {getattr(part, key)!r}")
-
-
 def _sections(config: RunConfig) -> list[str]:
     return [f.name for f in fields(config)]
-
-
-def _coerce(part: Any, name: str, value: Any) -> Any:
-    if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
-            and not (value is None and name == "emulate_speed"):
-        try:
-            return tuple(value)
-        except TypeError:
-            raise ConfigError(f"{name} must be a list, got {value!r}") from None
-    current = getattr(part, name)
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
