@@ -61,14 +61,30 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.run_id = run_id  # the MLflow run of the fit (None when tracking was off or failed)
         self.options = dict(options or {})
         self.model_uri: str | None = None
+        self.inference_gpus = 0.0  # GPUs per scoring task; a fraction shares a GPU between tasks
+        self.inference_batch_size = 1024
 
     def torch_module(self) -> Any:
         return self._module
 
+    def setInferenceGpus(self, gpus_per_task: float) -> "TorchModel":
+        """Score under a task ResourceProfile with `gpus_per_task` GPUs (0.25: four tasks per GPU),
+        so a CPU-default application can run transform on its executors' GPUs."""
+        api.check_gpus_per_task(gpus_per_task)
+        self.inference_gpus = float(gpus_per_task)
+        return self
+
+    def setInferenceBatchSize(self, batch_size: int) -> "TorchModel":
+        """Rows per forward pass during transform (memory on the device against throughput)."""
+        api.check_inference_batch_size(batch_size)
+        self.inference_batch_size = batch_size
+        return self
+
     def _transform(self, dataset: DataFrame) -> DataFrame:
         if self._module is None or self.layout is None:
             raise SparkdlError("this TorchModel holds no trained module", hint="fit an estimator or TorchModel.load(path)")
-        return api.predict(dataset, self._module, self.layout, self.output_kind, self.prediction_col)
+        return api.predict(dataset, self._module, self.layout, self.output_kind, self.prediction_col,
+                           batch_size=self.inference_batch_size, gpus_per_task=self.inference_gpus)
 
     def write(self) -> MLWriter:
         return _TorchModelWriter(self)
@@ -100,6 +116,7 @@ class _TorchModelWriter(MLWriter):
         torch.save({k: v.detach().cpu() for k, v in model.torch_module().state_dict().items()}, state)
         info = {"format": FORMAT_VERSION, "layout": asdict(model.layout), "output_kind": model.output_kind,
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
+                "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
                 "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
         for name, payload in (("module.pkl", _dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
                               ("sparkdl.json", json.dumps(info, indent=1).encode())):
@@ -135,6 +152,9 @@ class _TorchModelReader(MLReader):
         model = TorchModel(module=module, layout=FeedLayout(**layout), output_kind=info["output_kind"],
                            history=info["history"], prediction_col=info["prediction_col"],
                            run_id=info.get("run_id"), options=info.get("options"))
+        inference = info.get("inference", {})
+        model.inference_gpus = float(inference.get("gpus_per_task", 0.0))
+        model.inference_batch_size = int(inference.get("batch_size", 1024))
         model._resetUid(metadata["uid"])  # a reloaded PipelineModel must keep its stage uids
         return model
 

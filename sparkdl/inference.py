@@ -13,7 +13,26 @@ import numpy as np
 import pyarrow as pa
 
 OUTPUT_KINDS = ("class", "binary", "value", "values")
-_MODULE_CACHE: dict[str, Any] = {}
+_MODULE_CACHE: dict[tuple[str, str], Any] = {}
+
+
+def task_gpu_addresses() -> list[str]:
+    """The GPU addresses Spark gave this task (its task or stage ResourceProfile); [] without any."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    gpu = context.resources().get("gpu") if context is not None else None
+    return list(gpu.addresses) if gpu is not None else []
+
+
+def inference_device(addresses: list[str], cuda_available: bool) -> str:
+    """The torch device for a task: its first assigned GPU when CUDA works, otherwise the CPU.
+    Tasks sharing a GPU (fractional amounts) all get the same address and so the same device."""
+    if not addresses or not cuda_available:
+        return "cpu"
+    from sparkdl.comm.torch_dist import cuda_index
+
+    return f"cuda:{cuda_index(addresses[0])}"
 
 
 def prediction_arrow_type(output_kind: str) -> pa.DataType:
@@ -64,12 +83,13 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
     def sparkdl_predict(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import torch
 
-        key = model_key
+        device = inference_device(task_gpu_addresses(), torch.cuda.is_available())
+        key = (model_key, device)
         if key not in _MODULE_CACHE:
-            _MODULE_CACHE.clear()  # one model per worker at a time keeps executor memory bounded
+            _MODULE_CACHE.clear()  # one model per worker at a time keeps executor (and GPU) memory bounded
             module = pickle.loads(module_broadcast.value)
             module.eval()
-            _MODULE_CACHE[key] = module
+            _MODULE_CACHE[key] = module.to(device)
         module = _MODULE_CACHE[key]
         for batch in batches:
             index = batch.schema.get_field_index(feature_column)
@@ -83,8 +103,7 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
                     chunk = matrix[start: start + batch_size]
                     if len(chunk) == 0:
                         continue
-                    outputs.append(to_predictions(module(torch.from_numpy(chunk)),
-                                                  output_kind))
+                    outputs.append(to_predictions(module(torch.from_numpy(chunk).to(device)), output_kind))
             predictions = pa.concat_arrays(outputs) if outputs else pa.array([], prediction_arrow_type(output_kind))
             yield kept.append_column(prediction_col, predictions)
 

@@ -59,12 +59,15 @@ def training_profile(spark: SparkSession, gpus_per_worker: int) -> Any:
     """A stage-level ResourceProfile asking `gpus_per_worker` GPUs per task for the training stage
     only, so a CPU-default application (no spark.task.resource.gpu.amount) can train on GPUs;
     None when not asked for. Needs executors that have GPUs (spark.executor.resource.gpu.*)."""
-    if not gpus_per_worker:
-        return None
+    return gpu_task_profile(spark, float(gpus_per_worker)) if gpus_per_worker else None
+
+
+def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
+    """A task ResourceProfile with `gpus_per_task` GPUs (a fraction lets 1/amount tasks share one)."""
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
     cpus = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
-    requests = TaskResourceRequests().cpus(cpus).resource("gpu", float(gpus_per_worker))
+    requests = TaskResourceRequests().cpus(cpus).resource("gpu", float(gpus_per_task))
     return ResourceProfileBuilder().require(requests).build
 
 

@@ -61,3 +61,89 @@ def test_every_rank_gets_its_own_gpu_address(tmp_path: Path, mode: str) -> None:
     if not torch.cuda.is_available():
         assert all(r["device"] == "cpu" for r in ranks)  # no CUDA: gloo on CPU, whatever Spark assigned
 
+
+
+INFERENCE_SCRIPT = '''
+import json, os, sys
+os.environ["PYSPARK_PYTHON"] = sys.executable
+import torch
+from pyspark import TaskContext
+from pyspark.sql import SparkSession
+from sparkdl import TorchModel
+from sparkdl.data.layout import FeedLayout
+discover, amount = sys.argv[1], float(sys.argv[2])
+spark = (SparkSession.builder.master("local-cluster[1,2,1024]").config("spark.ui.enabled", "false")
+         .config("spark.executor.memory", "1g")
+         .config("spark.worker.resource.gpu.amount", "2").config("spark.worker.resource.gpu.discoveryScript", discover)
+         .config("spark.executor.resource.gpu.amount", "2")
+         .config("spark.executor.resource.gpu.discoveryScript", discover).getOrCreate())  # CPU-default tasks
+
+
+class WhichGpu(torch.nn.Module):
+    """Scores every row with the GPU address its task was given (-1: none), and the device it ran on."""
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        gpu = TaskContext.get().resources().get("gpu")
+        address = float(gpu.addresses[0]) if gpu else -1.0
+        on_cuda = 1000.0 if x.is_cuda else 0.0
+        return torch.full((x.shape[0], 1), address + on_cuda, device=x.device)
+
+
+df = spark.range(0, 64, 1, 8).selectExpr("cast(id as float) as x")
+model = TorchModel(module=WhichGpu(), layout=FeedLayout(num_features=1, label_dtype=None, source_feature_cols=("x",)),
+                   output_kind="value")
+if amount:
+    model.setInferenceGpus(amount)
+rows = model.transform(df).select("prediction").collect()
+print("RESULT " + json.dumps(sorted(r.prediction for r in rows)))
+spark.stop()
+'''
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.5])
+def test_fractional_gpus_for_inference(tmp_path: Path, amount: float) -> None:
+    """transform in a CPU-default application: with setInferenceGpus(0.5) every scoring task gets one
+    of the executor's two GPU addresses through a stage ResourceProfile (two tasks may share each);
+    without it, none. Scoring runs on cuda:<address> only where CUDA exists."""
+    discover = tmp_path / "discover_gpus.sh"
+    discover.write_text('#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
+    discover.chmod(0o755)
+    script = tmp_path / "gpu_inference.py"
+    script.write_text(INFERENCE_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(discover), str(amount)], capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    scores = json.loads(lines[-1][len("RESULT "):])
+    assert len(scores) == 64
+    import torch
+
+    cuda = 1000.0 if torch.cuda.is_available() else 0.0
+    if amount:
+        assert set(scores) <= {0.0 + cuda, 1.0 + cuda}
+    else:
+        assert set(scores) == {-1.0}
+
+
+def test_inference_device_follows_the_assigned_gpu() -> None:
+    from sparkdl.inference import inference_device
+
+    assert inference_device([], cuda_available=True) == "cpu"
+    assert inference_device(["1"], cuda_available=False) == "cpu"
+    assert inference_device(["1"], cuda_available=True) == "cuda:1"
+
+
+def test_bad_inference_gpu_amounts_are_refused() -> None:
+    from sparkdl import TorchModel
+    from sparkdl.errors import ConfigError
+
+    model = TorchModel()
+    for bad in (-0.5, 1.5, "one", True):
+        with pytest.raises(ConfigError, match="inference GPUs per task"):
+            model.setInferenceGpus(bad)
+    with pytest.raises(ConfigError, match="batch size"):
+        model.setInferenceBatchSize(0)
+    assert model.setInferenceGpus(0.25).inference_gpus == 0.25
