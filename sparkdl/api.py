@@ -196,7 +196,7 @@ def check_picklable(spec: Any) -> None:
 
 def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> FitResult:
     from sparkdl.data.feed import check_columns, prepare
-    from sparkdl.launch.driver import ensure_slots, new_run_id
+    from sparkdl.launch.driver import ensure_training_slots, new_run_id
     from sparkdl.launch.objectives import is_classification
     from sparkdl.launch.spec import TrainSpec
 
@@ -213,7 +213,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None) -> Fi
         raise ConfigError("data.label_col is None, but fitting needs a label",
                           hint="pass label_col=..., or use sparkdl.run for a custom loop without labels")
     check_columns(df, list(data.feature_cols) + [data.label_col])
-    ensure_slots(_spark(df), config.launch.num_workers, config.launch.slot_wait_s)
+    ensure_training_slots(_spark(df), config.launch.num_workers, config.launch)
     preflight(_spark(df), config.launch.num_workers, config.launch.gpus_per_worker)
     classification = is_classification(config.train, label_is_integral(df, data.label_col))
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
@@ -310,7 +310,7 @@ def input_example(df: Any, layout: Any, rows: int = 5) -> Any:
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
     from sparkdl.data.feed import prepare
-    from sparkdl.launch.driver import ensure_slots, new_run_id
+    from sparkdl.launch.driver import ensure_training_slots, new_run_id
     from sparkdl.launch.spec import TrainSpec
 
     if not callable(train_fn):
@@ -328,7 +328,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         config.train.validate()
         config.launch.validate()
     spark = _spark(df)
-    ensure_slots(spark, num_workers, config.launch.slot_wait_s)
+    ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)
     if df is not None:
         classification = config.train.task == "classification" or (

@@ -25,27 +25,40 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def concurrent_slots(spark: SparkSession) -> int:
-    """Tasks Spark can run at once now, as its own barrier check counts them."""
+def concurrent_slots(spark: SparkSession, profile: Any = None) -> int:
+    """Tasks Spark can run at once now, as its own barrier check counts them; under `profile` (a
+    stage-level ResourceProfile) its GPU amount bounds the count too."""
     sc = spark.sparkContext
     try:
         jsc = sc._jsc.sc()  # noqa: SLF001 - Spark exposes this count only on the JVM side
-        profile = jsc.resourceProfileManager().defaultResourceProfile()
-        return int(jsc.maxNumConcurrentTasks(profile))
+        manager = jsc.resourceProfileManager()
+        if profile is None:
+            java_profile = manager.defaultResourceProfile()
+        else:
+            java_profile = profile._java_resource_profile  # noqa: SLF001
+            manager.addResourceProfile(java_profile)  # idempotent; Spark counts only known profiles
+        return int(jsc.maxNumConcurrentTasks(java_profile))
     except Exception:  # noqa: BLE001 - Spark Connect or an older Spark: fall back to the public figure
         return int(sc.defaultParallelism)
 
 
-def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float) -> int:
+def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float, profile: Any = None,
+                 gpus_per_worker: int = 0) -> int:
     """Wait (executors may still be registering) up to wait_s for num_workers slots, else raise."""
     # Only a cluster manager adds executors over time; a local master's slot count is final.
     master = spark.sparkContext.master
     deadline = time.monotonic() + (0.0 if master.startswith("local[") or master == "local" else wait_s)
     while True:
-        slots = concurrent_slots(spark)
+        slots = concurrent_slots(spark, profile)
         if slots >= num_workers or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
+    if slots < num_workers and gpus_per_worker:
+        raise InsufficientSlotsError(
+            f"num_workers={num_workers} with gpus_per_worker={gpus_per_worker} needs {num_workers} tasks "
+            f"with {gpus_per_worker} GPU(s) each at once, but the executors' GPUs and cores allow only {slots}",
+            hint=f"lower num_workers to {max(slots, 1)} or gpus_per_worker, or give executors more GPUs "
+                 f"(spark.executor.resource.gpu.amount and a discovery script)")
     if slots < num_workers:
         raise InsufficientSlotsError(
             f"num_workers={num_workers} needs {num_workers} task slots at once, but Spark ({master}) "
@@ -62,6 +75,13 @@ def training_profile(spark: SparkSession, gpus_per_worker: int) -> Any:
     return gpu_task_profile(spark, float(gpus_per_worker)) if gpus_per_worker else None
 
 
+def ensure_training_slots(spark: SparkSession, world_size: int, launch: Any) -> Any:
+    """ensure_slots under the training stage's ResourceProfile (GPUs included); returns that profile."""
+    profile = training_profile(spark, launch.gpus_per_worker)
+    ensure_slots(spark, world_size, launch.slot_wait_s, profile, launch.gpus_per_worker)
+    return profile
+
+
 def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
     """A task ResourceProfile with `gpus_per_task` GPUs (a fraction lets 1/amount tasks share one)."""
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
@@ -73,8 +93,7 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
 
 def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
     """Run the barrier job; returns (the trained state or train_fn's result, history)."""
-    ensure_slots(spark, spec.world_size, spec.config.launch.slot_wait_s)
-    profile = training_profile(spark, spec.config.launch.gpus_per_worker)
+    profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
     job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
     sc = spark.sparkContext
     sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "

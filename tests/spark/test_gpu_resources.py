@@ -34,7 +34,13 @@ def report(ctx):
                                       "executor": ctx.world.executors[ctx.rank], "device": str(ctx.device),
                                       "visible": os.environ.get("CUDA_VISIBLE_DEVICES")})
 
-print("RESULT " + json.dumps(sparkdl.run(report, num_workers=4, progress=False, **options)))
+if mode == "too_many":  # 2 executors x 2 GPUs hold only 2 ranks of 2 GPUs each
+    try:
+        sparkdl.run(report, num_workers=4, progress=False, gpus_per_worker=2)
+    except sparkdl.SparkdlError as exc:
+        print("REFUSED " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+else:
+    print("RESULT " + json.dumps(sparkdl.run(report, num_workers=4, progress=False, **options)))
 spark.stop()
 '''
 
@@ -101,6 +107,21 @@ rows = model.transform(df).select("prediction").collect()
 print("RESULT " + json.dumps(sorted(r.prediction for r in rows)))
 spark.stop()
 '''
+
+
+def test_too_few_gpu_slots_are_refused_before_the_job(tmp_path: Path) -> None:
+    discover = tmp_path / "discover_gpus.sh"
+    discover.write_text('#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
+    discover.chmod(0o755)
+    script = tmp_path / "gpu_job.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(discover), "too_many"], capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REFUSED ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    refused = json.loads(lines[-1][len("REFUSED "):])
+    assert refused["type"] == "InsufficientSlotsError"
+    assert "gpus_per_worker=2" in refused["message"] and "allow only 2" in refused["message"]
 
 
 @pytest.mark.parametrize("amount", [0.0, 0.5])
