@@ -17,7 +17,13 @@ JAR    := sparkdl/jars/sparkdl-bridge.jar
 # Executors must run the same Python as the driver (DESIGN.md, "Things that bite").
 SPARK_ENV := PYSPARK_PYTHON=$(abspath $(VPY)) PYSPARK_DRIVER_PYTHON=$(abspath $(VPY))
 
-.PHONY: help venv check-java jvm demo test bench-ingest horovod clean distclean
+.PHONY: help venv check-java jvm demo test bench bench-venv bench-ingest horovod clean distclean
+
+BENCH_VENV := .venv-bench
+BENCH_PY   := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.sparkdl-install-hash
+BENCH_DEPS := setup.cfg requirements-bench.txt pyproject.toml
+BENCH_ARGS ?=
 
 help:
 	@echo "make demo          set up .venv if needed, then train a small model on the bundled digits data"
@@ -25,6 +31,9 @@ help:
 	@echo "make venv          create/refresh .venv (pip runs only when $(DEPS) changed)"
 	@echo "make check-java    verify Java >= $(MIN_JAVA) (PySpark needs it)"
 	@echo "make jvm           compile jvm-bridge/ with javac into $(JAR) (Preflight, BarrierWatch)"
+	@echo "make bench         set up .venv-bench (sparkdl + peers: TorchDistributor, torchrun, Horovod, Petastorm)"
+	@echo "                   and run benchmarks/peers.py (JSON, docs/img/peers.png, table in docs/benchmarks.md);"
+	@echo "                   BENCH_ARGS='--repeats 5' passes options"
 	@echo "make bench-ingest  run benchmarks/ingest.py (prints JSON)"
 	@echo "make horovod       build horovod 0.28.1 against the venv's torch (5-15 min cold, seconds once cached) and install it"
 	@echo "make clean         remove build outputs and caches; make distclean also removes .venv"
@@ -91,6 +100,26 @@ test: venv check-java jvm horovod
 bench-ingest: venv check-java
 	$(SPARK_ENV) $(VPY) benchmarks/ingest.py
 
+# The peers live in their own venv so that .venv keeps sparkdl's own dependencies only. Petastorm may
+# not install or import beside current pyarrow: its pip output is kept and peers.py records the error.
+bench-venv: check-java
+	@if [ ! -x "$(BENCH_PY)" ] || ! "$(BENCH_PY)" -c "" 2>/dev/null; then \
+	  echo "creating $(BENCH_VENV)"; rm -rf "$(BENCH_VENV)"; "$(PYTHON)" -m venv "$(BENCH_VENV)"; fi
+	@want=$$("$(BENCH_PY)" -c "import hashlib, sys; h = hashlib.sha256(); [h.update(open(p, 'rb').read()) for p in sys.argv[1:]]; print(h.hexdigest())" $(BENCH_DEPS)); \
+	if [ -f "$(BENCH_STAMP)" ] && [ "$$(cat "$(BENCH_STAMP)")" = "$$want" ]; then echo "$(BENCH_VENV) is up to date"; else \
+	  "$(BENCH_PY)" -m pip install --quiet --upgrade pip || true; \
+	  "$(BENCH_PY)" -m pip install --quiet -r requirements-bench.txt; \
+	  if "$(BENCH_PY)" -m pip install petastorm > "$(BENCH_VENV)/petastorm-install.log" 2>&1; then echo "petastorm installed"; \
+	  else echo "warning: petastorm did not install (see $(BENCH_VENV)/petastorm-install.log); peers.py records why"; fi; \
+	  echo "$$want" > "$(BENCH_STAMP)"; fi
+	PYTHON=$(BENCH_PY) bash scripts/build_horovod.sh
+	@if [ ! -f "$(JAR)" ] || [ -n "$$(find jvm-bridge/src -name '*.java' -newer "$(JAR)")" ]; then \
+	  $(BENCH_PY) -c "from sparkdl.jvm import build_jar; print('built', build_jar())"; fi
+
+bench: bench-venv
+	PYSPARK_PYTHON=$(abspath $(BENCH_PY)) PYSPARK_DRIVER_PYTHON=$(abspath $(BENCH_PY)) SPARKDL_BENCH_VIA_MAKE=1 \
+	  $(BENCH_PY) benchmarks/peers.py $(BENCH_ARGS)
+
 # Horovod 0.28.1 must be compiled from its sdist with C++17 for torch >= 2.1 (DESIGN.md,
 # "Things that bite"); the script caches the wheel in SPARKDL_WHEEL_CACHE (~/.cache/sparkdl/wheels).
 horovod: venv
@@ -101,4 +130,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(BENCH_VENV)

@@ -66,6 +66,7 @@ class WorkerContext:
     _validation: Any = None
     reporter: Any = None  # metrics and progress to the driver (rank 0); see launch.reporter
     batch_shares: list[int] | None = None  # rows per rank and step when shared by speed (launch.balance)
+    spool_seconds: float = 0.0  # receiving this rank's partition from Spark and spooling it (epoch 1's extra)
 
     @property
     def rank(self) -> int:
@@ -192,7 +193,9 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
     with ExitStack() as stack:
         # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
         # picks at the rendezvous must be bound by gloo right after, not minutes later.
+        spool_started = time.perf_counter()
         spool, validation = _spool_input(spec, batches, stack)
+        spool_seconds = time.perf_counter() - spool_started
         world = rendezvous(context)
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
@@ -208,7 +211,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         from sparkdl.launch.reporter import Reporter
 
         context_obj = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, _spool=spool,
-                                    _validation=validation,
+                                    _validation=validation, spool_seconds=spool_seconds,
                                     reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
         if spec.train_fn is not None:
             result = spec.train_fn(context_obj)

@@ -1,0 +1,345 @@
+"""Ingest part of the peers benchmark: rows/s from one cached Spark DataFrame into torch batches on
+2 ranks, for sparkdl (epoch 1 = spool + first pass; epochs 2+ = replay from the spool),
+TorchDistributor's DataFrame path (private `_train_on_dataframe` + `_get_spark_partition_data_loader`,
+shipped with PySpark) and Petastorm's `make_spark_converter` (Parquet cache + reader).
+
+Run alone: .venv-bench/bin/python benchmarks/peers_parts/ingest.py --rows 100000 --repeats 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+_BENCHMARKS = str(Path(__file__).resolve().parents[1])
+if _BENCHMARKS not in sys.path:  # run as a script, `peers_parts` is not on the path yet
+    sys.path.insert(0, _BENCHMARKS)
+# Local-mode Python workers inherit the JVM's environment, i.e. the driver's when the session starts;
+# with this they can import peers_parts should anything be pickled by reference.
+if _BENCHMARKS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_BENCHMARKS, os.environ.get("PYTHONPATH")) if p)
+
+from peers_parts import common
+
+# TorchDistributor's loader converts every row in Python; past this many seconds a pass stops early.
+# Its cost is per row and constant, so the rate of a cut pass is the rate of a full one.
+TD_PASS_BUDGET_S = 150.0
+BENCH_VENV_LOG = Path("/tmp/benchvenv.log")  # pip's output when .venv-bench was built
+SPARKDL_PASSES = 3  # epoch 0 (right after the spool), then epochs 1 and 2 replayed
+
+NOTES = [
+    (f"'on {common.WORLD} ranks' = rows summed over the ranks / the slowest rank's seconds; figures are "
+    "medians over rounds, ratios are medians of per-round ratios (every tool runs once per round)."),
+    ("Every tool hands out float32 (batch, features) tensors plus labels, and every batch is summed so "
+    "that nothing is skipped lazily; each rank uses 1 torch thread."),
+    ("sparkdl_epoch1: per rank, ctx.spool_seconds (receiving the partition from Spark and spooling it) + "
+    "the first shuffled pass over ctx.batches(0); excludes job launch and the driver's prepare()."),
+    "sparkdl_epochs2plus: median of the shuffled passes over epochs 1 and 2, replayed from the spool.",
+    ("sparkdl_end_to_end_epoch1: sparkdl.run's wall time minus the slowest rank's epochs 1-2 passes, so "
+    "approximately launch + prepare + spool + epoch 1 + teardown."),
+    ("torchdistributor_loader: one pass of _get_spark_partition_data_loader(num_workers=0) in each "
+    "torchrun rank, 64 per-column tensors stacked into float32 (B, 64); in file order (no shuffle); "
+    "excludes the Spark job, the dump of the partition to an Arrow file and torchrun's start. It reopens "
+    "the file and converts every row via pandas each epoch, so the figure holds for every epoch."),
+    ("torchdistributor_end_to_end: _train_on_dataframe's wall time (barrier job, log server, Arrow dump, "
+    "torchrun launch, the loader pass, result return)."),
+]
+
+
+def _error_text(exc: BaseException, stage: str, limit: int = 2000) -> str:
+    """Type and message verbatim, plus where it was raised, so a reader can look it up."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" [raised at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}]" if frames else ""
+    return f"{stage}: {text[:limit]}{where}"
+
+
+class _Reported(Exception):
+    """An error whose text is already formatted (it may come from another process)."""
+
+
+def _rate(rows: list[int], seconds: list[float]) -> float:
+    return sum(rows) / max(seconds) if seconds and max(seconds) > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------------- sparkdl
+
+
+def _sparkdl_rank(ctx: Any) -> list[dict[str, Any]]:
+    """Runs on every rank; rank 0's return value (everyone's timings) comes back from sparkdl.run."""
+    import time
+
+    passes = []
+    for epoch in range(SPARKDL_PASSES):
+        started, total = time.perf_counter(), 0.0
+        for features, _labels in ctx.batches(epoch):
+            total += float(features.sum())
+        passes.append(time.perf_counter() - started)
+    mine = {"rows": ctx.num_rows, "spool_s": float(ctx.spool_seconds), "pass_s": passes}
+    return list(ctx.comm.allgather_object(mine))
+
+
+def _sparkdl_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
+    import sparkdl
+
+    wall, ranks = common.timed(lambda: sparkdl.run(
+        _sparkdl_rank, df=frame, num_workers=common.WORLD, feature_cols=common.feature_names(args.features),
+        label_col="label", batch_size=args.batch_size, progress=False, shuffle=True))
+    common.log("ingest: sparkdl per rank: " + "; ".join(
+        f"rows={r['rows']} spool={r['spool_s']:.2f}s passes=" + "/".join(f"{s:.3f}" for s in r["pass_s"])
+        for r in ranks) + f"; run wall={wall:.1f}s")
+    rows = [r["rows"] for r in ranks]
+    later = [common.median(r["pass_s"][1:]) for r in ranks]
+    replay = max(sum(r["pass_s"][1:]) for r in ranks)
+    return {"sparkdl_epoch1": _rate(rows, [r["spool_s"] + r["pass_s"][0] for r in ranks]),
+            "sparkdl_epochs2plus": _rate(rows, later),
+            "sparkdl_end_to_end_epoch1": sum(rows) / (wall - replay)}
+
+
+# -------------------------------------------------------------------------- TorchDistributor
+
+
+def _td_rank(batch_size: int, budget_s: float) -> list[dict[str, Any]]:
+    """Runs in each torchrun child; returns every rank's timing (gathered over gloo)."""
+    import os
+    import time
+
+    import pyarrow as pa
+    import torch
+    import torch.distributed as dist
+    from pyspark.ml.torch import distributor
+
+    torch.set_num_threads(1)
+    # The task dumped exactly its partition to this Arrow stream: count it rather than trust a split.
+    with pa.OSFile(os.environ[distributor.SPARK_PARTITION_ARROW_DATA_FILE]) as source:
+        rows = sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+    loader = distributor._get_spark_partition_data_loader(num_samples=rows, batch_size=batch_size, num_workers=0)
+    dist.init_process_group("gloo")
+    dist.barrier()  # both ranks read at the same time, as they would while training
+    seen, total, capped = 0, 0.0, False
+    started = time.perf_counter()
+    for batch in loader:  # a list of 65 per-column tensors (the row's fields, collated)
+        features = torch.stack(batch[:-1], dim=1).float()
+        total += float(features.sum())
+        seen += int(features.shape[0])
+        if time.perf_counter() - started > budget_s:
+            capped = seen < rows
+            break
+    seconds = time.perf_counter() - started
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"rows": seen, "partition_rows": rows, "seconds": seconds, "capped": capped})
+    dist.destroy_process_group()
+    return gathered
+
+
+def _td_round(frame: Any, args: argparse.Namespace) -> tuple[dict[str, float], bool]:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    distributor = TorchDistributor(num_processes=common.WORLD, local_mode=False, use_gpu=False)
+    wall, ranks = common.timed(lambda: distributor._train_on_dataframe(
+        _td_rank, frame, args.batch_size, TD_PASS_BUDGET_S))
+    rows, seconds = [r["rows"] for r in ranks], [r["seconds"] for r in ranks]
+    common.log("ingest: TorchDistributor per rank: " + "; ".join(
+        f"rows={r['rows']}/{r['partition_rows']} pass={r['seconds']:.2f}s" for r in ranks) + f"; wall={wall:.1f}s")
+    loader_rate = _rate(rows, seconds)
+    capped = any(r["capped"] for r in ranks)
+    # A cut pass: what is not the loader (launch, dump) stays, the full pass is extrapolated at its rate.
+    full = sum(r["partition_rows"] for r in ranks)
+    end_to_end = full / (wall - max(seconds) + full / loader_rate) if capped else full / wall
+    return {"torchdistributor_loader": loader_rate, "torchdistributor_end_to_end": end_to_end}, capped
+
+
+# --------------------------------------------------------------------------------- Petastorm
+
+
+def _petastorm_shard(converter: Any, shard: int, batch_size: int, names: list[str], barrier: Any,
+                     queue: Any) -> None:
+    """One reader rank in its own process: two passes over its shard (the cache is already written)."""
+    try:
+        import time
+
+        import torch
+
+        torch.set_num_threads(1)
+        passes = []
+        for _ in range(2):
+            barrier.wait(timeout=600)  # both shards read at the same time
+            started, seen, total = time.perf_counter(), 0, 0.0
+            with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=1, cur_shard=shard,
+                                                 shard_count=common.WORLD) as loader:
+                for batch in loader:  # a dict of column tensors
+                    features = torch.stack([batch[name] for name in names], dim=1).float()
+                    total += float(features.sum())
+                    seen += int(features.shape[0])
+                passes.append({"rows": seen, "seconds": time.perf_counter() - started})
+        queue.put((shard, passes, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver verbatim
+        queue.put((shard, None, _error_text(exc, f"petastorm reader shard {shard}")))
+        barrier.abort()  # the other shard must not wait for this one forever
+
+
+def _petastorm_round(spark: Any, frame: Any, args: argparse.Namespace) -> dict[str, float]:
+    from petastorm.spark import SparkDatasetConverter, make_spark_converter
+
+    cache = (Path(args.work_dir) / "petastorm-cache").resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, cache.as_uri())
+    try:
+        convert_s, converter = common.timed(lambda: make_spark_converter(frame))
+    except Exception as exc:  # noqa: BLE001
+        raise _Reported(_error_text(exc, "make_spark_converter")) from None
+    try:
+        # Spawned (not forked) so the shards share nothing with this JVM-backed driver.
+        shards: list[Any] = []
+        context = multiprocessing.get_context("spawn")
+        barrier, queue = context.Barrier(common.WORLD), context.Queue()
+        names = common.feature_names(args.features)
+        shards = [context.Process(target=_petastorm_shard, args=(converter, r, args.batch_size, names, barrier, queue))
+                  for r in range(common.WORLD)]
+        for process in shards:
+            process.start()
+        reports = [queue.get(timeout=1800) for _ in shards]
+    finally:
+        for process in shards:
+            process.join(timeout=60)
+            if process.is_alive():  # a hung reader must not keep this interpreter from exiting
+                process.terminate()
+        converter.delete()  # also forgets the cached plan, so the next round writes its cache afresh
+    # The shard that failed first is the story; the other only saw its barrier broken.
+    failed = sorted((error for _, _, error in reports if error), key=lambda e: "BrokenBarrierError" in e)
+    if failed:
+        raise _Reported(failed[0])
+    passes = [p for _, p, _ in sorted(reports, key=lambda r: r[0])]
+    rows = [p[0]["rows"] for p in passes]
+    return {"petastorm_epoch1": sum(rows) / (convert_s + max(p[0]["seconds"] for p in passes)),
+            "petastorm_epochs2plus": _rate([p[1]["rows"] for p in passes], [p[1]["seconds"] for p in passes])}
+
+
+def _petastorm_install_line() -> str | None:
+    """What pip said about petastorm when the bench venv was built (the log may be absent)."""
+    try:
+        lines = BENCH_VENV_LOG.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    installed = [ln.strip() for ln in lines if ln.startswith("Successfully installed") and "petastorm-" in ln]
+    if installed:
+        return f"pip (from {BENCH_VENV_LOG}): {installed[-1]}"
+    failures = [ln.strip() for ln in lines if "ERROR" in ln or "error:" in ln]
+    return f"pip install petastorm failed (from {BENCH_VENV_LOG}): " + " | ".join(failures[:5]) if failures else None
+
+
+def _petastorm_import_error() -> str | None:
+    try:
+        from petastorm.spark import SparkDatasetConverter, make_spark_converter  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError or anything petastorm raises on import
+        return _error_text(exc, "import petastorm.spark")
+    return None
+
+
+# ------------------------------------------------------------------------------------ measure
+
+
+def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
+    # Train fns defined here ship by value, as __main__'s do: executors and torchrun children then
+    # need not import peers_parts.
+    if __name__ != "__main__":
+        from pyspark import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    frame = common.make_frame(spark, args.rows, args.features)
+    runs: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+    notes = list(NOTES)
+    rounds: list[dict[str, float]] = []
+    td_capped = False
+    petastorm_error = _petastorm_import_error()
+    install = _petastorm_install_line()
+    if install:
+        notes.append(install)
+    try:
+        for round_index in range(args.repeats):
+            figures: dict[str, float] = {}
+            tools: list[tuple[str, Any]] = [("sparkdl", lambda: _sparkdl_round(frame, args)),
+                                            ("torchdistributor", lambda: _td_round(frame, args))]
+            if petastorm_error is None:
+                tools.append(("petastorm", lambda: _petastorm_round(spark, frame, args)))
+            for tool, run_round in tools:
+                if tool in errors:
+                    continue  # a tool that failed once is not retried every round
+                common.log(f"ingest round {round_index + 1}/{args.repeats}: {tool} ({args.rows} rows)")
+                try:
+                    out = run_round()
+                except Exception as exc:  # noqa: BLE001 - recorded, the other tools still run
+                    errors[tool] = str(exc) if isinstance(exc, _Reported) else _error_text(exc, tool)
+                    common.log(f"ingest: {tool} failed: {errors[tool][:300]}")
+                    continue
+                if tool == "torchdistributor":
+                    out, capped = out
+                    td_capped = td_capped or capped
+                figures.update(out)
+                common.log("ingest: " + ", ".join(f"{k}={v:,.0f} rows/s" for k, v in out.items()))
+            for name, value in figures.items():
+                runs.setdefault(name, []).append(value)
+            rounds.append(figures)
+    finally:
+        frame.unpersist()
+
+    ratios = []
+    for name, a, b, target in (("sparkdl epoch 1 / TorchDistributor loader", "sparkdl_epoch1",
+                                "torchdistributor_loader", 10),
+                               ("sparkdl epochs 2+ / Petastorm reader epochs 2+", "sparkdl_epochs2plus",
+                                "petastorm_epochs2plus", 2)):
+        pairs = [(r[a], r[b]) for r in rounds if a in r and b in r]  # only rounds where both ran
+        if pairs:
+            ratios.append(common.ratio_entry(name, pairs, target, "higher"))
+
+    if td_capped:
+        notes.append(f"TorchDistributor's loader pass was cut after {TD_PASS_BUDGET_S:.0f} s per rank (a per-row "
+                     "Python loop: constant cost per row); its end-to-end figure extrapolates the full pass at "
+                     "the measured rate.")
+    if petastorm_error is not None:
+        errors["petastorm"] = petastorm_error
+    if "petastorm" in errors:
+        notes.append("Petastorm did not run, so its figures and the 'epochs 2+ / Petastorm' ratio are absent; "
+                     "the exact error is in errors['petastorm'].")
+        if "pyarrow.filesystem" in errors["petastorm"]:
+            import pyarrow
+
+            notes.append(f"petastorm imports pyarrow.filesystem, removed in pyarrow 16 (apache/arrow#39825); this "
+                         f"environment has pyarrow {pyarrow.__version__}, and PySpark 4 needs pyarrow >= 18, so "
+                         "petastorm cannot run beside a current PySpark.")
+    else:
+        notes += [("petastorm_epoch1: make_spark_converter (the DataFrame written as a Parquet cache, then "
+                  "counted) + the slowest shard's first reader pass."),
+                  (f"petastorm_epochs2plus: the second pass of make_torch_dataloader(num_epochs=1, cur_shard=r, "
+                  f"shard_count={common.WORLD}) in {common.WORLD} concurrent processes, over the cache; a pass "
+                  "includes opening the reader (default workers_count=4 threads) as each epoch does with "
+                  "num_epochs=1; row groups in reader order.")]
+    return {"part": "ingest", "figures": {name: common.median(values) for name, values in runs.items()},
+            "runs": runs, "ratios": ratios, "notes": notes, "errors": errors}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="peers benchmark, ingest part alone")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work-dir", type=Path, default=None)
+    cli = parser.parse_args()
+    if min(cli.rows, cli.features, cli.batch_size, cli.repeats) < 1:
+        parser.error("--rows, --features, --batch-size and --repeats must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="peers-ingest-") as scratch:
+        cli.work_dir = cli.work_dir or Path(scratch)
+        session = common.spark_session()
+        try:
+            result = measure(session, cli)
+        finally:
+            session.stop()
+    print(json.dumps(result))

@@ -1,0 +1,122 @@
+"""Launch overhead: seconds from the call to the end of the first training step, and the wall time
+of a no-op job, for sparkdl (`sparkdl.run`, barrier tasks in the running Spark application),
+TorchDistributor (a barrier job whose tasks each spawn torchrun) and bare torchrun (2 local ranks).
+
+The first step is the same everywhere: build the MLP, one forward and backward pass on a synthetic
+batch and the gradient allreduce (sparkdl: ctx.comm.allreduce of every gradient; the others: DDP).
+The Spark session is already running for sparkdl and TorchDistributor (notebooks and jobs have one);
+bare torchrun needs none. Target: sparkdl <= 0.5x TorchDistributor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peers_parts import common  # noqa: E402
+from peers_parts.workloads import mlp, synthetic  # noqa: E402
+
+FEATURES, HIDDEN, CLASSES, BATCH = 64, 512, 10, 256
+
+
+def sparkdl_noop(ctx: Any) -> None:
+    return None
+
+
+def sparkdl_first_step(ctx: Any) -> float:
+    import torch
+
+    x, y = synthetic(BATCH, FEATURES, CLASSES, seed=ctx.rank)
+    model = mlp(FEATURES, HIDDEN, CLASSES)
+    torch.nn.CrossEntropyLoss()(model(x), y).backward()
+    for parameter in model.parameters():
+        ctx.comm.allreduce(parameter.grad, op="avg")
+    return time.time()
+
+
+def distributor_noop() -> None:
+    return None
+
+
+def distributor_first_step() -> float:
+    from peers_parts.workloads import first_step
+
+    return first_step(FEATURES, HIDDEN, CLASSES, BATCH)
+
+
+def run_sparkdl(fn: Any) -> Any:
+    import sparkdl
+
+    return sparkdl.run(fn, num_workers=common.WORLD, progress=False)
+
+
+def run_distributor(fn: Any) -> Any:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    return TorchDistributor(num_processes=common.WORLD, local_mode=False, use_gpu=False).run(fn)
+
+
+def run_torchrun(mode: str) -> tuple[float, dict[str, Any]]:
+    """(wall seconds, rank 0's JSON) of `torchrun --standalone --nproc_per_node=2 -m peers_parts.workloads`."""
+    with tempfile.TemporaryDirectory(prefix="sparkdl-peers-") as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.WORLD}",
+               "-m", "peers_parts.workloads", "--mode", mode, "--out", out]
+        called = time.time()
+        done = subprocess.run(cmd, env=common.bare_env(), capture_output=True, text=True, timeout=600)
+        wall = time.time() - called
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"torchrun failed (rc={done.returncode}): {done.stderr[-2000:]}")
+        result = json.loads(Path(out).read_text())
+    result["called"] = called
+    return wall, result
+
+
+def measure(spark: Any, args: Any) -> dict[str, Any]:
+    # Distributor functions run in torchrun children that import them by reference.
+    os.environ["PYTHONPATH"] = common.bare_env()["PYTHONPATH"]
+    runs: dict[str, list[float]] = {k: [] for k in (
+        "sparkdl_noop_s", "distributor_noop_s", "torchrun_noop_s",
+        "sparkdl_first_step_s", "distributor_first_step_s", "torchrun_first_step_s")}
+    run_sparkdl(sparkdl_noop)  # warm-up: Python workers, JVM bridge and imports, as in any later call
+    for round_no in range(args.repeats):
+        common.log(f"launch round {round_no + 1}/{args.repeats}")
+        runs["sparkdl_noop_s"].append(common.timed(lambda: run_sparkdl(sparkdl_noop))[0])
+        called = time.time()
+        runs["sparkdl_first_step_s"].append(run_sparkdl(sparkdl_first_step) - called)
+        runs["distributor_noop_s"].append(common.timed(lambda: run_distributor(distributor_noop))[0])
+        called = time.time()
+        runs["distributor_first_step_s"].append(run_distributor(distributor_first_step) - called)
+        runs["torchrun_noop_s"].append(run_torchrun("noop")[0])
+        _, result = run_torchrun("first_step")
+        runs["torchrun_first_step_s"].append(result["first_step_done"] - result["called"])
+    figures = {name: round(common.median(values), 3) for name, values in runs.items()}
+    pairs = lambda a, b: list(zip(runs[a], runs[b]))  # noqa: E731
+    return {"part": "launch", "figures": figures, "runs": {k: [round(v, 3) for v in vs] for k, vs in runs.items()},
+            "ratios": [common.ratio_entry("launch, no-op job: sparkdl / TorchDistributor",
+                                          pairs("sparkdl_noop_s", "distributor_noop_s"), 0.5, "lower"),
+                       common.ratio_entry("launch, call to first step: sparkdl / TorchDistributor",
+                                          pairs("sparkdl_first_step_s", "distributor_first_step_s"), 0.5, "lower"),
+                       common.ratio_entry("launch, call to first step: sparkdl / bare torchrun (info)",
+                                          pairs("sparkdl_first_step_s", "torchrun_first_step_s"), None, "lower")],
+            "notes": ["seconds; the Spark session already runs for sparkdl and TorchDistributor (both reuse "
+                      "its executors); bare torchrun starts 2 fresh Python processes with no Spark",
+                      "one untimed sparkdl no-op job first, as Python workers exist in any session that ran "
+                      "a job; TorchDistributor gets the same benefit from the rounds before it"],
+            "errors": {}}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    session = common.spark_session()
+    print(json.dumps(measure(session, parser.parse_args())))
