@@ -69,6 +69,13 @@ def versions() -> dict[str, str]:
     return out
 
 
+def autogroup() -> str:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     args = parse_args()
     began = time.time()
@@ -89,7 +96,10 @@ def main() -> None:
     result = {"benchmark": "peers", "when": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
               "rows": args.rows, "features": args.features, "batch_size": args.batch_size,
               "host": {"cpus": os.cpu_count(), "loadavg_before_after": [round(load_before, 2),
-                                                                        round(os.getloadavg()[0], 2)]},
+                                                                        round(os.getloadavg()[0], 2)],
+                       # torchrun/horovodrun start ranks in new sessions: with autogroup on, each gets
+                       # its own CFS group, which changes its CPU share when the host is busy.
+                       "sched_autogroup_enabled": autogroup()},
               "versions": versions(), "parts": parts, "wall_s": round(time.time() - began, 1)}
     result["targets_met"] = {r["name"]: r["met"] for r in report.all_ratios(result) if r["met"] is not None}
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
