@@ -32,23 +32,28 @@ from peers_parts import common
 TD_PASS_BUDGET_S = 150.0
 BENCH_VENV_LOG = Path("/tmp/benchvenv.log")  # pip's output when .venv-bench was built
 SPARKDL_PASSES = 3  # epoch 0 (right after the spool), then epochs 1 and 2 replayed
+WARM_UP_ROWS = 10_000
+FIGURES = ("sparkdl_epoch1", "sparkdl_epochs2plus", "sparkdl_end_to_end_epoch1", "torchdistributor_loader",
+           "torchdistributor_end_to_end", "petastorm_epoch1", "petastorm_epochs2plus")  # rows/s, in report order
 
 NOTES = [
     (f"'on {common.WORLD} ranks' = rows summed over the ranks / the slowest rank's seconds; figures are "
-    "medians over rounds, ratios are medians of per-round ratios (every tool runs once per round)."),
+     "medians over rounds, ratios are medians of per-round ratios (every tool runs once per round)."),
     ("Every tool hands out float32 (batch, features) tensors plus labels, and every batch is summed so "
-    "that nothing is skipped lazily; each rank uses 1 torch thread."),
+     "that nothing is skipped lazily; each rank uses 1 torch thread."),
     ("sparkdl_epoch1: per rank, ctx.spool_seconds (receiving the partition from Spark and spooling it) + "
-    "the first shuffled pass over ctx.batches(0); excludes job launch and the driver's prepare()."),
+     "the first shuffled pass over ctx.batches(0); excludes job launch and the driver's prepare()."),
     "sparkdl_epochs2plus: median of the shuffled passes over epochs 1 and 2, replayed from the spool.",
     ("sparkdl_end_to_end_epoch1: sparkdl.run's wall time minus the slowest rank's epochs 1-2 passes, so "
-    "approximately launch + prepare + spool + epoch 1 + teardown."),
+     "approximately launch + prepare + spool + epoch 1 + teardown."),
     ("torchdistributor_loader: one pass of _get_spark_partition_data_loader(num_workers=0) in each "
-    "torchrun rank, 64 per-column tensors stacked into float32 (B, 64); in file order (no shuffle); "
-    "excludes the Spark job, the dump of the partition to an Arrow file and torchrun's start. It reopens "
-    "the file and converts every row via pandas each epoch, so the figure holds for every epoch."),
+     "torchrun rank, its per-column tensors stacked into float32 (B, features); in file order (no shuffle); "
+     "excludes the Spark job, the dump of the partition to an Arrow file and torchrun's start. It reopens "
+     "the file and converts every row via pandas each epoch, so the figure holds for every epoch."),
     ("torchdistributor_end_to_end: _train_on_dataframe's wall time (barrier job, log server, Arrow dump, "
-    "torchrun launch, the loader pass, result return)."),
+     "torchrun launch, the loader pass, result return)."),
+    (f"Before the recorded rounds every tool runs once, unrecorded, on a {WARM_UP_ROWS:,}-row frame: Python "
+     "worker start and imports are paid once per application, not per row ingested."),
 ]
 
 
@@ -66,9 +71,6 @@ class _Reported(Exception):
 
 def _rate(rows: list[int], seconds: list[float]) -> float:
     return sum(rows) / max(seconds) if seconds and max(seconds) > 0 else float("nan")
-
-
-# ----------------------------------------------------------------------------------- sparkdl
 
 
 def _sparkdl_rank(ctx: Any) -> list[dict[str, Any]]:
@@ -90,7 +92,7 @@ def _sparkdl_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
 
     wall, ranks = common.timed(lambda: sparkdl.run(
         _sparkdl_rank, df=frame, num_workers=common.WORLD, feature_cols=common.feature_names(args.features),
-        label_col="label", batch_size=args.batch_size, progress=False, shuffle=True))
+        label_col="label", batch_size=args.batch_size, progress=False, shuffle=True, threads_per_worker=1))
     common.log("ingest: sparkdl per rank: " + "; ".join(
         f"rows={r['rows']} spool={r['spool_s']:.2f}s passes=" + "/".join(f"{s:.3f}" for s in r["pass_s"])
         for r in ranks) + f"; run wall={wall:.1f}s")
@@ -100,9 +102,6 @@ def _sparkdl_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
     return {"sparkdl_epoch1": _rate(rows, [r["spool_s"] + r["pass_s"][0] for r in ranks]),
             "sparkdl_epochs2plus": _rate(rows, later),
             "sparkdl_end_to_end_epoch1": sum(rows) / (wall - replay)}
-
-
-# -------------------------------------------------------------------------- TorchDistributor
 
 
 def _td_rank(batch_size: int, budget_s: float) -> list[dict[str, Any]]:
@@ -138,7 +137,7 @@ def _td_rank(batch_size: int, budget_s: float) -> list[dict[str, Any]]:
     return gathered
 
 
-def _td_round(frame: Any, args: argparse.Namespace) -> tuple[dict[str, float], bool]:
+def _td_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     distributor = TorchDistributor(num_processes=common.WORLD, local_mode=False, use_gpu=False)
@@ -152,10 +151,8 @@ def _td_round(frame: Any, args: argparse.Namespace) -> tuple[dict[str, float], b
     # A cut pass: what is not the loader (launch, dump) stays, the full pass is extrapolated at its rate.
     full = sum(r["partition_rows"] for r in ranks)
     end_to_end = full / (wall - max(seconds) + full / loader_rate) if capped else full / wall
-    return {"torchdistributor_loader": loader_rate, "torchdistributor_end_to_end": end_to_end}, capped
-
-
-# --------------------------------------------------------------------------------- Petastorm
+    return {"torchdistributor_loader": loader_rate, "torchdistributor_end_to_end": end_to_end,
+            "torchdistributor_capped": float(capped)}  # not in FIGURES: a flag for the notes
 
 
 def _petastorm_shard(converter: Any, shard: int, batch_size: int, names: list[str], barrier: Any,
@@ -194,9 +191,9 @@ def _petastorm_round(spark: Any, frame: Any, args: argparse.Namespace) -> dict[s
         convert_s, converter = common.timed(lambda: make_spark_converter(frame))
     except Exception as exc:  # noqa: BLE001
         raise _Reported(_error_text(exc, "make_spark_converter")) from None
+    shards: list[Any] = []
     try:
         # Spawned (not forked) so the shards share nothing with this JVM-backed driver.
-        shards: list[Any] = []
         context = multiprocessing.get_context("spawn")
         barrier, queue = context.Barrier(common.WORLD), context.Queue()
         names = common.feature_names(args.features)
@@ -230,7 +227,7 @@ def _petastorm_install_line() -> str | None:
     installed = [ln.strip() for ln in lines if ln.startswith("Successfully installed") and "petastorm-" in ln]
     if installed:
         return f"pip (from {BENCH_VENV_LOG}): {installed[-1]}"
-    failures = [ln.strip() for ln in lines if "ERROR" in ln or "error:" in ln]
+    failures = [ln.strip() for ln in lines if ("ERROR" in ln or "error:" in ln) and "petastorm" in ln.lower()]
     return f"pip install petastorm failed (from {BENCH_VENV_LOG}): " + " | ".join(failures[:5]) if failures else None
 
 
@@ -242,9 +239,6 @@ def _petastorm_import_error() -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------ measure
-
-
 def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
     # Train fns defined here ship by value, as __main__'s do: executors and torchrun children then
     # need not import peers_parts.
@@ -252,44 +246,45 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
         from pyspark import cloudpickle
 
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    notes, errors, rounds = list(NOTES), dict[str, str](), list[dict[str, float]]()
+    install, petastorm_error = _petastorm_install_line(), _petastorm_import_error()
+    notes += [install] if install else []
+    if petastorm_error and "No module named 'petastorm'" in petastorm_error and install:
+        petastorm_error += f"; {install}"  # the import failed because the install did
+    tools: dict[str, Any] = {"sparkdl": lambda f: _sparkdl_round(f, args),
+                             "torchdistributor": lambda f: _td_round(f, args)}
+    if petastorm_error is None:
+        tools["petastorm"] = lambda f: _petastorm_round(spark, f, args)
+    # Python worker start and imports happen once per application, not per row: a small unrecorded round
+    # pays them for every tool, so the first recorded round is not skewed against whichever runs first.
+    warm = common.make_frame(spark, WARM_UP_ROWS, args.features)
+    for tool, run_round in tools.items():
+        common.log(f"ingest warm-up: {tool} ({WARM_UP_ROWS} rows, unrecorded)")
+        try:
+            run_round(warm)
+        except Exception as exc:  # noqa: BLE001 - the recorded rounds report it
+            common.log(f"ingest: {tool} warm-up failed: {str(exc)[:300]}")
+    warm.unpersist()
     frame = common.make_frame(spark, args.rows, args.features)
-    runs: dict[str, list[float]] = {}
-    errors: dict[str, str] = {}
-    notes = list(NOTES)
-    rounds: list[dict[str, float]] = []
-    td_capped = False
-    petastorm_error = _petastorm_import_error()
-    install = _petastorm_install_line()
-    if install:
-        notes.append(install)
     try:
         for round_index in range(args.repeats):
             figures: dict[str, float] = {}
-            tools: list[tuple[str, Any]] = [("sparkdl", lambda: _sparkdl_round(frame, args)),
-                                            ("torchdistributor", lambda: _td_round(frame, args))]
-            if petastorm_error is None:
-                tools.append(("petastorm", lambda: _petastorm_round(spark, frame, args)))
-            for tool, run_round in tools:
+            for tool, run_round in tools.items():
                 if tool in errors:
                     continue  # a tool that failed once is not retried every round
                 common.log(f"ingest round {round_index + 1}/{args.repeats}: {tool} ({args.rows} rows)")
                 try:
-                    out = run_round()
+                    out = run_round(frame)
                 except Exception as exc:  # noqa: BLE001 - recorded, the other tools still run
                     errors[tool] = str(exc) if isinstance(exc, _Reported) else _error_text(exc, tool)
                     common.log(f"ingest: {tool} failed: {errors[tool][:300]}")
                     continue
-                if tool == "torchdistributor":
-                    out, capped = out
-                    td_capped = td_capped or capped
                 figures.update(out)
-                common.log("ingest: " + ", ".join(f"{k}={v:,.0f} rows/s" for k, v in out.items()))
-            for name, value in figures.items():
-                runs.setdefault(name, []).append(value)
+                common.log("ingest: " + ", ".join(f"{k}={v:,.0f} rows/s" for k, v in out.items() if k in FIGURES))
             rounds.append(figures)
     finally:
         frame.unpersist()
-
+    runs = {name: [r[name] for r in rounds if name in r] for name in FIGURES if any(name in r for r in rounds)}
     ratios = []
     for name, a, b, target in (("sparkdl epoch 1 / TorchDistributor loader", "sparkdl_epoch1",
                                 "torchdistributor_loader", 10),
@@ -298,29 +293,28 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
         pairs = [(r[a], r[b]) for r in rounds if a in r and b in r]  # only rounds where both ran
         if pairs:
             ratios.append(common.ratio_entry(name, pairs, target, "higher"))
-
-    if td_capped:
+    if any(r.get("torchdistributor_capped") for r in rounds):
         notes.append(f"TorchDistributor's loader pass was cut after {TD_PASS_BUDGET_S:.0f} s per rank (a per-row "
                      "Python loop: constant cost per row); its end-to-end figure extrapolates the full pass at "
                      "the measured rate.")
-    if petastorm_error is not None:
+    if petastorm_error:
         errors["petastorm"] = petastorm_error
     if "petastorm" in errors:
-        notes.append("Petastorm did not run, so its figures and the 'epochs 2+ / Petastorm' ratio are absent; "
-                     "the exact error is in errors['petastorm'].")
+        notes.append("Petastorm did not complete (the exact error is in errors['petastorm']): its figures and the "
+                     "'epochs 2+ / Petastorm' ratio cover only the rounds it finished, if any.")
         if "pyarrow.filesystem" in errors["petastorm"]:
             import pyarrow
 
             notes.append(f"petastorm imports pyarrow.filesystem, removed in pyarrow 16 (apache/arrow#39825); this "
                          f"environment has pyarrow {pyarrow.__version__}, and PySpark 4 needs pyarrow >= 18, so "
                          "petastorm cannot run beside a current PySpark.")
-    else:
+    if "petastorm_epochs2plus" in runs:
         notes += [("petastorm_epoch1: make_spark_converter (the DataFrame written as a Parquet cache, then "
-                  "counted) + the slowest shard's first reader pass."),
+                   "counted) + the slowest shard's first reader pass."),
                   (f"petastorm_epochs2plus: the second pass of make_torch_dataloader(num_epochs=1, cur_shard=r, "
-                  f"shard_count={common.WORLD}) in {common.WORLD} concurrent processes, over the cache; a pass "
-                  "includes opening the reader (default workers_count=4 threads) as each epoch does with "
-                  "num_epochs=1; row groups in reader order.")]
+                   f"shard_count={common.WORLD}) in {common.WORLD} concurrent processes, over the cache; a pass "
+                   "includes opening the reader (default workers_count=4 threads) as each epoch does with "
+                   "num_epochs=1; row groups in reader order.")]
     return {"part": "ingest", "figures": {name: common.median(values) for name, values in runs.items()},
             "runs": runs, "ratios": ratios, "notes": notes, "errors": errors}
 

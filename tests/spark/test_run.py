@@ -43,3 +43,19 @@ def test_strategy_options_do_not_break_a_custom_loop(spark) -> None:  # type: ig
     import sparkdl
 
     assert sparkdl.run(lambda ctx: ctx.world_size, num_workers=2, strategy="auto", progress=False) == 2
+
+
+def test_features_keep_column_order_across_scalar_array_and_vector_columns(spark) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql import types as T
+
+    from sparkdl.data.feed import features_expression
+
+    schema = T.StructType([T.StructField("a", T.DoubleType()), T.StructField("b", T.ArrayType(T.DoubleType())),
+                           T.StructField("c", T.IntegerType()), T.StructField("d", T.FloatType()),
+                           T.StructField("v", VectorUDT()), T.StructField("e", T.DoubleType())])
+    df = spark.createDataFrame([(1.0, [2.0, 3.0], 4, 5.5, Vectors.dense([6.0, 7.0]), 8.0)], schema)
+    cols = ["a", "b", "c", "d", "v", "e"]
+    row = df.select(features_expression(df, cols).alias("x")).first()
+    assert row.x == [1.0, 2.0, 3.0, 4.0, 5.5, 6.0, 7.0, 8.0]
+    assert df.select(features_expression(df, ["c", "a"]).alias("x")).first().x == [4.0, 1.0]
