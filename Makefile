@@ -24,6 +24,8 @@ BENCH_PY   := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.sparkdl-install-hash
 BENCH_DEPS := setup.cfg requirements-bench.txt pyproject.toml
 BENCH_ARGS ?=
+PETASTORM_VENV := .venv-petastorm
+PETASTORM_STAMP := $(PETASTORM_VENV)/.sparkdl-install-hash
 
 help:
 	@echo "make demo          set up .venv if needed, then train a small model on the bundled digits data"
@@ -112,6 +114,12 @@ bench-venv: check-java
 	  if "$(BENCH_PY)" -m pip install petastorm > "$(BENCH_VENV)/petastorm-install.log" 2>&1; then echo "petastorm installed"; \
 	  else echo "warning: petastorm did not install (see $(BENCH_VENV)/petastorm-install.log); peers.py records why"; fi; \
 	  echo "$$want" > "$(BENCH_STAMP)"; fi
+	@want=$$(sha256sum requirements-petastorm.txt | cut -d' ' -f1); \
+	if [ -f "$(PETASTORM_STAMP)" ] && [ "$$(cat "$(PETASTORM_STAMP)")" = "$$want" ]; then echo "$(PETASTORM_VENV) is up to date"; else \
+	  echo "creating $(PETASTORM_VENV) (Petastorm with PySpark 3.5 and pyarrow 14; see requirements-petastorm.txt)"; \
+	  rm -rf "$(PETASTORM_VENV)"; "$(PYTHON)" -m venv "$(PETASTORM_VENV)"; \
+	  if "$(PETASTORM_VENV)/bin/python" -m pip install --quiet -r requirements-petastorm.txt; then echo "$$want" > "$(PETASTORM_STAMP)"; \
+	  else echo "warning: $(PETASTORM_VENV) did not install; peers.py then records Petastorm's error only"; rm -rf "$(PETASTORM_VENV)"; fi; fi
 	PYTHON=$(BENCH_PY) bash scripts/build_horovod.sh
 	@if [ ! -f "$(JAR)" ] || [ -n "$$(find jvm-bridge/src -name '*.java' -newer "$(JAR)")" ]; then \
 	  $(BENCH_PY) -c "from sparkdl.jvm import build_jar; print('built', build_jar())"; fi
@@ -130,4 +138,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(BENCH_VENV)
+	rm -rf $(VENV) $(BENCH_VENV) $(PETASTORM_VENV)

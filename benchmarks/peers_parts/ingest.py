@@ -26,11 +26,14 @@ if _BENCHMARKS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_BENCHMARKS, os.environ.get("PYTHONPATH")) if p)
 
 from peers_parts import common
+from peers_parts import petastorm_reader
+from peers_parts.petastorm_reader import Reported as _Reported
+from peers_parts.petastorm_reader import error_text as _error_text
+from peers_parts.petastorm_reader import rate as _rate
 
 # TorchDistributor's loader converts every row in Python; past this many seconds a pass stops early.
 # Its cost is per row and constant, so the rate of a cut pass is the rate of a full one.
 TD_PASS_BUDGET_S = 150.0
-BENCH_VENV_LOG = Path("/tmp/benchvenv.log")  # pip's output when .venv-bench was built
 SPARKDL_PASSES = 3  # epoch 0 (right after the spool), then epochs 1 and 2 replayed
 WARM_UP_ROWS = 10_000
 FIGURES = ("sparkdl_epoch1", "sparkdl_epochs2plus", "sparkdl_end_to_end_epoch1", "torchdistributor_loader",
@@ -55,22 +58,6 @@ NOTES = [
     (f"Before the recorded rounds every tool runs once, unrecorded, on a {WARM_UP_ROWS:,}-row frame: Python "
      "worker start and imports are paid once per application, not per row ingested."),
 ]
-
-
-def _error_text(exc: BaseException, stage: str, limit: int = 2000) -> str:
-    """Type and message verbatim, plus where it was raised, so a reader can look it up."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" [raised at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}]" if frames else ""
-    return f"{stage}: {text[:limit]}{where}"
-
-
-class _Reported(Exception):
-    """An error whose text is already formatted (it may come from another process)."""
-
-
-def _rate(rows: list[int], seconds: list[float]) -> float:
-    return sum(rows) / max(seconds) if seconds and max(seconds) > 0 else float("nan")
 
 
 def _sparkdl_rank(ctx: Any) -> list[dict[str, Any]]:
@@ -155,90 +142,6 @@ def _td_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
             "torchdistributor_capped": float(capped)}  # not in FIGURES: a flag for the notes
 
 
-def _petastorm_shard(converter: Any, shard: int, batch_size: int, names: list[str], barrier: Any,
-                     queue: Any) -> None:
-    """One reader rank in its own process: two passes over its shard (the cache is already written)."""
-    try:
-        import time
-
-        import torch
-
-        torch.set_num_threads(1)
-        passes = []
-        for _ in range(2):
-            barrier.wait(timeout=600)  # both shards read at the same time
-            started, seen, total = time.perf_counter(), 0, 0.0
-            with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=1, cur_shard=shard,
-                                                 shard_count=common.WORLD) as loader:
-                for batch in loader:  # a dict of column tensors
-                    features = torch.stack([batch[name] for name in names], dim=1).float()
-                    total += float(features.sum())
-                    seen += int(features.shape[0])
-                passes.append({"rows": seen, "seconds": time.perf_counter() - started})
-        queue.put((shard, passes, None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the driver verbatim
-        queue.put((shard, None, _error_text(exc, f"petastorm reader shard {shard}")))
-        barrier.abort()  # the other shard must not wait for this one forever
-
-
-def _petastorm_round(spark: Any, frame: Any, args: argparse.Namespace) -> dict[str, float]:
-    from petastorm.spark import SparkDatasetConverter, make_spark_converter
-
-    cache = (Path(args.work_dir) / "petastorm-cache").resolve()
-    cache.mkdir(parents=True, exist_ok=True)
-    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, cache.as_uri())
-    try:
-        convert_s, converter = common.timed(lambda: make_spark_converter(frame))
-    except Exception as exc:  # noqa: BLE001
-        raise _Reported(_error_text(exc, "make_spark_converter")) from None
-    shards: list[Any] = []
-    try:
-        # Spawned (not forked) so the shards share nothing with this JVM-backed driver.
-        context = multiprocessing.get_context("spawn")
-        barrier, queue = context.Barrier(common.WORLD), context.Queue()
-        names = common.feature_names(args.features)
-        shards = [context.Process(target=_petastorm_shard, args=(converter, r, args.batch_size, names, barrier, queue))
-                  for r in range(common.WORLD)]
-        for process in shards:
-            process.start()
-        reports = [queue.get(timeout=1800) for _ in shards]
-    finally:
-        for process in shards:
-            process.join(timeout=60)
-            if process.is_alive():  # a hung reader must not keep this interpreter from exiting
-                process.terminate()
-        converter.delete()  # also forgets the cached plan, so the next round writes its cache afresh
-    # The shard that failed first is the story; the other only saw its barrier broken.
-    failed = sorted((error for _, _, error in reports if error), key=lambda e: "BrokenBarrierError" in e)
-    if failed:
-        raise _Reported(failed[0])
-    passes = [p for _, p, _ in sorted(reports, key=lambda r: r[0])]
-    rows = [p[0]["rows"] for p in passes]
-    return {"petastorm_epoch1": sum(rows) / (convert_s + max(p[0]["seconds"] for p in passes)),
-            "petastorm_epochs2plus": _rate([p[1]["rows"] for p in passes], [p[1]["seconds"] for p in passes])}
-
-
-def _petastorm_install_line() -> str | None:
-    """What pip said about petastorm when the bench venv was built (the log may be absent)."""
-    try:
-        lines = BENCH_VENV_LOG.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    installed = [ln.strip() for ln in lines if ln.startswith("Successfully installed") and "petastorm-" in ln]
-    if installed:
-        return f"pip (from {BENCH_VENV_LOG}): {installed[-1]}"
-    failures = [ln.strip() for ln in lines if ("ERROR" in ln or "error:" in ln) and "petastorm" in ln.lower()]
-    return f"pip install petastorm failed (from {BENCH_VENV_LOG}): " + " | ".join(failures[:5]) if failures else None
-
-
-def _petastorm_import_error() -> str | None:
-    try:
-        from petastorm.spark import SparkDatasetConverter, make_spark_converter  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError or anything petastorm raises on import
-        return _error_text(exc, "import petastorm.spark")
-    return None
-
-
 def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
     # Train fns defined here ship by value, as __main__'s do: executors and torchrun children then
     # need not import peers_parts.
@@ -247,18 +150,27 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
 
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     notes, errors, rounds = list(NOTES), dict[str, str](), list[dict[str, float]]()
-    install, petastorm_error = _petastorm_install_line(), _petastorm_import_error()
+    install, petastorm_error = petastorm_reader.install_line(), petastorm_reader.import_error()
     notes += [install] if install else []
     if petastorm_error and "No module named 'petastorm'" in petastorm_error and install:
         petastorm_error += f"; {install}"  # the import failed because the install did
     tools: dict[str, Any] = {"sparkdl": lambda f: _sparkdl_round(f, args),
                              "torchdistributor": lambda f: _td_round(f, args)}
+    legacy = petastorm_reader.legacy_versions() if petastorm_error else None
     if petastorm_error is None:
-        tools["petastorm"] = lambda f: _petastorm_round(spark, f, args)
+        tools["petastorm"] = lambda f: petastorm_reader.petastorm_round(spark, f, args)
+    elif legacy:
+        # It cannot import here (the error is still recorded); the same round runs in .venv-petastorm.
+        tools["petastorm"] = lambda f: petastorm_reader.legacy_round(args)
+        notes.append(f"Petastorm cannot import in this environment (see errors); its figures come from "
+                     f".venv-petastorm ({legacy}), a second interpreter with its own local[2] Spark session over a "
+                     "DataFrame of the same rows and columns made by the same code, one call per round.")
     # Python worker start and imports happen once per application, not per row: a small unrecorded round
     # pays them for every tool, so the first recorded round is not skewed against whichever runs first.
     warm = common.make_frame(spark, WARM_UP_ROWS, args.features)
     for tool, run_round in tools.items():
+        if tool == "petastorm" and legacy:
+            continue  # a fresh interpreter per round: nothing to warm in this one
         common.log(f"ingest warm-up: {tool} ({WARM_UP_ROWS} rows, unrecorded)")
         try:
             run_round(warm)
@@ -297,12 +209,13 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
         notes.append(f"TorchDistributor's loader pass was cut after {TD_PASS_BUDGET_S:.0f} s per rank (a per-row "
                      "Python loop: constant cost per row); its end-to-end figure extrapolates the full pass at "
                      "the measured rate.")
-    if petastorm_error:
-        errors["petastorm"] = petastorm_error
-    if "petastorm" in errors:
-        notes.append("Petastorm did not complete (the exact error is in errors['petastorm']): its figures and the "
+    if "petastorm" in errors or (petastorm_error and not legacy):
+        notes.append("Petastorm did not complete (the exact error is in errors): its figures and the "
                      "'epochs 2+ / Petastorm' ratio cover only the rounds it finished, if any.")
-        if "pyarrow.filesystem" in errors["petastorm"]:
+    if petastorm_error:
+        # Recorded either way; with .venv-petastorm the figures still exist (see the notes).
+        errors["petastorm_import"] = petastorm_error
+        if "pyarrow.filesystem" in petastorm_error:
             import pyarrow
 
             notes.append(f"petastorm imports pyarrow.filesystem, removed in pyarrow 16 (apache/arrow#39825); this "
