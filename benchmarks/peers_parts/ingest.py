@@ -55,6 +55,9 @@ NOTES = [
      "the file and converts every row via pandas each epoch, so the figure holds for every epoch."),
     ("torchdistributor_end_to_end: _train_on_dataframe's wall time (barrier job, log server, Arrow dump, "
      "torchrun launch, the loader pass, result return)."),
+    ("TorchDistributor's barrier tasks leave Spark's Python workers unusable for reuse (new worker pids "
+     "after its job): each sparkdl round starts with an untimed no-op sparkdl job so that its spool timer "
+     "does not include Python worker start and imports."),
     (f"Before the recorded rounds every tool runs once, unrecorded, on a {WARM_UP_ROWS:,}-row frame: Python "
      "worker start and imports are paid once per application, not per row ingested."),
 ]
@@ -74,9 +77,17 @@ def _sparkdl_rank(ctx: Any) -> list[dict[str, Any]]:
     return list(ctx.comm.allgather_object(mine))
 
 
+def _noop(ctx: Any) -> None:
+    return None
+
+
 def _sparkdl_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
     import sparkdl
 
+    # TorchDistributor's tasks do not hand their Python workers back to Spark's pool: after its round
+    # sparkdl's tasks would start in fresh workers and pay interpreter start and imports inside the
+    # spool's timer. An untimed no-op job restores what any session that ran a job has.
+    sparkdl.run(_noop, num_workers=common.WORLD, progress=False)
     wall, ranks = common.timed(lambda: sparkdl.run(
         _sparkdl_rank, df=frame, num_workers=common.WORLD, feature_cols=common.feature_names(args.features),
         label_col="label", batch_size=args.batch_size, progress=False, shuffle=True, threads_per_worker=1))
