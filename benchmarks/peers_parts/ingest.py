@@ -36,7 +36,7 @@ from peers_parts.petastorm_reader import rate as _rate
 TD_PASS_BUDGET_S = 150.0
 SPARKDL_PASSES = 3  # epoch 0 (right after the spool), then epochs 1 and 2 replayed
 WARM_UP_ROWS = 10_000
-FIGURES = ("sparkdl_epoch1", "sparkdl_epochs2plus", "sparkdl_end_to_end_epoch1", "torchdistributor_loader",
+FIGURES = ("spark_arrow_delivery", "sparkdl_epoch1", "sparkdl_epochs2plus", "sparkdl_end_to_end_epoch1", "torchdistributor_loader",
            "torchdistributor_end_to_end", "petastorm_epoch1", "petastorm_epochs2plus")  # rows/s, in report order
 
 NOTES = [
@@ -55,6 +55,9 @@ NOTES = [
      "the file and converts every row via pandas each epoch, so the figure holds for every epoch."),
     ("torchdistributor_end_to_end: _train_on_dataframe's wall time (barrier job, log server, Arrow dump, "
      "torchrun launch, the loader pass, result return)."),
+    ("spark_arrow_delivery: a Spark job that only hands the same features array column to Python and counts "
+     "the rows (job launch included): what Spark's JVM costs to produce the Arrow batches, the ceiling for "
+     "any epoch 1 read from Spark on this host."),
     ("TorchDistributor's barrier tasks leave Spark's Python workers unusable for reuse (new worker pids "
      "after its job): each sparkdl round starts with an untimed no-op sparkdl job so that its spool timer "
      "does not include Python worker start and imports."),
@@ -75,6 +78,24 @@ def _sparkdl_rank(ctx: Any) -> list[dict[str, Any]]:
         passes.append(time.perf_counter() - started)
     mine = {"rows": ctx.num_rows, "spool_s": float(ctx.spool_seconds), "pass_s": passes}
     return list(ctx.comm.allgather_object(mine))
+
+
+def _count_rows(batches: Any) -> Any:
+    import pyarrow as pa
+
+    rows = sum(batch.num_rows for batch in batches)
+    yield pa.RecordBatch.from_pydict({"rows": [rows]})
+
+
+def _delivery_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
+    """The ceiling for any epoch 1 that starts from Spark: the same features array column (sparkdl's
+    own expression) delivered to Python by a mapInArrow job that only counts the rows it receives."""
+    from sparkdl.data.feed import features_expression
+
+    names = common.feature_names(args.features)
+    job = frame.select(features_expression(frame, names).alias("features"), "label")
+    seconds, rows = common.timed(lambda: sum(r.rows for r in job.mapInArrow(_count_rows, "rows long").collect()))
+    return {"spark_arrow_delivery": rows / seconds}
 
 
 def _noop(ctx: Any) -> None:
@@ -165,7 +186,9 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
     notes += [install] if install else []
     if petastorm_error and "No module named 'petastorm'" in petastorm_error and install:
         petastorm_error += f"; {install}"  # the import failed because the install did
+    # Delivery right after sparkdl: on the Python workers sparkdl's round warmed (see _sparkdl_round).
     tools: dict[str, Any] = {"sparkdl": lambda f: _sparkdl_round(f, args),
+                             "spark_delivery": lambda f: _delivery_round(f, args),
                              "torchdistributor": lambda f: _td_round(f, args)}
     legacy = petastorm_reader.legacy_versions() if petastorm_error else None
     if petastorm_error is None:
@@ -211,6 +234,8 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
     ratios = []
     for name, a, b, target in (("sparkdl epoch 1 / TorchDistributor loader", "sparkdl_epoch1",
                                 "torchdistributor_loader", 10),
+                               ("Spark's Arrow delivery alone / TorchDistributor loader (info: epoch 1's ceiling)",
+                                "spark_arrow_delivery", "torchdistributor_loader", None),
                                ("sparkdl epochs 2+ / Petastorm reader epochs 2+", "sparkdl_epochs2plus",
                                 "petastorm_epochs2plus", 2)):
         pairs = [(r[a], r[b]) for r in rounds if a in r and b in r]  # only rounds where both ran
