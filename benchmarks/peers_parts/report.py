@@ -70,7 +70,8 @@ def markdown(result: dict[str, Any], command: str, png: str | None) -> str:
             lines.append(f"| {part['part']} | {name} | {_fmt(value)} | {part.get('runs', {}).get(name, '')} |")
     errors = {f"{part['part']}/{tool}": text for part in result["parts"] for tool, text in part.get("errors", {}).items()}
     if errors:
-        lines += ["", "Errors recorded (a tool without figures failed; the notes say where figures came from instead):", ""]
+        lines += ["", "Errors recorded (a tool without figures failed; the notes say where figures came from "
+                      "instead):", ""]
         lines += [f"- {where}: `{text.strip().splitlines()[0][:300] if text.strip() else text}`"
                   for where, text in errors.items()]
     notes = [f"{part['part']}: {note}" for part in result["parts"] for note in part.get("notes", [])]
