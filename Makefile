@@ -135,7 +135,7 @@ horovod: venv
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache spark-warehouse metastore_db derby.log $(JAR)
-	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(BENCH_VENV) -o -path ./$(PETASTORM_VENV) \) -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
 	rm -rf $(VENV) $(BENCH_VENV) $(PETASTORM_VENV)

@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -93,6 +94,7 @@ def main() -> None:
             parts.append({"part": name, "figures": {}, "runs": {}, "ratios": [], "notes": [],
                           "errors": {name: f"{type(exc).__name__}: {exc}"}})
     spark.stop()
+    shutil.rmtree(args.work_dir, ignore_errors=True)
     result = {"benchmark": "peers", "when": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
               "rows": args.rows, "features": args.features, "batch_size": args.batch_size,
               "host": {"cpus": os.cpu_count(), "loadavg_before_after": [round(load_before, 2),

@@ -387,11 +387,13 @@ def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = 
 
 def check_gpus_per_task(amount: float) -> None:
     """Spark's rule for task resource amounts: a whole number, or a fraction of one GPU."""
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0 or (
-            amount > 1 and float(amount) != int(amount)):
+    import math
+
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount) \
+            or amount < 0 or (amount > 1 and float(amount) != int(amount)):
         raise ConfigError(f"inference GPUs per task must be 0 (CPU), a fraction <= 1 or a whole number; "
-                           f"got {amount!r}",
-                           hint="e.g. setInferenceGpus(0.25) lets 4 scoring tasks share each GPU")
+                          f"got {amount!r}",
+                          hint="e.g. setInferenceGpus(0.25) lets 4 scoring tasks share each GPU")
 
 
 def check_inference_batch_size(batch_size: int) -> None:

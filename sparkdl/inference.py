@@ -5,6 +5,7 @@ broadcast variable and is unpickled once per Python worker, not once per task or
 """
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 from typing import Any, Callable, Iterator
@@ -25,14 +26,23 @@ def task_gpu_addresses() -> list[str]:
     return list(gpu.addresses) if gpu is not None else []
 
 
-def inference_device(addresses: list[str], cuda_available: bool) -> str:
+def inference_device(addresses: list[str], cuda_available: bool, visible: str | None = None) -> str:
     """The torch device for a task: its first assigned GPU when CUDA works, otherwise the CPU.
-    Tasks sharing a GPU (fractional amounts) all get the same address and so the same device."""
+    Tasks sharing a GPU (fractional amounts) all get the same address and so the same device.
+    `visible` is CUDA_VISIBLE_DEVICES as CUDA saw it when it started in this process (a training
+    task may have narrowed it, and CUDA keeps that view for the life of the Python worker)."""
     if not addresses or not cuda_available:
         return "cpu"
-    from sparkdl.comm.torch_dist import cuda_index
-
-    return f"cuda:{cuda_index(addresses[0])}"
+    narrowed = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if not narrowed:
+        return f"cuda:{int(addresses[0])}"
+    if addresses[0] in narrowed:
+        return f"cuda:{narrowed.index(addresses[0])}"
+    # This worker's CUDA cannot see the assigned GPU any more: score on the one it can see rather
+    # than fail the task (the GPU is shared for this partition's duration).
+    warnings.warn(f"sparkdl: GPU {addresses[0]} is not visible to this Python worker (CUDA started with "
+                  f"CUDA_VISIBLE_DEVICES={visible}); scoring on GPU {narrowed[0]}")
+    return "cuda:0"
 
 
 def prediction_arrow_type(output_kind: str) -> pa.DataType:
@@ -83,10 +93,14 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
     def sparkdl_predict(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import torch
 
-        device = inference_device(task_gpu_addresses(), torch.cuda.is_available())
+        device = inference_device(task_gpu_addresses(), torch.cuda.is_available(),
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
         key = (model_key, device)
         if key not in _MODULE_CACHE:
-            _MODULE_CACHE.clear()  # one model per worker at a time keeps executor (and GPU) memory bounded
+            if _MODULE_CACHE:
+                _MODULE_CACHE.clear()  # one model per worker at a time keeps executor (and GPU) memory bounded
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()  # hand the evicted model's cached blocks back to the GPU
             module = pickle.loads(module_broadcast.value)
             module.eval()
             _MODULE_CACHE[key] = module.to(device)

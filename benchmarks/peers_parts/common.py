@@ -33,6 +33,9 @@ def ratio_entry(name: str, pairs: Sequence[tuple[float, float]], target: float |
     of the per-round ratios a/b. `better` is "higher" (a/b >= target wanted) or "lower" (<= target);
     target None: shown for information, no target."""
     ratios = [a / b for a, b in pairs if b > 0]
+    if not ratios:  # nothing measured on both sides: no verdict (and valid JSON: null, not NaN)
+        return {"name": name, "value": None, "target": target, "better": better, "met": None,
+                "per_round": [], "unit": unit}
     value = median(ratios)
     met = None if target is None else value >= target if better == "higher" else value <= target
     return {"name": name, "value": round(value, 3), "target": target, "better": better,

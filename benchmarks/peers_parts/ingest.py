@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 

@@ -22,7 +22,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    ratios = [r for r in all_ratios(result) if r["value"] == r["value"]]  # drop NaN
+    ratios = [r for r in all_ratios(result) if r["value"] is not None]
     fig, ax = plt.subplots(figsize=(9, 0.6 * len(ratios) + 1.6))
     names = [r["name"] for r in ratios]
     colors = ["grey" if r["met"] is None else "tab:green" if r["met"] else "tab:red" for r in ratios]
@@ -63,7 +63,8 @@ def markdown(result: dict[str, Any], command: str, png: str | None) -> str:
     for r in all_ratios(result):
         target = "info" if r["target"] is None else ("<= " if r["better"] == "lower" else ">= ") + _fmt(r["target"])
         met = "-" if r["met"] is None else "yes" if r["met"] else "**no**"
-        lines.append(f"| {r['name']} | {_fmt(r['value'])}x | {target} | {met} | {r['per_round']} |")
+        value = "n/a" if r["value"] is None else f"{_fmt(r['value'])}x"
+        lines.append(f"| {r['name']} | {value} | {target} | {met} | {r['per_round']} |")
     lines += ["", "| part | figure | median | per round |", "|---|---|---|---|"]
     for part in result["parts"]:
         for name, value in part.get("figures", {}).items():

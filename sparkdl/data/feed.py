@@ -82,9 +82,9 @@ def features_expression(df: DataFrame, feature_cols: Sequence[str]) -> Column:
             parts.append(F.expr(f"array({', '.join(scalars)})"))
             scalars = []
         if kind == "array":
-            parts.append(F.col(name).cast(T.ArrayType(T.FloatType())))
+            parts.append(F.col(_quoted(name)).cast(T.ArrayType(T.FloatType())))
         else:
-            parts.append(vector_to_array(F.col(name), "float32"))
+            parts.append(vector_to_array(F.col(_quoted(name)), "float32"))
     if scalars:
         # concat of 64 one-element arrays made Spark copy each row's array 64 times: 1M rows x 64
         # float columns reached the Python workers in 2.0 s that way, 1.3 s as one array.
@@ -116,7 +116,7 @@ def feature_invalid(df: DataFrame, name: str) -> Column:
     text = feature_invalid_sql(df, name)
     if text is not None:
         return F.expr(text)
-    arr = vector_to_array(F.col(name))  # a Scala UDF with no SQL name
+    arr = vector_to_array(F.col(_quoted(name)))  # a Scala UDF with no SQL name
 
     def nonfinite(x: Column) -> Column:
         return F.coalesce(F.isnan(x.cast("double")) | (F.abs(x.cast("double")) == float("inf")), F.lit(False))
@@ -156,7 +156,7 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
         aggs.append(F.expr(f"sum(cast({_quoted(name)} IS NULL as long)) AS null_{i}"))
         kind = feature_kind(df, name)
         if kind in ("array", "vector"):
-            arr = F.col(name) if kind == "array" else vector_to_array(F.col(name))
+            arr = F.col(_quoted(name)) if kind == "array" else vector_to_array(F.col(_quoted(name)))
             aggs += [F.min(F.size(arr)).alias(f"min_{i}"), F.max(F.size(arr)).alias(f"max_{i}")]
             if kind == "array":
                 aggs.append(F.sum(F.exists(arr, lambda x: x.isNull()).cast("long")).alias(f"inner_{i}"))
@@ -165,15 +165,15 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
                     F.sum(feature_invalid(df, name).cast("long")).alias(f"nonfinite_{i}"))
     aggs.append(F.sum(row_invalid(df, feature_cols, label_col, classification).cast("long")).alias("invalid_rows"))
     if label_col is not None:
-        aggs.append(F.sum(F.col(label_col).isNull().cast("long")).alias("null_label"))
-        as_double = F.col(label_col).cast("double")
+        aggs.append(F.sum(F.col(_quoted(label_col)).isNull().cast("long")).alias("null_label"))
+        as_double = F.col(_quoted(label_col)).cast("double")
         aggs.append(F.sum((F.isnan(as_double) | (F.abs(as_double) == float("inf"))).cast("long"))
                     .alias("nonfinite_label"))
         invalid = label_invalid(label_col, classification)
         aggs.append(F.sum(invalid.cast("long")).alias("invalid_label"))
         if classification:
             # Spark ML labels are doubles: accepted for classification when they hold whole numbers.
-            label = F.col(label_col).cast("double")
+            label = F.col(_quoted(label_col)).cast("double")
             aggs += [F.min(label).alias("label_min"), F.max(label).alias("label_max"),
                      F.sum((label != F.floor(label)).cast("long")).alias("label_fractional"),
                      F.max(F.when(~invalid, label)).alias("valid_label_max")]
@@ -296,7 +296,7 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     selected = [features_expression(df, feature_cols).alias(FEATURES_COLUMN)]
     if label_col is not None:
         cast = "long" if label_dtype == "int64" else "float"
-        selected.append(F.col(label_col).cast(cast).alias(LABEL_COLUMN))
+        selected.append(F.col(_quoted(label_col)).cast(cast).alias(LABEL_COLUMN))
     prepared = df.select(*selected)
     layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
                         source_feature_cols=tuple(feature_cols), source_label_col=label_col,

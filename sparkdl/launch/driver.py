@@ -13,7 +13,7 @@ from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
-from sparkdl.errors import InsufficientSlotsError, TrainingError
+from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
 from sparkdl.launch.spec import RESULT_SCHEMA, TrainSpec
 from sparkdl.launch.worker import FAILURE_MARKER, loads_result, make_task
 
@@ -77,6 +77,18 @@ def training_profile(spark: SparkSession, gpus_per_worker: int) -> Any:
 
 def ensure_training_slots(spark: SparkSession, world_size: int, launch: Any) -> Any:
     """ensure_slots under the training stage's ResourceProfile (GPUs included); returns that profile."""
+    master = spark.sparkContext.master
+    if launch.gpus_per_worker and (master == "local" or master.startswith("local[")):
+        raise ConfigError(f"gpus_per_worker={launch.gpus_per_worker} needs stage-level scheduling, which "
+                          f"Spark's {master} master does not have",
+                          hint="run on a cluster manager (standalone, local-cluster, YARN, Kubernetes) whose "
+                               "executors have GPUs, or set spark.task.resource.gpu.amount for the application")
+    executor_gpus = float(spark.sparkContext.getConf().get("spark.executor.resource.gpu.amount", "0"))
+    if launch.gpus_per_worker and not executor_gpus:
+        raise ConfigError(f"gpus_per_worker={launch.gpus_per_worker} asks GPUs for the training stage, but the "
+                          "executors declare none (spark.executor.resource.gpu.amount is not set)",
+                          hint="start the application with spark.executor.resource.gpu.amount and "
+                               "spark.executor.resource.gpu.discoveryScript (conf/spark/gpu-cluster.conf)")
     profile = training_profile(spark, launch.gpus_per_worker)
     ensure_slots(spark, world_size, launch.slot_wait_s, profile, launch.gpus_per_worker)
     return profile

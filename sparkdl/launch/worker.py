@@ -287,9 +287,11 @@ def _check_shards(spec: TrainSpec, row_counts: list[int]) -> None:
 
 def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
     """CUDA_VISIBLE_DEVICES follows the GPU addresses Spark gave this task (BarrierTaskContext
-    resources), so the rank and any library it loads see only its own GPUs; restored afterwards,
-    since Spark reuses Python workers across tasks. Left alone once CUDA is initialised in this
-    process (it would no longer take effect); comm/torch_dist.cuda_index maps addresses either way."""
+    resources), so the rank and any library it loads see only its own GPUs. Restored afterwards, since
+    Spark reuses Python workers across tasks, unless CUDA started meanwhile: it keeps the narrowed
+    view for the process, and later tasks (inference) map addresses through the variable. Left alone
+    once CUDA is initialised in this process (it would no longer take effect);
+    comm/torch_dist.cuda_index maps addresses either way."""
     if not world.gpus:
         return
     import torch
@@ -300,6 +302,8 @@ def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(world.gpus)
 
     def restore() -> None:
+        if torch.cuda.is_initialized():
+            return  # CUDA keeps the narrowed view for this process: the variable must keep saying so
         if previous is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:

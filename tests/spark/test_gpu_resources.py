@@ -155,6 +155,10 @@ def test_inference_device_follows_the_assigned_gpu() -> None:
     assert inference_device([], cuda_available=True) == "cpu"
     assert inference_device(["1"], cuda_available=False) == "cpu"
     assert inference_device(["1"], cuda_available=True) == "cuda:1"
+    # a training task narrowed CUDA's view of this worker to physical GPUs 2 and 3
+    assert inference_device(["3"], cuda_available=True, visible="2,3") == "cuda:1"
+    with pytest.warns(UserWarning, match="GPU 0 is not visible"):
+        assert inference_device(["0"], cuda_available=True, visible="2") == "cuda:0"
 
 
 def test_bad_inference_gpu_amounts_are_refused() -> None:
@@ -162,9 +166,17 @@ def test_bad_inference_gpu_amounts_are_refused() -> None:
     from sparkdl.errors import ConfigError
 
     model = TorchModel()
-    for bad in (-0.5, 1.5, "one", True):
+    for bad in (-0.5, 1.5, "one", True, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="inference GPUs per task"):
             model.setInferenceGpus(bad)
     with pytest.raises(ConfigError, match="batch size"):
         model.setInferenceBatchSize(0)
     assert model.setInferenceGpus(0.25).inference_gpus == 0.25
+
+
+def test_gpus_per_worker_without_executor_gpus_is_refused(spark) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+    from sparkdl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="executors declare none"):
+        sparkdl.run(lambda ctx: None, num_workers=1, gpus_per_worker=1, progress=False)

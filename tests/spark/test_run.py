@@ -59,3 +59,14 @@ def test_features_keep_column_order_across_scalar_array_and_vector_columns(spark
     row = df.select(features_expression(df, cols).alias("x")).first()
     assert row.x == [1.0, 2.0, 3.0, 4.0, 5.5, 6.0, 7.0, 8.0]
     assert df.select(features_expression(df, ["c", "a"]).alias("x")).first().x == [4.0, 1.0]
+
+
+def test_odd_column_names_are_quoted_everywhere(spark) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.data.feed import prepare
+
+    df = spark.createDataFrame([(1.0, [2.0, float("nan")], 1), (4.0, [5.0, 6.0], 0)],
+                               "`a.b` double, `c d` array<double>, `l`` x` int")
+    prepared = prepare(df, ["a.b", "c d"], "l` x", classification=True, num_workers=1, on_invalid="skip")
+    assert prepared.num_rows == 1 and prepared.dropped_rows == 1
+    row = prepared.df.collect()[0]
+    assert list(row[0]) == [4.0, 5.0, 6.0] and row[1] == 0
