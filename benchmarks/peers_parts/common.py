@@ -2,10 +2,14 @@
 pairwise ratios and the subprocess environment of the bare launchers."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,3 +90,37 @@ def make_frame(spark: Any, rows: int, features: int, classes: int = 10, seed: in
     frame = frame.cache()
     frame.count()
     return frame
+
+
+def run_workload(launcher: str, mode: str, timeout_s: float = 900, **options: Any) -> tuple[float, float, Any]:
+    """Run `python -m peers_parts.workloads --mode MODE --opt value...` on WORLD ranks under the bare
+    launcher ("torchrun": --standalone; "horovodrun": --gloo on localhost). Returns (wall clock at
+    the call, wall seconds, rank 0's JSON)."""
+    with tempfile.TemporaryDirectory(prefix="sparkdl-peers-") as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        worker = ["-m", "peers_parts.workloads", "--mode", mode, "--out", out]
+        worker += [arg for name, value in options.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *worker]
+        else:
+            horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+            cmd = [horovodrun, "-np", str(WORLD), "--gloo", "-H", f"localhost:{WORLD}", sys.executable, *worker]
+        called = time.time()
+        done = subprocess.run(cmd, env=bare_env(), capture_output=True, text=True, timeout=timeout_s)
+        wall = time.time() - called
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{launcher} --mode {mode} failed (rc={done.returncode}): {done.stdout[-1500:]} "
+                               f"{done.stderr[-1500:]}")
+        return called, wall, json.loads(Path(out).read_text())
+
+
+def run_alone(measure: Any, description: str, **defaults: Any) -> None:
+    """`python part.py [--repeats N] [--option value]`: one part with its own session, JSON on stdout."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=3)
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    session = spark_session()
+    print(json.dumps(measure(session, parser.parse_args())))

@@ -6,11 +6,8 @@ Spark). Both report the slowest rank's median step seconds after warm-up steps. 
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +35,9 @@ def run_sparkdl() -> dict[str, Any]:
 
 
 def run_horovodrun() -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="sparkdl-peers-") as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        cmd = [horovodrun, "-np", str(common.WORLD), "--gloo", "-H", f"localhost:{common.WORLD}", sys.executable,
-               "-m", "peers_parts.workloads", "--mode", "horovod", "--out", out, "--features", str(FEATURES),
-               "--hidden", str(HIDDEN), "--classes", str(CLASSES), "--batch", str(BATCH), "--steps", str(STEPS),
-               "--warmup", str(WARMUP)]
-        done = subprocess.run(cmd, env=common.bare_env(), capture_output=True, text=True, timeout=900)
-        if done.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"horovodrun failed (rc={done.returncode}): {done.stdout[-1500:]} {done.stderr[-1500:]}")
-        return json.loads(Path(out).read_text())
+    _, _, result = common.run_workload("horovodrun", "horovod", features=FEATURES, hidden=HIDDEN, classes=CLASSES,
+                                       batch=BATCH, steps=STEPS, warmup=WARMUP)
+    return result
 
 
 def horovod_error() -> str | None:
@@ -88,9 +77,4 @@ def measure(spark: Any, args: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    session = common.spark_session()
-    print(json.dumps(measure(session, parser.parse_args())))
+    common.run_alone(measure, __doc__.splitlines()[0])

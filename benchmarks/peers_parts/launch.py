@@ -9,11 +9,8 @@ bare torchrun needs none. Target: sparkdl <= 0.5x TorchDistributor.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -64,17 +61,8 @@ def run_distributor(fn: Any) -> Any:
 
 
 def run_torchrun(mode: str) -> tuple[float, dict[str, Any]]:
-    """(wall seconds, rank 0's JSON) of `torchrun --standalone --nproc_per_node=2 -m peers_parts.workloads`."""
-    with tempfile.TemporaryDirectory(prefix="sparkdl-peers-") as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.WORLD}",
-               "-m", "peers_parts.workloads", "--mode", mode, "--out", out]
-        called = time.time()
-        done = subprocess.run(cmd, env=common.bare_env(), capture_output=True, text=True, timeout=600)
-        wall = time.time() - called
-        if done.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"torchrun failed (rc={done.returncode}): {done.stderr[-2000:]}")
-        result = json.loads(Path(out).read_text())
+    """(wall seconds, rank 0's JSON with the call's wall clock added) of a bare torchrun launch."""
+    called, wall, result = common.run_workload("torchrun", mode, timeout_s=600)
     result["called"] = called
     return wall, result
 
@@ -121,9 +109,4 @@ def measure(spark: Any, args: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    session = common.spark_session()
-    print(json.dumps(measure(session, parser.parse_args())))
+    common.run_alone(measure, __doc__.splitlines()[0])

@@ -7,12 +7,8 @@ Target: sparkdl <= 1.05x torchrun DDP.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +31,9 @@ def sparkdl_step_s(frame: Any, epochs: int) -> float:
 
 
 def torchrun_step_s(rows_per_rank: int, epochs: int) -> float:
-    with tempfile.TemporaryDirectory(prefix="sparkdl-peers-") as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.WORLD}",
-               "-m", "peers_parts.workloads", "--mode", "ddp", "--out", out, "--rows-per-rank", str(rows_per_rank),
-               "--epochs", str(epochs), "--features", str(FEATURES), "--hidden", str(HIDDEN),
-               "--classes", str(CLASSES), "--batch", str(BATCH)]
-        done = subprocess.run(cmd, env=common.bare_env(), capture_output=True, text=True, timeout=900)
-        if done.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"torchrun DDP failed (rc={done.returncode}): {done.stderr[-2000:]}")
-        epochs_out = json.loads(Path(out).read_text())["epochs"]
-    return statistics.median(e["seconds"] / e["steps"] for e in epochs_out[1:])
+    _, _, result = common.run_workload("torchrun", "ddp", rows_per_rank=rows_per_rank, epochs=epochs,
+                                       features=FEATURES, hidden=HIDDEN, classes=CLASSES, batch=BATCH)
+    return statistics.median(e["seconds"] / e["steps"] for e in result["epochs"][1:])
 
 
 def measure(spark: Any, args: Any) -> dict[str, Any]:
@@ -71,11 +59,4 @@ def measure(spark: Any, args: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--step-rows", type=int, default=102_400)
-    parser.add_argument("--step-epochs", type=int, default=3)
-    session = common.spark_session()
-    print(json.dumps(measure(session, parser.parse_args())))
+    common.run_alone(measure, __doc__.splitlines()[0], step_rows=102_400, step_epochs=3)
