@@ -126,15 +126,15 @@ def main() -> None:
     from sparkdl.comm import backend_class
     from sparkdl.config import RunConfig
     from sparkdl.planner.candidates import build_plan
-    from sparkdl.planner.cluster import cluster_info
     from sparkdl.planner.stages import plan_hybrid
+    from sparkdl.planning import calibrate
     from sparkdl.strategies.ist import ist_layout
 
     spark = (SparkSession.builder.master("local[2]").appName("sparkdl-bench-planner")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     started = time.perf_counter()
-    cluster = cluster_info(spark, 2, 1, refresh=True)
+    cluster = calibrate(spark, 2, 1, refresh=True)
     ops = backend_class("torch").ops
     wanted = {c for c in args.cells.split(",") if c}
     cells = []

@@ -106,9 +106,7 @@ def mlp_factory(df: Any, config: RunConfig) -> tuple[Any, int, int]:
     """(zero-argument model factory, input width, output width), found with at most two small jobs."""
     from pyspark.sql import functions as F
 
-    from sparkdl.api import label_is_integral
-    from sparkdl.data.feed import check_columns, feature_kind, features_expression
-    from sparkdl.launch.objectives import is_classification
+    from sparkdl.data.feed import check_columns, feature_kind, features_expression, is_classification
 
     cols, label = list(config.data.feature_cols), config.data.label_col
     check_columns(df, cols + ([label] if label else []))
@@ -122,7 +120,7 @@ def mlp_factory(df: Any, config: RunConfig) -> tuple[Any, int, int]:
     if not outputs:
         outputs = 1
         if label and config.train.loss not in ("mse", "bce_with_logits") and \
-                is_classification(config.train, label_is_integral(df, label)):
+                is_classification(df, config):
             top = df.agg(F.max(F.col(label).cast("double")).alias("m")).first()["m"]
             outputs = max(int(top) + 1, 1) if top is not None else 1  # bad labels: prepare() raises
     return functools.partial(build_mlp, inputs, tuple(config.model.hidden), outputs), inputs, outputs
@@ -242,8 +240,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         factory, _, _ = model_factory(df, config)
         result = api.plan(factory, df, config=config.merged({"train": {"strategy": "auto"}}))
         print(result.explain())
+        choice = result.choice
         print(json.dumps({"strategy": result.strategy, "options": result.options,
-                          "predicted_step_s": result.choice.predicted_step_s, "emulated": result.emulated}))
+                          "predicted_step_s": choice.predicted_step_s if choice is not None else None,
+                          "emulated": bool(result.auto.emulated) if result.auto is not None else False}))
         return 0
     finally:
         if created:

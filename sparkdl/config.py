@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (_check_types, _choice, _coerce, _plain, _positive_int, parse_bytes,
+from sparkdl.config_values import (check_types, choice, coerce, plain, positive_int, parse_bytes,
                                    parse_literal, suggest)
 from sparkdl.errors import ConfigError
 
@@ -62,8 +62,8 @@ class DataConfig:
         if self.label_col is not None and self.label_col in self.feature_cols:
             raise ConfigError(f"data.label_col {self.label_col!r} is also a feature column",
                               hint="remove the label from feature_cols")
-        _positive_int("data.batch_size", self.batch_size)
-        _choice("data.on_invalid", self.on_invalid, ("error", "skip"))
+        positive_int("data.batch_size", self.batch_size)
+        choice("data.on_invalid", self.on_invalid, ("error", "skip"))
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction!r}",
                               hint="for example validation_fraction=0.2")
@@ -96,6 +96,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # local path or pyarrow filesystem URI; None: no checkpoints
     checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
     keep_checkpoints: int = 2  # complete checkpoints kept
+    plan_from_run: str | None = None  # MLflow run id of an earlier fit: train with its plan.json, no planning
 
     @property
     def implied_strategy(self) -> str:
@@ -110,28 +111,38 @@ class TrainConfig:
             return "hybrid"
         return "auto"
 
+    def is_classification(self, label_is_integral: bool, builtin_loss: bool = True) -> bool:
+        """The one rule: class labels are int64 (cross entropy); every other loss trains on float32
+        values. Under task="auto", where no built-in loss decides (a callable loss, or a custom loop
+        of sparkdl.run, `builtin_loss=False`), the label column's type does."""
+        if self.task != "auto":
+            return self.task == "classification"
+        if callable(self.loss) or not builtin_loss:
+            return label_is_integral
+        return self.loss == "cross_entropy"
+
     def validate(self) -> None:
-        _positive_int("train.epochs", self.epochs)
+        positive_int("train.epochs", self.epochs)
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
             raise ConfigError(f"train.lr must be a positive number, got {self.lr!r}", hint="for example lr=1e-3")
-        _choice("train.optimizer", self.optimizer, OPTIMIZERS, callable_ok=True)
-        _choice("train.loss", self.loss, LOSSES, callable_ok=True)
-        _choice("train.task", self.task, TASKS)
-        _choice("train.strategy", self.strategy, STRATEGIES)
-        _choice("train.schedule", self.schedule, SCHEDULES)
+        choice("train.optimizer", self.optimizer, OPTIMIZERS, callable_ok=True)
+        choice("train.loss", self.loss, LOSSES, callable_ok=True)
+        choice("train.task", self.task, TASKS)
+        choice("train.strategy", self.strategy, STRATEGIES)
+        choice("train.schedule", self.schedule, SCHEDULES)
         for key in ("stages", "microbatches"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"train.{key} must be an integer >= 0 (0 = automatic), got {value!r}")
-        _choice("train.sync", self.sync, SYNC_MODES)
-        _choice("train.sync_dtype", self.sync_dtype, SYNC_DTYPES)
-        _choice("train.ist_scale", self.ist_scale, IST_SCALES)
-        _choice("train.batch_balance", self.batch_balance, BATCH_BALANCES)
+        choice("train.sync", self.sync, SYNC_MODES)
+        choice("train.sync_dtype", self.sync_dtype, SYNC_DTYPES)
+        choice("train.ist_scale", self.ist_scale, IST_SCALES)
+        choice("train.batch_balance", self.batch_balance, BATCH_BALANCES)
         if self.batch_balance == "speed" and self.implied_strategy not in ("data_parallel", "auto"):
             raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
                               f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
-        _positive_int("train.sync_every", self.sync_every)
-        _positive_int("train.ist_sync_every", self.ist_sync_every)
+        positive_int("train.sync_every", self.sync_every)
+        positive_int("train.ist_sync_every", self.ist_sync_every)
         if self.sync != "allreduce" and self.strategy not in ("data_parallel", "auto"):
             raise ConfigError(f"train.sync={self.sync!r} is a synchronisation mode of data parallel, but "
                               f"train.strategy={self.strategy!r}", hint="use strategy='data_parallel' with sync='diloco'")
@@ -150,7 +161,7 @@ class TrainConfig:
             raise ConfigError(f"train.checkpoint_every={self.checkpoint_every} needs train.checkpoint_dir",
                               hint="set checkpoint_dir to a directory every executor can reach, e.g. "
                                    "'/dbfs/tmp/ckpt', 's3://bucket/ckpt' or a local path on local masters")
-        _positive_int("train.keep_checkpoints", self.keep_checkpoints)
+        positive_int("train.keep_checkpoints", self.keep_checkpoints)
         if not self.approximate_min_speedup >= 1:
             raise ConfigError(f"train.approximate_min_speedup must be >= 1, got {self.approximate_min_speedup!r}",
                               hint="1 = the planner takes the fastest layout; inf = never DiLoCo or IST")
@@ -161,6 +172,9 @@ class TrainConfig:
         if self.strategy == "hybrid" and self.stages == 1:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
+        if self.plan_from_run is not None and (not isinstance(self.plan_from_run, str) or not self.plan_from_run):
+            raise ConfigError(f"train.plan_from_run must be an MLflow run id, got {self.plan_from_run!r}",
+                              hint="model.run_id of an earlier fit, or leave it unset")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
 
@@ -171,6 +185,7 @@ class LaunchConfig:
     backend: str = "torch"
     timeout_s: float = 600.0
     slot_wait_s: float = 15.0
+    peer_failure_delay_s: float = 5.0  # a rank whose collective broke waits this long, so the first failure is heard
     threads_per_worker: int | None = None
     run_dir: str | None = None
     max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
@@ -179,7 +194,7 @@ class LaunchConfig:
     emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
 
     def validate(self) -> None:
-        _positive_int("launch.num_workers", self.num_workers)
+        positive_int("launch.num_workers", self.num_workers)
         if self.emulate_network is not None:
             emulated = self.emulate_network
             if not isinstance(emulated, dict) or set(emulated) - {"latency_ms", "gbps"} or "gbps" not in emulated \
@@ -200,13 +215,17 @@ class LaunchConfig:
                                   f"({self.num_workers}), got {speeds!r}", hint="for example emulate_speed=[1, 0.25]")
         if self.max_memory_per_rank is not None:
             parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
-        _choice("launch.backend", self.backend, BACKENDS)
+        choice("launch.backend", self.backend, BACKENDS)
         for key in ("timeout_s", "slot_wait_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"launch.{key} must be a positive number of seconds, got {value!r}")
+        delay = self.peer_failure_delay_s
+        if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
+            raise ConfigError(f"launch.peer_failure_delay_s must be a number of seconds >= 0, got {delay!r}",
+                              hint="5 (the default) lets the rank that failed first be named; 0 fails at once")
         if self.threads_per_worker is not None:
-            _positive_int("launch.threads_per_worker", self.threads_per_worker)
+            positive_int("launch.threads_per_worker", self.threads_per_worker)
 
 
 @dataclass(frozen=True)
@@ -221,7 +240,7 @@ class TrackingConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        _positive_int("tracking.log_every", self.log_every)
+        positive_int("tracking.log_every", self.log_every)
 
 
 @dataclass(frozen=True)
@@ -233,7 +252,7 @@ class InputConfig:
     format: str = "auto"
 
     def validate(self) -> None:
-        _choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
+        choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
         if self.table and self.path:
             raise ConfigError(f"input.table ({self.table!r}) and input.path ({self.path!r}) are both set",
                               hint="set only one of them")
@@ -281,7 +300,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         for section in _sections(self):
             part = getattr(self, section)
-            _check_types(section, part)
+            check_types(section, part)
             part.validate()
         stages, workers = self.train.stages, self.launch.num_workers
         hybrid = self.train.implied_strategy == "hybrid"
@@ -300,7 +319,7 @@ class RunConfig:
         out: dict[str, dict[str, Any]] = {}
         for section in _sections(self):
             part = getattr(self, section)
-            out[section] = {f.name: _plain(getattr(part, f.name)) for f in fields(part)}
+            out[section] = {f.name: plain(getattr(part, f.name)) for f in fields(part)}
         return out
 
     def flat(self) -> dict[str, Any]:
@@ -333,7 +352,7 @@ class RunConfig:
             for name in values:
                 if name not in names:
                     raise ConfigError(f"unknown option {section}.{name}", hint=suggest(name, names))
-            coerced = {k: _coerce(part, k, v) for k, v in values.items()}
+            coerced = {k: coerce(part, k, v) for k, v in values.items()}
             config = replace(config, **{section: replace(part, **coerced)})
         return config
 

@@ -46,7 +46,7 @@ def parse_literal(raw: str) -> Any:
         return raw
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
     if isinstance(value, tuple):
@@ -60,12 +60,12 @@ def suggest(name: str, known: Sequence[str]) -> str:
     return f"did you mean {close[0]!r}? Known: {listing}" if close else f"known: {listing}"
 
 
-def _positive_int(key: str, value: Any) -> None:
+def positive_int(key: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
 
 
-def _choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
+def choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
     if callable_ok and callable(value):
         return
     if value not in allowed:
@@ -79,7 +79,7 @@ _SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _check_types(section: str, part: Any) -> None:
+def check_types(section: str, part: Any) -> None:
     """Options read from TOML or `--set` arrive untyped: check each against its annotation."""
     for f in fields(part):
         annotation = str(f.type).replace(" ", "")
@@ -102,7 +102,7 @@ def _check_types(section: str, part: Any) -> None:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(part, key)!r}")
 
 
-def _coerce(part: Any, name: str, value: Any) -> Any:
+def coerce(part: Any, name: str, value: Any) -> Any:
     if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
             and not (value is None and name == "emulate_speed"):
         try:

@@ -27,18 +27,22 @@ class TorchEstimator(Estimator, MLWritable):
     """
 
     def __init__(self, model: Any = None, *, config: RunConfig | None = None, validation_df: DataFrame | None = None,
-                 **options: Any) -> None:
+                 plan: Any = None, **options: Any) -> None:
+        """`plan`: a kept plan (what sparkdl.plan returns, or its JSON text) to train with exactly,
+        without planning again; `plan_from_run=<MLflow run id>` takes an earlier fit's plan.json."""
         super().__init__()
         self.model = model
         self.validation_df = validation_df
         self.config = RunConfig.from_kwargs(base=config, **options)
+        self.plan = api.kept_plan(plan, self.config) if isinstance(plan, (str, bytes)) else plan
 
     def _fit(self, dataset: DataFrame) -> "TorchModel":
-        result = api.fit(dataset, self.model, self.config, validation_df=self.validation_df)
+        result = api.fit(dataset, self.model, self.config, validation_df=self.validation_df, plan=self.plan)
         model = TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
                            history=result.history, prediction_col=self.config.data.prediction_col,
                            run_id=result.extra.get("mlflow_run_id"), options=result.config.flat())
         model.model_uri = result.extra.get("model_uri")  # the MLflow model (pyfunc-loadable)
+        model.plan = result.plan  # the layout it trained with: TorchEstimator(plan=model.plan) trains alike
         return model
 
     def write(self) -> MLWriter:
@@ -61,6 +65,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.run_id = run_id  # the MLflow run of the fit (None when tracking was off or failed)
         self.options = dict(options or {})
         self.model_uri: str | None = None
+        self.plan: Any = None  # the ResolvedPlan of the fit (None after load)
         self.inference_gpus = 0.0  # GPUs per scoring task; a fraction shares a GPU between tasks
         self.inference_batch_size = 1024
 
@@ -105,7 +110,7 @@ class _TorchModelWriter(MLWriter):
     def saveImpl(self, path: str) -> None:
         import torch
 
-        from sparkdl.launch.worker import _dumps_any
+        from sparkdl.launch.wire import dumps_any
 
         model = self.instance
         if model.torch_module() is None or model.layout is None:
@@ -118,7 +123,7 @@ class _TorchModelWriter(MLWriter):
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
                 "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
                 "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
-        for name, payload in (("module.pkl", _dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
+        for name, payload in (("module.pkl", dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
                               ("sparkdl.json", json.dumps(info, indent=1).encode())):
             write_bytes(self.sparkSession, f"{path.rstrip('/')}/data/{name}", payload)
 

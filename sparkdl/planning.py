@@ -4,21 +4,22 @@ raise here, before any job. Composed by api.fit and api.plan.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
 
+if TYPE_CHECKING:
+    from sparkdl.data.layout import FeedLayout
+    from sparkdl.resolved_plan import ResolvedPlan
 
-def worker_threads(spark: Any, config: RunConfig) -> int:
-    """torch threads a training rank will get (as launch/worker.py chooses them)."""
-    import os
 
-    if config.launch.threads_per_worker:
-        return config.launch.threads_per_worker
-    master = spark.sparkContext.master
-    if master.startswith("local"):
-        return max(1, (os.cpu_count() or 1) // config.launch.num_workers)
-    return max(1, int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
+def worker_threads(config: RunConfig, cluster: Any = None) -> int:
+    """torch threads a training rank gets: what the calibration's ranks reported they ran with (the
+    probe runs under the same launch.threads_per_worker, so launch/worker.py's own rule applies to
+    it), else the configured count, else one."""
+    if cluster is not None and cluster.threads_per_rank:
+        return min(cluster.threads_per_rank)
+    return config.launch.threads_per_worker or 1
 
 
 def settle_without_planner(config: RunConfig) -> RunConfig:
@@ -37,6 +38,8 @@ def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num
               fallback: bool = False) -> Any:
     """Profile the model, measure (or recall) the cluster, price every layout, choose one.
 
+    When the calibration's two ends disagree on exact vs approximate, the cluster is measured once
+    more and the plan decided on the best of both calibrations (planner/plan.py `decide`).
     With `fallback` (a fit under strategy="auto"), a model the planner cannot profile on the driver
     (a forward that depends on call counts, inputs it does not expect, ...) trains data parallel
     with a warning instead of failing: planning is an optimisation, not a new way to fail. Without
@@ -46,15 +49,18 @@ def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num
 
     from sparkdl.comm import backend_class
     from sparkdl.errors import ModelError, ResourceError, SparkdlError
-    from sparkdl.planner.candidates import build_plan
-    from sparkdl.planner.cluster import cluster_info
+    from sparkdl.planner.candidates import price_plan, profile_model
     from sparkdl.planner.plan import NoFeasibleLayout
 
-    threads = worker_threads(spark, config)
-    cluster = cluster_info(spark, config.launch.num_workers, config.launch.threads_per_worker)
+    launch = config.launch
+    cluster = calibrate(spark, launch.num_workers, launch.threads_per_worker)
+    ops = backend_class(launch.backend).ops
     try:
-        result = build_plan(module, config, num_features, cluster, backend_class(config.launch.backend).ops, threads,
-                            num_rows)
+        costs = profile_model(module, config, num_features, worker_threads(config, cluster))
+        result = price_plan(module, config, costs, cluster, ops, num_rows)
+        if result.hinge and cluster.probes == 1:
+            cluster = remeasure(spark, cluster, launch.threads_per_worker)
+            result = price_plan(module, config, costs, cluster, ops, num_rows)
     except NoFeasibleLayout as exc:
         raise ResourceError(f"the planner found no layout that fits: {exc}",
                             hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
@@ -81,10 +87,96 @@ def measured_links(spark: Any, config: RunConfig) -> tuple[tuple[str, str, float
     cluster, if one is cached (no probe is started for it); otherwise none (the default grid)."""
     if config.train.strategy != "hybrid" or config.launch.emulate_network:
         return ()
-    from sparkdl.planner.cluster import cached_cluster_info
+    from sparkdl.planner.cluster import cached
 
-    cluster = cached_cluster_info(spark, config.launch.num_workers)
+    cluster = cached(session_facts(spark, config.launch.num_workers))
     return cluster.executor_links() if cluster is not None else ()
+
+
+def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_rows: int | None = None, *,
+            plan: ResolvedPlan | None = None, fallback: bool = True) -> ResolvedPlan:
+    """The one resolved plan of a run: a kept `plan` checked against this model and data, or the
+    named strategy's layout, or (strategy="auto") the planner's choice and then its layout. Every
+    configuration that cannot run raises here, before any job. `fallback`: see make_plan."""
+    from sparkdl.checks import check_backend
+    from sparkdl.resolved_plan import ResolvedPlan
+
+    if plan is not None:
+        return reuse(plan, module, config, layout)
+    config = settle_without_planner(config)
+    auto = None
+    if config.train.strategy == "auto":
+        auto = make_plan(module, config, layout.num_features, spark, num_rows, fallback=fallback)
+        config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
+    check_backend(config)
+    links = auto.executor_links if auto is not None else measured_links(spark, config)
+    strategy_layout, params = plan_strategy(module, config, layout, links)
+    if auto is not None:
+        params.update(auto.as_params())
+    return ResolvedPlan.build(config, strategy_layout, params, auto)
+
+
+def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout) -> ResolvedPlan:
+    """A kept plan (sparkdl.plan's value, plan.json of an earlier run) applied to this run: its layout
+    options replace the run's, and its layout must fit this model, input and world, else a
+    ConfigError naming `plan` says what differs. Nothing is planned or measured again."""
+    from sparkdl.checks import check_backend
+    from sparkdl.errors import ConfigError
+    from sparkdl.resolved_plan import ResolvedPlan
+
+    hint = "plan again for this model and data (sparkdl.plan), or drop plan= / plan_from_run="
+    if plan.world != config.launch.num_workers:
+        raise ConfigError(f"plan= was made for {plan.world} workers, but launch.num_workers="
+                          f"{config.launch.num_workers}", hint=f"pass num_workers={plan.world}, or {hint}")
+    named, kept = config.train.strategy, plan.options.get("strategy")
+    if named not in ("auto", kept):
+        raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
+                          hint=f"leave strategy unset (or 'auto') when passing a plan, or {hint}")
+    config = config.merged({"train": plan.options}).validate()
+    check_backend(config)
+    mismatch = _layout_mismatch(plan, module, config, layout)
+    if mismatch:
+        raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=hint)
+    if plan.strategy != "hybrid":
+        from sparkdl.planner.stages import check_data_parallel_memory
+
+        check_data_parallel_memory(module, config, layout.num_features)
+    if plan.strategy == "ist" and config.train.ist_scale == "batchnorm":
+        from sparkdl.strategies.ist import use_batch_statistics
+
+        use_batch_statistics(module)  # the driver's copy must match the trained state's keys
+    params = {**plan.as_params(), "plan.reused": "true"}
+    return ResolvedPlan.build(config, plan.layout, params, plan.auto)
+
+
+def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout) -> str:
+    """What about this run the kept layout was not made for ("" when it fits)."""
+    from torch import nn
+
+    from sparkdl.layouts import HybridLayout, IstLayout
+
+    kept = plan.layout
+    if isinstance(kept, HybridLayout):
+        if not isinstance(module, nn.Sequential) or len(module) != kept.cuts[-1]:
+            layers = len(module) if isinstance(module, nn.Sequential) else f"a {type(module).__name__}"
+            return (f"its hybrid cuts {list(kept.cuts)} are for an nn.Sequential of {kept.cuts[-1]} layers, "
+                    f"the model has {layers}")
+        if tuple(kept.input_shape) != (layout.num_features,):
+            return f"it was planned for {kept.input_shape[0]} input features, this data has {layout.num_features}"
+        if (layout.label_dtype or "float32") != kept.label_dtype:
+            return f"it was planned for {kept.label_dtype} labels, this run has {layout.label_dtype}"
+        if kept.microbatches > kept.stages * config.data.batch_size:
+            return (f"its {kept.microbatches} micro-batches exceed {kept.stages} stages x batch_size "
+                    f"{config.data.batch_size} rows")
+    elif isinstance(kept, IstLayout):
+        from sparkdl.strategies.ist import ist_layout
+
+        fresh = ist_layout(module, config.launch.num_workers, kept.sync_every, kept.scale, kept.seed)
+        if (fresh.linears, fresh.norms, fresh.widths) != (kept.linears, kept.norms, kept.widths):
+            return f"its IST layers (hidden widths {list(kept.widths)}) differ from the model's {list(fresh.widths)}"
+    elif plan.strategy in ("hybrid", "ist"):
+        return f"a {plan.strategy} plan without its layout"
+    return ""
 
 
 def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = ()) -> tuple[Any, dict[str, str]]:
@@ -121,3 +213,59 @@ def plan_ist(module: Any, config: RunConfig) -> tuple[Any, dict[str, str]]:
         use_batch_statistics(module)  # the driver's copy must match the trained state's keys
     return layout, {"ist.hidden_widths": str(list(layout.widths)), "ist.linear_layers": str(list(layout.linears)),
                     "ist.neurons_per_worker": str([w // layout.world for w in layout.widths])}
+
+
+def session_facts(spark: Any, workers: int) -> Any:
+    """Spark's facts about the cluster a run of `workers` ranks would use, as planner data
+    (planner.cluster.ClusterFacts): master, executors, task slots, executor memory, GPU amounts."""
+    from sparkdl.launch.driver import concurrent_slots
+    from sparkdl.planner.cluster import ClusterFacts
+
+    conf = spark.sparkContext.getConf()
+    return ClusterFacts(master=spark.sparkContext.master, workers=workers, executors=spark_executors(spark),
+                        slots=concurrent_slots(spark), executor_memory=conf.get("spark.executor.memory", "1g"),
+                        gpus_per_executor=float(conf.get("spark.executor.resource.gpu.amount", "0")),
+                        gpus_per_task=float(conf.get("spark.task.resource.gpu.amount", "0")))
+
+
+def spark_executors(spark: Any) -> tuple[str, ...]:
+    """host:port of every executor, the driver excluded (empty under Spark Connect: no JVM view)."""
+    try:
+        infos = spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()  # noqa: SLF001
+        hosts = sorted(f"{e.host()}:{e.port()}" for e in infos)
+        return tuple(hosts[1:]) if len(hosts) > 1 else tuple(hosts)  # the first entry is the driver
+    except Exception:  # noqa: BLE001 - Spark Connect: no JVM view
+        return ()
+
+
+def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False) -> Any:
+    """The planner's ClusterInfo for `workers` ranks: cached when fresh and measured under the same
+    launch.threads_per_worker, else measured by the calibration probe (launch/probe.py) and cached."""
+    import time
+
+    from sparkdl.launch.probe import run_probe
+    from sparkdl.planner.cluster import cached, cluster_from_probe, remember
+
+    facts = session_facts(spark, workers)
+    info = None if refresh else cached(facts)
+    if info is not None and info.threads_option == (threads_per_worker or 0):
+        return info
+    started = time.perf_counter()
+    probe = run_probe(spark, workers, threads_per_worker)
+    info = cluster_from_probe(facts, probe, time.perf_counter() - started, threads_per_worker)
+    remember(info, facts)
+    return info
+
+
+def remeasure(spark: Any, cluster: Any, threads_per_worker: int | None = None) -> Any:
+    """`cluster` merged with a fresh calibration (best of both, planner.cluster.merge), cached: for a
+    decision the first calibration's ends disagreed on."""
+    import logging
+
+    from sparkdl.planner.cluster import merge, remember
+
+    logging.getLogger("sparkdl").info("sparkdl: the calibration's two ends disagree on exact vs approximate "
+                                      "updates; measuring the cluster once more")
+    merged = merge(cluster, calibrate(spark, cluster.workers, threads_per_worker, refresh=True))
+    remember(merged, session_facts(spark, cluster.workers))
+    return merged

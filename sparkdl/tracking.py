@@ -247,3 +247,25 @@ def redact(params: dict[str, Any]) -> dict[str, Any]:
         else:
             safe[key] = value
     return safe
+
+
+def read_run_artifact(run_id: str, artifact_file: str, tracking_uri: str | None = None) -> str:
+    """The text of one artifact of an MLflow run (a kept plan.json); SparkdlError when the run or
+    the artifact cannot be read."""
+    from sparkdl.errors import ConfigError
+
+    for name, value in CLIENT_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    try:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking_uri or mlflow.get_tracking_uri())
+        with tempfile.TemporaryDirectory() as tmp:
+            path = client.download_artifacts(run_id, artifact_file, tmp)
+            return Path(path).read_text(encoding="utf-8")
+    except Exception as exc:  # noqa: BLE001 - MLflow raises many types for a missing run or file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ConfigError(f"cannot read {artifact_file} of MLflow run {run_id!r}: {first}",
+                          hint="pass the MLflow run id of a sparkdl fit (model.run_id) with the tracking_uri "
+                               "it was logged to") from None

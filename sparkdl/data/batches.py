@@ -3,14 +3,13 @@
 A mapInArrow iterator is single-pass, so `Spool.write` copies it once into a local Arrow IPC file
 (features as fixed-size lists: one contiguous float32 block per chunk) that later epochs read from
 the page cache. Collectives hang when ranks disagree on the step count, so every rank runs
-`steps_per_epoch(all row counts)` steps with equal batch sizes, smaller ranks wrapping around their
+`epoch_plan(all row counts)` steps (data/epochs.py) with equal batch sizes, smaller ranks wrapping around their
 rows; equal samples per step also keep plain gradient averaging exact. No pyspark, pandas or
 per-row Python here: this runs inside executors.
 """
 from __future__ import annotations
 
 import itertools
-import math
 import mmap
 import os
 import uuid
@@ -27,7 +26,8 @@ import torch
 
 from sparkdl.data.arrow_rows import Arrays, ChunkWriter, incoming_arrays, spool_schema
 from sparkdl.data.layout import FeedLayout
-from sparkdl.errors import (ConfigError, EmptyDataError)
+from sparkdl.data.epochs import BatchOptions, check_batch_size, epoch_plan
+from sparkdl.errors import EmptyDataError
 
 Batch = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -35,28 +35,14 @@ _GROUP_BYTES = 1 << 19  # shuffled rows gathered per numpy call, see _gathered
 
 
 def steps_per_epoch(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
-    """Steps every rank runs this epoch, from all ranks' row counts (the same list on each rank).
-    Sized by the largest rank so that none of its rows is left out; smaller ranks wrap around."""
-    _check_batch_size(batch_size)
-    n_max = max(row_counts, default=0)
-    if n_max == 0:
-        return 0
-    return n_max // batch_size if drop_last else math.ceil(n_max / batch_size)
+    """Steps every rank runs this epoch, from all ranks' row counts (data/epochs.py's rule)."""
+    return epoch_plan(row_counts, BatchOptions(batch_size, drop_last)).steps
 
 
 def last_batch_size(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
-    """Rows in the epoch's last step on every rank (0 without steps). Without drop_last the largest
-    rank sees each row once, so its last step holds the remainder; the others use the same size."""
-    steps = steps_per_epoch(row_counts, batch_size, drop_last)
-    if steps == 0 or drop_last:
-        return batch_size if steps else 0
-    return max(row_counts) - (steps - 1) * batch_size
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be at least 1, got {batch_size}",
-                          hint="set a positive per-worker batch_size in the training config")
+    """Rows in the epoch's last step on every rank (0 without steps; data/epochs.py's rule)."""
+    plan = epoch_plan(row_counts, BatchOptions(batch_size, drop_last))
+    return plan.last_batch_sizes[0] if plan.last_batch_sizes else 0
 
 
 class _Rows:
@@ -103,7 +89,7 @@ class _Rows:
 
 
 def _batch_sizes(batch_size: int, steps: int, drop_last: bool, last: int | None) -> Iterator[int]:
-    _check_batch_size(batch_size)
+    check_batch_size(batch_size)
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     final = batch_size if drop_last or last is None else last  # drop_last: every step is full

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
@@ -24,6 +24,9 @@ from sparkdl.errors import (
     NullValuesError,
 )
 
+if TYPE_CHECKING:
+    from sparkdl.config import RunConfig
+
 _log = logging.getLogger("sparkdl")
 
 
@@ -34,6 +37,27 @@ class PreparedData:
     num_rows: int  # training rows
     num_validation_rows: int = 0
     dropped_rows: int = 0  # invalid rows dropped under on_invalid="skip"
+
+
+def label_is_integral(df: DataFrame, label_col: str | None) -> bool:
+    if label_col is None or label_col not in df.columns:
+        return False
+    return isinstance(df.schema[label_col].dataType, (T.IntegralType, T.BooleanType))
+
+
+def is_classification(df: DataFrame, config: "RunConfig", custom_loop: bool = False) -> bool:
+    """TrainConfig.is_classification (the one rule) for this DataFrame's label column."""
+    return config.train.is_classification(label_is_integral(df, config.data.label_col), builtin_loss=not custom_loop)
+
+
+def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None = None,
+                custom_loop: bool = False) -> PreparedData:
+    """`prepare` with every option taken from the run's config: the one call site of fit, plan and
+    run, so they cannot drift apart (validation rows, seed, invalid rows, classification)."""
+    data = config.data
+    return prepare(df, data.feature_cols, data.label_col, classification=is_classification(df, config, custom_loop),
+                   num_workers=config.launch.num_workers, validation_df=validation_df,
+                   validation_fraction=data.validation_fraction, seed=config.train.seed, on_invalid=data.on_invalid)
 
 
 def check_columns(df: DataFrame, columns: Sequence[str]) -> None:

@@ -12,10 +12,10 @@ before backward, so the averaged gradient is exactly the gradient of the mean ov
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
-from sparkdl.planner.placement import batch_shares
+from sparkdl.data.epochs import BatchOptions, epoch_plan
+from sparkdl.layouts import batch_shares
 
 
 def measured_speed(rank: int, emulated: Sequence[float] | None) -> float:
@@ -33,9 +33,9 @@ def shares_by_speed(speeds: Sequence[float], batch_size: int) -> list[int]:
 
 
 def balanced_steps(row_counts: Sequence[int], global_batch: int, drop_last: bool) -> int:
-    """Steps per epoch with shared batches: every row once over all ranks (full steps only with drop_last)."""
-    total = sum(row_counts)
-    return total // global_batch if drop_last else math.ceil(total / global_batch)
+    """Steps per epoch with shared batches: every row once over all ranks, i.e. one shard of all
+    rows in batches of the global batch (data/epochs.py's rule; full steps only with drop_last)."""
+    return epoch_plan([sum(row_counts)], BatchOptions(global_batch, drop_last)).steps
 
 
 def loss_weight(shares: Sequence[int], rank: int) -> float:
@@ -47,3 +47,15 @@ def agree_on_shares(comm: Any, rank: int, batch_size: int, emulated: Sequence[fl
     """Every rank measures itself; all get the same shares."""
     speeds = comm.allgather_object(measured_speed(rank, emulated))
     return shares_by_speed(speeds, batch_size)
+
+
+def agreed_shares(config: Any, comm: Any, rank: int, world_size: int, row_counts: Sequence[int],
+                  started_with: Sequence[int] | None = None) -> tuple[int, ...] | None:
+    """The batch shares of a data-parallel run with train.batch_balance="speed" (None otherwise):
+    those the run started with when a retried attempt resumes, else measured now by every rank."""
+    if config.train.batch_balance != "speed" or config.train.strategy != "data_parallel" or world_size < 2 \
+            or not any(row_counts):
+        return None
+    if started_with:
+        return tuple(int(s) for s in started_with)
+    return tuple(agree_on_shares(comm, rank, config.data.batch_size, config.launch.emulate_speed))

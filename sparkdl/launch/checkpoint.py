@@ -109,8 +109,48 @@ class CheckpointStore:
         self._fs.move(temporary, path)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a retried attempt picks up: the latest complete checkpoint as this rank saved it.
+    Read before the strategy exists (the batch shares the run started with decide how the context
+    is built); applied to the strategy once it is set up."""
+
+    position: Position
+    progress: dict[str, Any]  # this rank's running sums, rank 0's history, the batch shares
+    strategy_state: dict[str, Any]
+    rng: Any  # torch's CPU generator state
+
+    def apply(self, strategy: Any) -> None:
+        import torch
+
+        strategy.load_checkpoint_state(self.strategy_state)
+        torch.set_rng_state(self.rng)
+
+
+def open_store(spec: Any, rank: int) -> CheckpointStore | None:
+    """This rank's checkpoint store for the run, or None when the run keeps no checkpoints."""
+    train = spec.config.train
+    if not train.checkpoint_dir:
+        return None
+    return CheckpointStore(train.checkpoint_dir, spec.run_id, rank, train.keep_checkpoints)
+
+
+def find_resume(store: CheckpointStore, comm: Any) -> Resume | None:
+    """The latest complete checkpoint, or None when the run has none (a first attempt). One verdict
+    for all ranks, from rank 0's view of the store (a collective: every rank calls it)."""
+    latest = comm.allgather_object(store.latest() if comm.rank == 0 else None)[0]
+    if latest is None:
+        return None
+    own = store.read_rank(latest, comm.rank)
+    training = own.get("strategy")
+    if training is None:  # replicated: rank 0 saved it for everyone
+        training = store.read_rank(latest, 0)["strategy"]
+    epoch, step, global_step = own["position"]
+    return Resume(Position(int(epoch), int(step), int(global_step)), dict(own["progress"]), training, own["rng"])
+
+
 class RunCheckpoints:
-    """The training loop's side: when to save, what to save, and where a retried attempt resumes.
+    """The training loop's side: when to save and what to save.
 
     Each rank saves its position, its RNG state, its part of the epoch's running sums (and rank 0
     the history so far); the strategy's state is saved by every rank, or only by rank 0 when all
@@ -119,14 +159,6 @@ class RunCheckpoints:
 
     def __init__(self, store: CheckpointStore, comm: Any, strategy: Any, every: int) -> None:
         self.store, self.comm, self.strategy, self.every = store, comm, strategy, every
-
-    @classmethod
-    def for_run(cls, ctx: Any, strategy: Any) -> "RunCheckpoints | None":
-        train = ctx.spec.config.train
-        if not train.checkpoint_dir:
-            return None
-        store = CheckpointStore(train.checkpoint_dir, ctx.spec.run_id, ctx.rank, train.keep_checkpoints)
-        return cls(store, ctx.comm, strategy, train.checkpoint_every)
 
     def due(self, global_step: int) -> bool:
         return self.every > 0 and global_step % self.every == 0
@@ -142,21 +174,3 @@ class RunCheckpoints:
         self.comm.barrier()  # every rank has written: the step may be marked complete
         if self.comm.rank == 0:
             self.store.mark_complete(position.global_step)
-
-    def restore(self) -> tuple[Position, dict[str, Any]] | None:
-        """Load the latest complete checkpoint into the strategy; its position and this rank's
-        progress, or None when the run has none (a first attempt)."""
-        import torch
-
-        # One verdict for all ranks, from rank 0's view of the store.
-        latest = self.comm.allgather_object(self.store.latest() if self.comm.rank == 0 else None)[0]
-        if latest is None:
-            return None
-        own = self.store.read_rank(latest, self.comm.rank)
-        training = own.get("strategy")
-        if training is None:  # replicated: rank 0 saved it for everyone
-            training = self.store.read_rank(latest, 0)["strategy"]
-        self.strategy.load_checkpoint_state(training)
-        torch.set_rng_state(own["rng"])
-        epoch, step, global_step = own["position"]
-        return Position(int(epoch), int(step), int(global_step)), dict(own["progress"])

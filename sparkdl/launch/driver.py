@@ -14,8 +14,9 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
-from sparkdl.launch.spec import RESULT_SCHEMA, TrainSpec
-from sparkdl.launch.worker import FAILURE_MARKER, loads_result, make_task
+from sparkdl.launch.spec import TrainSpec
+from sparkdl.launch.wire import RESULT_SCHEMA, collect_parts, loads_result, parse_failure
+from sparkdl.launch.worker import make_task
 
 
 log = logging.getLogger("sparkdl")
@@ -103,9 +104,14 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
     return ResourceProfileBuilder().require(requests).build
 
 
-def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
-    """Run the barrier job; returns (the trained state or train_fn's result, history)."""
-    profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
+def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec, slots_checked: bool = False
+           ) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the barrier job; returns (the trained state or train_fn's result, history).
+    `slots_checked`: the caller has just waited for the slots (ensure_training_slots); otherwise
+    (a retried attempt, after an executor was lost) they are waited for here."""
+    launch = spec.config.launch
+    profile = training_profile(spark, launch.gpus_per_worker) if slots_checked else \
+        ensure_training_slots(spark, spec.world_size, launch)
     job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
     sc = spark.sparkContext
     sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "
@@ -128,22 +134,18 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)
         sc.setLocalProperty("spark.job.description", None)
-    parts: dict[str, list[tuple[int, int, bytes]]] = {}
-    for row in rows:
-        parts.setdefault(row["kind"], []).append((row["rank"], row["seq"], bytes(row["payload"])))
-    return loads_result(parts, custom=spec.train_fn is not None)
+    return loads_result(collect_parts(rows), custom=spec.train_fn is not None)
 
 
-_FAILURE = re.compile(FAILURE_MARKER + r" rank=(\d+): (.*)")
 _CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")
 
 
 def training_error(exc: BaseException) -> TrainingError:
     """The failing rank and its exception line, pulled out of Spark's long stack trace."""
     text = str(exc)
-    match = _FAILURE.search(text)
-    if match:
-        rank, line = match.group(1), match.group(2).strip()
+    failure = parse_failure(text)
+    if failure is not None:
+        rank, line = failure
         return TrainingError(f"training failed on rank {rank}: {line}",
                              hint="the full worker traceback is in the executor log (stderr of the task)")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("at ")]

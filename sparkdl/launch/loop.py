@@ -1,161 +1,181 @@
-"""The built-in training loop every rank runs when no custom train_fn is given."""
+"""The built-in training loop every rank runs when no custom train_fn is given.
+
+`train` reads top-down: build the strategy (placed on this job's executors), resume from a
+checkpoint when a retried attempt has one, then one epoch after another, each ending in the epoch
+record every rank agrees on. The context arrives complete (launch/context.py) and is never written.
+"""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from sparkdl.launch.checkpoint import Position, Resume, RunCheckpoints, open_store
+from sparkdl.launch.context import WorkerContext
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
-from sparkdl.strategies import strategy_class
+from sparkdl.strategies import Strategy, strategy_class
 
-if TYPE_CHECKING:
-    from sparkdl.launch.worker import WorkerContext
+History = list[dict[str, Any]]
 
 
-def train(ctx: "WorkerContext") -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    from sparkdl.launch.checkpoint import Position, RunCheckpoints
+@dataclass
+class _EpochTotals:
+    """One epoch's running sums on this rank (the loss on device: no sync per step)."""
 
+    loss_sum: torch.Tensor
+    samples: int
+    step: int
+    global_step: int
+
+
+def train(ctx: WorkerContext, resume: Resume | None = None) -> tuple[dict[str, torch.Tensor] | None, History]:
     config = ctx.spec.config
     torch.manual_seed(config.train.seed)
-    model = build_model(ctx.spec.model, config.train.seed)
-    plan = _placed_plan(ctx)
-    strategy = strategy_class(config.train.strategy)(ctx.comm, plan, config.train)
+    strategy = build_strategy(ctx)
     loss_fn = loss_function(config.train)
-    strategy.setup(model, lambda params: build_optimizer(config.train, params), loss_fn)
-    del model  # a strategy may keep only part of it (a pipeline stage): let the rest go
-    _emulate_and_balance(ctx, strategy)
-    checkpoints = RunCheckpoints.for_run(ctx, strategy)
-    history: list[dict[str, Any]] = []
-    start, progress = Position(0, 0, 0), {}
-    resumed = checkpoints.restore() if checkpoints is not None else None
-    if resumed is not None:
-        start, progress = resumed
-        history = list(progress.get("history", []))
-        if progress.get("batch_shares"):  # the shares the run started with, not a new measurement
-            from sparkdl.launch.balance import loss_weight
-
-            ctx.batch_shares = list(progress["batch_shares"])
-            strategy.loss_weight = loss_weight(ctx.batch_shares, ctx.rank)
-        if ctx.rank == 0:
-            print(f"sparkdl: resumed from the checkpoint of step {start.global_step} (epoch {start.epoch}, "
-                  f"step {start.step} of it); steps after it are trained again", flush=True)
-    device = ctx.comm.device
-    reporter = ctx.reporter
-    steps = ctx.steps_per_epoch
-    if reporter is not None:
-        reporter.start(epochs=config.train.epochs, steps_per_epoch=steps, world_size=ctx.world_size,
-                       rows=sum(ctx.row_counts), hosts=sorted(set(ctx.world.hosts)), device=str(device),
-                       gpus=list(ctx.world.gpus))
+    strategy.setup(build_model(ctx.spec.model, config.train.seed), lambda params: build_optimizer(config.train, params),
+                   loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
+    store = open_store(ctx.spec, ctx.rank)
+    checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every) if store else None
+    start, progress, history = _resume(ctx, strategy, resume)
+    _report_start(ctx)
     global_step = start.global_step
     for epoch in range(start.epoch, config.train.epochs):
-        resuming = resumed is not None and epoch == start.epoch
-        bytes_before = ctx.comm.bytes_sent
-        started = time.perf_counter()
-        # on device: no sync per step
-        loss_sum = torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0, dtype=torch.float64,
-                                device=device)
-        samples = int(progress.get("samples", 0)) if resuming else 0
-        step = start.step if resuming else 0
-        for index, (features, labels) in enumerate(ctx.batches(epoch)):
-            if index < step:
-                continue  # trained before the checkpoint; the batches of an epoch are deterministic
-            step_started = time.perf_counter()
-            features = features.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            loss = strategy.train_step(features, labels)
-            loss_sum += loss.double() * strategy.loss_rows(features.shape[0])
-            samples += features.shape[0]
-            step += 1
-            global_step += 1
-            if reporter is not None and reporter.due(global_step, step == steps):
-                step_s = time.perf_counter() - step_started
-                reporter.step(global_step, {
-                    "loss": float(loss), "lr": strategy.learning_rate(), "step_time_s": step_s,
-                    "samples_per_sec": features.shape[0] * ctx.world_size / step_s if step_s > 0 else 0.0,
-                    "epoch": epoch}, log=global_step % reporter.log_every == 0 or step == steps)
-            if checkpoints is not None and step < steps and checkpoints.due(global_step):
-                checkpoints.save(Position(epoch, step, global_step),
-                                 _progress(ctx, history, float(loss_sum.cpu()), samples))
+        resuming = resume is not None and epoch == start.epoch
+        bytes_before, started = ctx.comm.bytes_sent, time.perf_counter()
+        totals = _EpochTotals(torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0,
+                                           dtype=torch.float64, device=ctx.comm.device),
+                              int(progress.get("samples", 0)) if resuming else 0,
+                              start.step if resuming else 0, global_step)
+        run_epoch(ctx, strategy, epoch, totals, checkpoints, history)
+        global_step = totals.global_step
         if epoch == config.train.epochs - 1:
             strategy.finish()
         strategy.end_epoch()
-        totals = torch.tensor([float(loss_sum.cpu()), float(samples)], dtype=torch.float64)
-        ctx.comm.allreduce(totals, op="sum")
-        seconds = time.perf_counter() - started
-        record: dict[str, Any] = {
-            "epoch": epoch,
-            "loss": float(totals[0] / max(totals[1], 1.0)),
-            "samples": int(totals[1]),
-            "steps": step,
-            "seconds": seconds,
-            "samples_per_sec": float(totals[1]) / seconds if seconds > 0 else 0.0,
-            "bytes_sent": ctx.comm.bytes_sent - bytes_before,
-            "lr": strategy.learning_rate(),
-        }
+        record = epoch_record(ctx, strategy, epoch, totals, time.perf_counter() - started,
+                              ctx.comm.bytes_sent - bytes_before)
         if resuming:
             record["resumed_from_step"] = start.global_step
-        if ctx.batch_shares:
-            record["batch_rows_per_rank"] = list(ctx.batch_shares)
-        if hasattr(plan, "grid"):
-            record["hybrid_grid"] = [list(ranks) for ranks in plan.grid]
-        local = dict(strategy.epoch_metrics(), bytes_sent=float(record["bytes_sent"]))
-        for name, values in _gather_metrics(ctx, local).items():
-            if name == "bytes_sent":
-                record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
-            else:
-                record[f"max_{name}_per_rank"] = max(values)
         record.update(validate(ctx, strategy, loss_fn))
         history.append(record)
-        if reporter is not None:
-            reporter.epoch(record)
+        if ctx.reporter is not None:
+            ctx.reporter.epoch(record)
         if checkpoints is not None and epoch < config.train.epochs - 1:
             checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, history, 0.0, 0))
     return strategy.result_state(), history
 
 
-def _placed_plan(ctx: "WorkerContext") -> Any:
-    """The driver's plan; a hybrid grid is placed on the executors this job's ranks got."""
-    plan = ctx.spec.plan
-    if hasattr(plan, "placed"):
-        plan = plan.placed(tuple(ctx.world.executors))
-        if plan is not ctx.spec.plan and ctx.rank == 0:
-            print(f"sparkdl: hybrid grid placed on measured links: {[list(r) for r in plan.grid]} "
-                  "(grid[replica][stage] = rank)", flush=True)
-    return plan
-
-
-def _emulate_and_balance(ctx: "WorkerContext", strategy: Any) -> None:
-    """launch.emulate_speed, and data-parallel batches shared by rank speed (launch/balance.py)."""
+def build_strategy(ctx: WorkerContext) -> Strategy:
+    """The configured strategy with its layout placed on the executors this job's ranks got."""
     config = ctx.spec.config
-    emulated_speeds = config.launch.emulate_speed
-    if emulated_speeds:
-        strategy.compute_speed = float(emulated_speeds[ctx.rank])
-        if ctx.rank == 0:
-            print(f"sparkdl: EMULATED compute speeds {list(emulated_speeds)} (launch.emulate_speed); data-parallel "
-                  "steps are stretched, timings are not this cluster's", flush=True)
-    if config.train.batch_balance == "speed" and strategy.name == "data_parallel" and ctx.world_size > 1 \
-            and ctx.row_counts:
-        from sparkdl.launch.balance import agree_on_shares, loss_weight
+    speeds = config.launch.emulate_speed
+    if speeds and ctx.rank == 0:
+        print(f"sparkdl: EMULATED compute speeds {list(speeds)} (launch.emulate_speed); data-parallel "
+              "steps are stretched, timings are not this cluster's", flush=True)
+    from sparkdl.launch.balance import loss_weight
 
-        ctx.batch_shares = agree_on_shares(ctx.comm, ctx.rank, config.data.batch_size, emulated_speeds)
-        strategy.loss_weight = loss_weight(ctx.batch_shares, ctx.rank)
+    strategy = strategy_class(config.train.strategy)(
+        ctx.comm, ctx.spec.strategy_layout, config.train,
+        loss_weight=loss_weight(ctx.batch_shares, ctx.rank) if ctx.batch_shares else 1.0,
+        compute_speed=float(speeds[ctx.rank]) if speeds else 1.0)
+    note = strategy.place(tuple(ctx.world.executors))
+    if note and ctx.rank == 0:
+        print(note, flush=True)
+    return strategy
 
 
-def _progress(ctx: "WorkerContext", history: list[dict[str, Any]], loss_sum: float, samples: int) -> dict[str, Any]:
+def _resume(ctx: WorkerContext, strategy: Strategy, resume: Resume | None
+            ) -> tuple[Position, dict[str, Any], History]:
+    """(start position, this rank's saved running sums, history so far): a fresh start, or the
+    checkpoint a retried attempt found, loaded into the strategy."""
+    if resume is None:
+        return Position(0, 0, 0), {}, []
+    resume.apply(strategy)
+    start = resume.position
+    if ctx.rank == 0:
+        print(f"sparkdl: resumed from the checkpoint of step {start.global_step} (epoch {start.epoch}, "
+              f"step {start.step} of it); steps after it are trained again", flush=True)
+    return start, resume.progress, list(resume.progress.get("history", []))
+
+
+def _report_start(ctx: WorkerContext) -> None:
+    if ctx.reporter is None:
+        return
+    ctx.reporter.start(epochs=ctx.spec.config.train.epochs, steps_per_epoch=ctx.steps_per_epoch,
+                       world_size=ctx.world_size, rows=sum(ctx.row_counts), hosts=sorted(set(ctx.world.hosts)),
+                       device=str(ctx.comm.device), gpus=list(ctx.world.gpus))
+
+
+def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals,
+              checkpoints: RunCheckpoints | None, history: History) -> None:
+    """Train the epoch's steps from `totals.step` on (earlier ones ran before the checkpoint; the
+    batches of an epoch are deterministic), reporting and checkpointing as due."""
+    device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
+    for index, (features, labels) in enumerate(ctx.batches(epoch)):
+        if index < totals.step:
+            continue
+        step_started = time.perf_counter()
+        features = features.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        loss = strategy.train_step(features, labels)
+        totals.loss_sum += loss.double() * strategy.loss_rows(features.shape[0])
+        totals.samples += features.shape[0]
+        totals.step += 1
+        totals.global_step += 1
+        if reporter is not None and reporter.due(totals.global_step, totals.step == steps):
+            step_s = time.perf_counter() - step_started
+            reporter.step(totals.global_step, {
+                "loss": float(loss), "lr": strategy.learning_rate(), "step_time_s": step_s,
+                "samples_per_sec": features.shape[0] * ctx.world_size / step_s if step_s > 0 else 0.0,
+                "epoch": epoch}, log=totals.global_step % reporter.log_every == 0 or totals.step == steps)
+        if checkpoints is not None and totals.step < steps and checkpoints.due(totals.global_step):
+            checkpoints.save(Position(epoch, totals.step, totals.global_step),
+                             _progress(ctx, history, float(totals.loss_sum.cpu()), totals.samples))
+
+
+def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,
+                 bytes_sent: int) -> dict[str, Any]:
+    """The epoch's history record, the same on every rank: sums over ranks, per-rank maxima."""
+    sums = torch.tensor([float(totals.loss_sum.cpu()), float(totals.samples)], dtype=torch.float64)
+    ctx.comm.allreduce(sums, op="sum")
+    record: dict[str, Any] = {
+        "epoch": epoch,
+        "loss": float(sums[0] / max(sums[1], 1.0)),
+        "samples": int(sums[1]),
+        "steps": totals.step,
+        "seconds": seconds,
+        "samples_per_sec": float(sums[1]) / seconds if seconds > 0 else 0.0,
+        "bytes_sent": bytes_sent,
+        "lr": strategy.learning_rate(),
+    }
+    if ctx.batch_shares:
+        record["batch_rows_per_rank"] = list(ctx.batch_shares)
+    record.update(strategy.epoch_record())
+    local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent))
+    for name, values in _gather_metrics(ctx, local).items():
+        if name == "bytes_sent":
+            record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
+        else:
+            record[f"max_{name}_per_rank"] = max(values)
+    return record
+
+
+def _progress(ctx: WorkerContext, history: History, loss_sum: float, samples: int) -> dict[str, Any]:
     """This rank's part of a checkpoint besides the strategy's state: running sums, history (rank 0)."""
     return {"loss_sum": loss_sum, "samples": samples, "history": history if ctx.rank == 0 else [],
             "batch_shares": list(ctx.batch_shares or [])}
 
 
-def _gather_metrics(ctx: "WorkerContext", local: dict[str, float]) -> dict[str, list[float]]:
+def _gather_metrics(ctx: WorkerContext, local: dict[str, float]) -> dict[str, list[float]]:
     gathered = ctx.comm.allgather_object(local)
     return {name: [float(m.get(name, 0.0)) for m in gathered] for name in local}
 
 
-def validate(ctx: "WorkerContext", strategy: Any, loss_fn: Any) -> dict[str, float]:
+def validate(ctx: WorkerContext, strategy: Strategy, loss_fn: Any) -> dict[str, float]:
     """val_loss (and val_accuracy for class labels) over every rank's validation rows."""
-    if ctx._validation is None:  # noqa: SLF001 - same package
+    if not ctx.has_validation:
         return {}
     classification = ctx.spec.layout is not None and ctx.spec.layout.label_dtype == "int64"
     sums = strategy.evaluate(ctx.validation_batches(), loss_fn, classification)  # loss * rows, correct, rows

@@ -91,12 +91,3 @@ def build_optimizer(train: TrainConfig, params: Any) -> torch.optim.Optimizer:
     if train.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
     return torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
-
-
-def is_classification(train: TrainConfig, label_is_integral: bool) -> bool:
-    """Class labels are int64 (cross entropy); every other loss trains on float32 values."""
-    if train.task != "auto":
-        return train.task == "classification"
-    if callable(train.loss):
-        return label_is_integral
-    return train.loss == "cross_entropy"

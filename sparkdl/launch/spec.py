@@ -10,20 +10,18 @@ from typing import Any, Callable
 
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
-
-RESULT_SCHEMA = "rank int, kind string, seq int, payload binary"
-RESULT_CHUNK_BYTES = 32 << 20  # keeps every Arrow cell far below Spark's 2 GiB limit
+from sparkdl.layouts import StrategyLayout
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     run_id: str
-    config: RunConfig
-    layout: FeedLayout | None
+    config: RunConfig  # final: the resolved plan's strategy options merged in
+    layout: FeedLayout | None  # how the prepared Arrow batches are laid out; None without a DataFrame
     model: Any = None  # an nn.Module or a zero-argument callable returning one
     train_fn: Callable[[Any], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
     channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
-    plan: Any = None  # the strategy's driver-side parameters (e.g. HybridLayout), None for data parallel
+    strategy_layout: StrategyLayout = None  # HybridLayout / IstLayout from the resolved plan; None: data parallel
 
     @property
     def world_size(self) -> int:

@@ -5,24 +5,20 @@ Spark object it touches is the BarrierTaskContext.
 """
 from __future__ import annotations
 
-import io
-import json
 import os
-import pickle
 import tempfile
 import time
 import traceback
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 
 from sparkdl.comm.base import Communicator, WorldInfo
-from sparkdl.launch.spec import RESULT_CHUNK_BYTES, TrainSpec
+from sparkdl.launch.context import WorkerContext, check_shards, rank_threads
+from sparkdl.launch.spec import TrainSpec
+from sparkdl.launch.wire import dumps_any, dumps_state, failure_text, result_batches
 
-FAILURE_MARKER = "SPARKDL_RANK_FAILED"
-PEER_FAILURE_DELAY_S = 5.0
 _PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                        "gloo/transport", "NCCL communicator was aborted", "Socket Timeout",
                        "Horovod has been shut down", "HorovodInternalError")
@@ -54,89 +50,6 @@ def report_error(client: Any, exc: BaseException) -> None:
         pass
 
 
-@dataclass
-class WorkerContext:
-    """What a custom loop (`sparkdl.run(train_fn)`) receives on every rank."""
-
-    world: WorldInfo
-    comm: Communicator
-    spec: TrainSpec
-    row_counts: list[int] = field(default_factory=list)
-    _spool: Any = None
-    _validation: Any = None
-    reporter: Any = None  # metrics and progress to the driver (rank 0); see launch.reporter
-    batch_shares: list[int] | None = None  # rows per rank and step when shared by speed (launch.balance)
-    spool_seconds: float = 0.0  # receiving this rank's partition from Spark and spooling it (epoch 1's extra)
-
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.world.size
-
-    @property
-    def local_rank(self) -> int:
-        return self.world.local_rank
-
-    @property
-    def device(self) -> Any:
-        return self.comm.device
-
-    @property
-    def config(self) -> Any:
-        return self.spec.config
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of this rank's shard."""
-        return self.row_counts[self.rank] if self.row_counts else 0
-
-    @property
-    def steps_per_epoch(self) -> int:
-        from sparkdl.data.batches import steps_per_epoch
-
-        data = self.spec.config.data
-        if not self.row_counts:
-            return 0
-        if self.batch_shares:
-            from sparkdl.launch.balance import balanced_steps
-
-            return balanced_steps(self.row_counts, sum(self.batch_shares), data.drop_last)
-        return steps_per_epoch(self.row_counts, data.batch_size, data.drop_last)
-
-    def batches(self, epoch: int = 0) -> Iterator[tuple[Any, Any]]:
-        """(features, labels) torch batches of this rank's shard; the same step count on every rank."""
-        from sparkdl.data.batches import last_batch_size
-
-        if self._spool is None:
-            from sparkdl.errors import ConfigError
-
-            raise ConfigError("ctx.batches() needs data, but this run has no DataFrame",
-                              hint="pass df= to sparkdl.run")
-        data = self.spec.config.data
-        if self.batch_shares:  # every step holds this rank's full share
-            yield from self._spool.batches(
-                epoch, batch_size=self.batch_shares[self.rank], steps=self.steps_per_epoch, shuffle=data.shuffle,
-                seed=self.spec.config.train.seed, rank=self.rank, drop_last=True)
-            return
-        yield from self._spool.batches(
-            epoch, batch_size=data.batch_size, steps=self.steps_per_epoch, shuffle=data.shuffle,
-            seed=self.spec.config.train.seed, rank=self.rank, drop_last=data.drop_last,
-            last_batch_size=last_batch_size(self.row_counts, data.batch_size, data.drop_last))
-
-    def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, Any]]:
-        """This rank's validation rows, in order, once (empty without validation data). Ranks hold
-        different numbers of rows: combine per-rank sums with one collective afterwards."""
-        spool = self._validation
-        if spool is None or spool.num_rows == 0:
-            return iter(())
-        steps = -(-spool.num_rows // batch_size)
-        return spool.batches(0, batch_size=batch_size, steps=steps, shuffle=False, seed=0, rank=self.rank,
-                             drop_last=False, last_batch_size=spool.num_rows - (steps - 1) * batch_size)
-
-
 def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The function handed to mapInArrow; it closes over the spec only."""
 
@@ -157,8 +70,8 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
                 # Spark reports the first task failure it hears of; let the rank that failed first
                 # (whose error made this collective break) be heard before this echo of it. A
                 # timeout has no such first rank (a stalled peer says nothing): fail at once.
-                time.sleep(PEER_FAILURE_DELAY_S)
-            raise RuntimeError(f"{FAILURE_MARKER} rank={rank}: {detail}\n{traceback.format_exc()}") from None
+                time.sleep(spec.config.launch.peer_failure_delay_s)
+            raise RuntimeError(failure_text(rank, detail, traceback.format_exc())) from None
         finally:
             if client is not None:
                 client.close()
@@ -205,30 +118,44 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         comm = _maybe_emulate(spec, comm)
         # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
         stack.push(lambda kind, exc, tb: report_error(client, exc) if isinstance(exc, Exception) else None)
-        row_counts = [int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0)]
+        row_counts = tuple(int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0))
         if spool is not None:
-            _check_shards(spec, row_counts)  # same verdict on every rank: nobody waits in a collective
+            check_shards(row_counts, spec.config.data)  # same verdict on every rank: nobody waits in a collective
+        resume, shares = _agree_before_training(spec, comm, world, row_counts)
         from sparkdl.launch.reporter import Reporter
 
-        context_obj = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, _spool=spool,
-                                    _validation=validation, spool_seconds=spool_seconds,
-                                    reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
+        ctx = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, spool=spool,
+                            validation=validation, spool_seconds=spool_seconds, batch_shares=shares,
+                            reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
+        history: list[dict[str, Any]] | None = None
         if spec.train_fn is not None:
-            result = spec.train_fn(context_obj)
-            payload = _dumps_any(result) if world.rank == 0 else None
-            history: list[dict[str, Any]] = []
+            result = spec.train_fn(ctx)
+            payload = dumps_any(result) if world.rank == 0 else None
         else:
             from sparkdl.launch.loop import train
 
             # Several ranks may each return part of the model (pipeline stages); merged on the driver.
-            state, history = train(context_obj)
-            payload = _dumps_state(state) if state is not None else None
+            state, history = train(ctx, resume)
+            payload = dumps_state(state) if state is not None else None
         comm.barrier()
-    if world.rank == 0:
-        yield _result_batch(world.rank, "history", 0, json.dumps(history).encode())
-    if payload is not None:
-        for seq, start in enumerate(range(0, max(len(payload), 1), RESULT_CHUNK_BYTES)):
-            yield _result_batch(world.rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES])
+    yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
+
+
+def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo, row_counts: tuple[int, ...]
+                           ) -> tuple[Any, tuple[int, ...] | None]:
+    """What every rank must agree on before the context exists (collectives, in the same order on
+    every rank): the checkpoint a retried attempt resumes from, and the batch shares by speed (the
+    shares the run started with when resuming, not a new measurement)."""
+    if spec.train_fn is not None:
+        return None, None  # a custom loop keeps its own checkpoints and balance
+    from sparkdl.launch.balance import agreed_shares
+    from sparkdl.launch.checkpoint import find_resume, open_store
+
+    store = open_store(spec, world.rank)
+    resume = find_resume(store, comm) if store is not None else None
+    started_with = resume.progress.get("batch_shares") if resume is not None else None
+    shares = agreed_shares(spec.config, comm, world.rank, world.size, row_counts, started_with)
+    return resume, shares
 
 
 def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
@@ -271,20 +198,6 @@ def _split(batches: Iterable[pa.RecordBatch], column: str, held_out: list[pa.Rec
         yield batch.filter(pc.invert(is_validation))
 
 
-def _check_shards(spec: TrainSpec, row_counts: list[int]) -> None:
-    from sparkdl.data.batches import steps_per_epoch
-    from sparkdl.errors import EmptyDataError
-
-    empty = [rank for rank, n in enumerate(row_counts) if n == 0]
-    if empty:
-        raise EmptyDataError(f"rank(s) {empty} received no rows (rows per rank: {row_counts})",
-                             hint="use fewer workers, or repartition the DataFrame so no partition is empty")
-    data = spec.config.data
-    if steps_per_epoch(row_counts, data.batch_size, data.drop_last) == 0:
-        raise EmptyDataError(f"drop_last=True with batch_size={data.batch_size} leaves no full batch "
-                             f"(rows per rank: {row_counts})", hint="lower batch_size or set drop_last=False")
-
-
 def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
     """CUDA_VISIBLE_DEVICES follows the GPU addresses Spark gave this task (BarrierTaskContext
     resources), so the rank and any library it loads see only its own GPUs. Restored afterwards, since
@@ -315,52 +228,7 @@ def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
 def _limit_threads(spec: TrainSpec, world: WorldInfo, stack: ExitStack) -> None:
     import torch
 
-    threads = spec.config.launch.threads_per_worker
-    if threads is None:
-        # Ranks sharing a host would otherwise each start one thread per core and thrash.
-        threads = max(1, (os.cpu_count() or 1) // max(world.local_size, 1))
+    threads = rank_threads(spec.config.launch.threads_per_worker, os.cpu_count(), world.local_size)
     # Python workers are reused by later tasks (inference too): give them back what they had.
     stack.callback(torch.set_num_threads, torch.get_num_threads())
     torch.set_num_threads(threads)
-
-
-def _dumps_state(state: dict[str, Any]) -> bytes:
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def _dumps_any(obj: Any) -> bytes:
-    # pyspark's own copy, so modules registered for pickling by value (launch.shipping) apply.
-    from pyspark import cloudpickle
-
-    return cloudpickle.dumps(obj)
-
-
-def _result_batch(rank: int, kind: str, seq: int, payload: bytes) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays(
-        [pa.array([rank], pa.int32()), pa.array([kind], pa.string()), pa.array([seq], pa.int32()),
-         pa.array([payload], pa.binary())],
-        names=["rank", "kind", "seq", "payload"])
-
-
-def loads_result(parts: dict[str, list[tuple[int, int, bytes]]], custom: bool) -> tuple[Any, list[dict]]:
-    """Driver side: reassemble the (rank, seq, bytes) chunks (kept here beside the writer so both stay
-    in step). A custom loop returns rank 0's value; the built-in loop's state dicts of every
-    contributing rank are merged by key."""
-    history = json.loads(b"".join(p for _, _, p in sorted(parts.get("history", []))) or b"[]")
-    by_rank: dict[int, list[tuple[int, bytes]]] = {}
-    for rank, seq, chunk in parts.get("payload", []):
-        by_rank.setdefault(rank, []).append((seq, chunk))
-    payloads = {rank: b"".join(c for _, c in sorted(chunks)) for rank, chunks in by_rank.items()}
-    if custom:
-        payload = payloads.get(0, b"")
-        return (pickle.loads(payload) if payload else None), history
-    import torch
-
-    state: dict[str, Any] = {}
-    for rank in sorted(payloads):
-        state.update(torch.load(io.BytesIO(payloads[rank]), weights_only=True))
-    return state, history

@@ -7,22 +7,28 @@ peak (small or element-wise ones) keep their real cost. Network: the slowest mea
 emulated one. Then every candidate of ALGORITHMS.md's list is priced by planner/cost.py:
 data parallel; DiLoCo with H in DILOCO_H; hybrid for each K dividing W with m in {K, 2K, 4K, 8K};
 IST for eligible MLPs. Infeasible ones stay in the table with the reason.
+
+Every candidate is priced twice when the calibration measured its spread: as measured (medians) and
+at its optimistic end (best repeats, ranks within HETEROGENEOUS of each other counted as equal), and
+planner/plan.py `decide` switches to an approximate strategy only when it wins at both ends.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from sparkdl.config import RunConfig, parse_bytes
+from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
 from sparkdl.planner.speed import matmul_flops
 from sparkdl.planner.partition import balanced_cuts
-from sparkdl.planner.plan import Candidate, Plan, choose
+from sparkdl.planner.plan import Candidate, Decision, Plan, decide
 from sparkdl.planner.profile import ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
@@ -53,81 +59,188 @@ def layer_costs(model: nn.Module, num_features: int, rows: int, driver_flops: fl
     return large_profile, tuple(layers)
 
 
+@dataclass(frozen=True)
+class ModelCosts:
+    """The model as measured on the driver, whatever the cluster: per-row work in FLOPs and fixed
+    costs (per layer call, per step) at the driver's speed, scaled to a rank's speed when priced."""
+
+    profile: ModelProfile
+    layers: tuple[cost.LayerCost, ...]
+    subnet: tuple[cost.LayerCost, ...] | None  # one rank's IST subnet, when IST applies
+    step_overhead_s: float  # loss, optimizer update, zero_grad
+    driver_flops: float
+    threads: int
+    num_features: int
+
+
+@dataclass(frozen=True)
+class CalibrationEnd:
+    """One view of the calibration a layout is priced under: as measured, or its optimistic end."""
+
+    name: str  # "measured" or "optimistic"
+    speeds: tuple[float, ...]  # FLOP/s per rank
+    latency_s: float  # the link the network terms use (slowest pair, or the emulated one)
+    bandwidth_Bps: float
+    net: cost.Network
+
+
 def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: ClusterInfo,
                backend_ops: frozenset[str], threads: int = 1, num_rows: int | None = None) -> Plan:
     """Price every candidate layout and choose; `num_rows` (the training rows, when known) lets the
     choice weigh the whole run, not only one step."""
-    workers, rows = config.launch.num_workers, config.data.batch_size
-    speeds = rank_speeds(cluster, config)
-    slowest = min(speeds)
+    return price_plan(model, config, profile_model(model, config, num_features, threads), cluster, backend_ops,
+                      num_rows)
+
+
+def profile_model(model: nn.Module, config: RunConfig, num_features: int, threads: int = 1) -> ModelCosts:
+    """Time the model's layers, its IST subnet and one full step on the driver with a rank's threads."""
+    rows = config.data.batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:
         driver_flops = matmul_flops(threads)
-        ratio = driver_flops / slowest
-        profile, layers = layer_costs(model, num_features, rows, driver_flops, ratio)
-        subnet = _ist_subnet_costs(model, workers, num_features, rows, driver_flops, ratio)
+        profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0)
+        subnet = _ist_subnet_costs(model, config.launch.num_workers, num_features, rows, driver_flops, 1.0)
         try:
             full_step = _full_step_s(model, config, num_features, rows)
         except Exception:  # noqa: BLE001 - a custom loss with other targets: no overhead term
             full_step = 0.0
-        overhead = max(full_step - sum(layer.seconds for layer in profile.layers), 0.0) * ratio
+        overhead = max(full_step - sum(layer.seconds for layer in profile.layers), 0.0)
     finally:
         torch.set_num_threads(previous)
-    per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
-    work = cost.Workload(layers=layers, world=workers, rows=rows, flops_per_s=slowest,
-                         optimizer_bytes_per_param=per_param, input_bytes_per_row=4.0 * num_features,
-                         step_overhead_s=overhead)
+    return ModelCosts(profile, layers, subnet, overhead, driver_flops, threads, num_features)
+
+
+def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: ClusterInfo,
+               backend_ops: frozenset[str], num_rows: int | None = None) -> Plan:
+    """Price every candidate at each end of the calibration and decide (planner/plan.py `decide`):
+    an approximate strategy must win at both ends, and data parallel with batches shared by speed is
+    offered only when the ranks are unequal at both."""
+    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
+        if config.launch.max_memory_per_rank is not None else None
+    ends = calibration_ends(cluster, config)
+    unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
+    priced = [_price_end(model, config, costs, end, budget, backend_ops, unequal) for end in ends]
+    steps = run_steps(config, num_rows) if num_rows else None
+    decision = decide(priced[0], priced[1] if len(priced) > 1 else None, config.train.approximate_min_speedup, steps)
+    measured = ends[0]
     emulated = config.launch.emulate_network
+    return Plan(candidates=tuple(_explained(priced[0], decision, config.train.approximate_min_speedup)),
+                chosen=decision.index, world=config.launch.num_workers, latency_s=measured.latency_s,
+                bandwidth_Bps=measured.bandwidth_Bps, emulated=bool(emulated), memory_budget=budget,
+                notes=tuple(_notes(config, cluster, costs, ends, unequal, decision)),
+                executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge)
+
+
+def run_steps(config: RunConfig, num_rows: int) -> int:
+    """The run's optimizer steps over `num_rows` training rows, by the rule every rank follows
+    (data/epochs.py): equal shards of a round-robin repartition, steps sized by the largest."""
+    shards = expected_row_counts(num_rows, config.launch.num_workers)
+    return epoch_plan(shards, config.data).steps * config.train.epochs
+
+
+def calibration_ends(cluster: ClusterInfo, config: RunConfig) -> list[CalibrationEnd]:
+    """The measured end, and the optimistic one when the calibration measured its spread. At the
+    optimistic end ranks whose best speeds are within HETEROGENEOUS count as equal (at the fastest):
+    their measured difference may be load. Declared figures (emulate_network, emulate_speed) are
+    the same at both ends: they are not noisy."""
+    ends = [_end("measured", cluster, config)]
+    if cluster.has_spread:
+        optimistic = _end("optimistic", cluster.optimistic(), config)
+        speeds = optimistic.speeds
+        if not config.launch.emulate_speed and max(speeds) <= HETEROGENEOUS * min(speeds):
+            optimistic = dataclasses.replace(optimistic, speeds=(max(speeds),) * len(speeds))
+        ends.append(optimistic)
+    return ends
+
+
+def _end(name: str, cluster: ClusterInfo, config: RunConfig) -> CalibrationEnd:
+    emulated = config.launch.emulate_network
+    latency, bandwidth = cluster.worst_link()
     if emulated:
         from sparkdl.comm.emulated import network_from_options
 
-        latency, bandwidth = network_from_options(emulated)
+        fake_latency, fake_bandwidth = network_from_options(emulated)
         # An emulated link only slows the real one down: the real latency and bandwidth still bound it.
-        real_latency, real_bandwidth = cluster.worst_link()
-        latency, bandwidth = max(latency, real_latency), min(bandwidth, real_bandwidth)
-    else:
-        latency, bandwidth = cluster.worst_link()
+        latency, bandwidth = max(fake_latency, latency), min(fake_bandwidth, bandwidth)
     # Collectives: the measured allreduce, which an emulated network can only slow down further.
     net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth, collective_latency_s=cluster.collective_latency_s,
                        collective_bandwidth_Bps=cluster.collective_bandwidth_Bps)
-    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
-        if config.launch.max_memory_per_rank is not None else None
-    candidates = _candidates(model, config, work, net, budget, backend_ops, profile, subnet)
-    if max(speeds) > HETEROGENEOUS * slowest:
+    return CalibrationEnd(name, tuple(rank_speeds(cluster, config)), latency, bandwidth, net)
+
+
+def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: CalibrationEnd, budget: float | None,
+               backend_ops: frozenset[str], unequal: bool) -> list[Candidate]:
+    """Every candidate priced with this end's speeds and network."""
+    slowest = min(end.speeds)
+    ratio = costs.driver_flops / slowest  # fixed costs run slower on a slower rank, alike
+    layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
+    subnet = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.subnet) \
+        if costs.subnet else None
+    per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
+    work = cost.Workload(layers=layers, world=config.launch.num_workers, rows=config.data.batch_size,
+                         flops_per_s=slowest, optimizer_bytes_per_param=per_param,
+                         input_bytes_per_row=4.0 * costs.num_features,
+                         step_overhead_s=costs.step_overhead_s * ratio)
+    candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet)
+    if unequal:
         # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
-        balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(speeds) / len(speeds)), net)
+        balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(end.speeds) / len(end.speeds)),
+                                      end.net)
         feasible, why = _fits(balanced.memory_bytes, budget)
         candidates.insert(1, Candidate("data_parallel", (("strategy", "data_parallel"), ("sync", "allreduce"),
                                                          ("batch_balance", "speed")),
                                        balanced.step_s, balanced.bytes_per_step, balanced.memory_bytes, feasible, why,
                                        compute_s=balanced.compute_s, comm_s=balanced.comm_s))
-    steps = config.train.epochs * max(1, num_rows // (workers * rows)) if num_rows else None
-    index, reason = choose(candidates, config.train.approximate_min_speedup, steps)
-    chosen = candidates[index]
-    candidates[index] = Candidate(**{**chosen.__dict__, "reason": reason})
-    for i, c in enumerate(candidates):
-        if c.feasible and i != index:  # why not this one
+    return candidates
+
+
+def _explained(candidates: list[Candidate], decision: Decision, needed: float) -> list[Candidate]:
+    """The candidates with the chosen one's reason, and for every other feasible one why not."""
+    out = list(candidates)
+    chosen = out[decision.index]
+    out[decision.index] = Candidate(**{**chosen.__dict__, "reason": decision.reason})
+    for i, c in enumerate(out):
+        if c.feasible and i != decision.index:  # why not this one
             why = f"{c.predicted_step_s / chosen.predicted_step_s:.2f}x the chosen step"
             if c.strategy in ("diloco", "ist") and c.predicted_step_s < chosen.predicted_step_s:
-                needed = config.train.approximate_min_speedup
-                why += (f"; approximate, and not {needed:g}x faster than the exact choice (approximate_min_speedup)"
-                        if chosen.predicted_step_s < needed * c.predicted_step_s
-                        else "; approximate, and the exact choice's communication is cheap or the run short")
-            candidates[i] = Candidate(**{**c.__dict__, "reason": why})
+                if chosen.predicted_step_s < needed * c.predicted_step_s:
+                    why += f"; approximate, and not {needed:g}x faster than the exact choice (approximate_min_speedup)"
+                elif decision.hinge:
+                    why += "; approximate, and its advantage does not hold at both ends of the calibration"
+                else:
+                    why += "; approximate, and the exact choice's communication is cheap or the run short"
+            out[i] = Candidate(**{**c.__dict__, "reason": why})
+    return out
+
+
+def _notes(config: RunConfig, cluster: ClusterInfo, costs: ModelCosts, ends: list[CalibrationEnd], unequal: bool,
+           decision: Decision) -> list[str]:
+    measured, workers = ends[0], config.launch.num_workers
+    slowest, fastest = min(measured.speeds), max(measured.speeds)
     notes = [f"compute: {slowest / 1e9:.1f} GFLOP/s per rank (slowest of {workers}"
              + (", EMULATED speeds" if config.launch.emulate_speed else "")
-             + (f"; fastest {max(speeds) / 1e9:.1f}" if max(speeds) > HETEROGENEOUS * slowest else "")
-             + f"), profiled with {threads} thread(s) at batch {rows}",
-             "emulated network: timings are for the emulated links, not this cluster's" if emulated else
-             f"network: slowest measured link of {workers} ranks"]
+             + (f"; fastest {fastest / 1e9:.1f}" if fastest > HETEROGENEOUS * slowest else "")
+             + f"), profiled with {costs.threads} thread(s) at batch {config.data.batch_size}",
+             "emulated network: timings are for the emulated links, not this cluster's" if config.launch.emulate_network
+             else f"network: slowest measured link of {workers} ranks"]
     if cluster.collective_bandwidth_Bps:
-        ring_latency, ring_bandwidth = net.ring
+        ring_latency, ring_bandwidth = measured.net.ring
         notes.append(f"collectives: the measured allreduce behaves as a ring of {ring_latency * 1e3:.3g} ms and "
                      f"{ring_bandwidth * 8 / 1e9:.3g} Gbit/s per hop")
-    return Plan(candidates=tuple(candidates), chosen=index, world=workers, latency_s=latency, bandwidth_Bps=bandwidth,
-                emulated=bool(emulated), memory_budget=budget, notes=tuple(notes),
-                executor_links=() if emulated else cluster.executor_links())
+    if len(ends) > 1:
+        best = ends[1]
+        ring_latency, ring_bandwidth = best.net.ring
+        notes.append(f"calibration's optimistic end (best of each measurement's repeats): {min(best.speeds) / 1e9:.1f} "
+                     f"GFLOP/s per rank, ring of {ring_latency * 1e3:.3g} ms and {ring_bandwidth * 8 / 1e9:.3g} Gbit/s "
+                     "per hop; an approximate strategy must win at both ends"
+                     + ("" if unequal or max(measured.speeds) <= HETEROGENEOUS * slowest else
+                        "; the ranks are equal there, so batches are not shared by speed"))
+    if cluster.probes > 1:
+        notes.append(f"calibration: best of {cluster.probes} probes (the first one's ends disagreed)")
+    if decision.hinge:
+        notes.append(f"decision hinged on: {decision.hinge}")
+    return notes
 
 
 def rank_speeds(cluster: ClusterInfo, config: RunConfig) -> list[float]:

@@ -1,25 +1,41 @@
-"""ClusterInfo: what the planner knows about the cluster, from Spark (executors, slots, executor
-memory, GPU amounts) and from a calibration probe.
+"""ClusterInfo: what the planner knows about the cluster, as data: Spark's facts (executors, slots,
+executor memory, GPU amounts; `ClusterFacts`, gathered on the driver by sparkdl.planning) and the
+calibration probe's measurements (sparkdl/launch/probe.py: per-rank FLOP/s and torch threads,
+latency and bandwidth between every pair of ranks, the backend's allreduce), each at two ends: the
+median and the best of its repeats.
 
-The probe is a short barrier job (`sparkdl.run`) of num_workers ranks that measures each rank's
-matrix-product FLOP/s (with the threads a training rank gets) and, for every pair of ranks, the
-latency (8-byte ping-pong) and bandwidth (4 MiB ping-pong). Results are cached per cluster (master,
-executors, worker count) for CACHE_TTL_S in ~/.cache/sparkdl/calibration.json, so only the first
-plan of a session pays for it.
+Measurements are cached per cluster (master, executors, worker count) for CACHE_TTL_S in
+~/.cache/sparkdl/calibration.json (SPARKDL_CACHE_DIR moves it), so only the first plan of a session
+pays for a probe. Nothing here touches Spark or launches a job: the planner never does.
 """
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
-
-from sparkdl.planner.speed import matmul_flops
+from typing import Any, Sequence
 
 CACHE_TTL_S = 3600.0
+Matrix = tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    """What Spark says about the cluster a run of `workers` ranks would use (no measurement)."""
+
+    master: str
+    workers: int
+    executors: tuple[str, ...]  # executor host:port ids, driver excluded
+    slots: int = 0  # tasks Spark can run at once
+    executor_memory: str = ""  # spark.executor.memory
+    gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
+    gpus_per_task: float = 0.0  # spark.task.resource.gpu.amount
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.master}|{self.workers}|{','.join(self.executors)}"
 
 
 @dataclass(frozen=True)
@@ -27,9 +43,9 @@ class ClusterInfo:
     master: str
     workers: int
     executors: tuple[str, ...]  # executor host:port ids, driver excluded
-    flops_per_s: tuple[float, ...]  # per rank
-    latency_s: tuple[tuple[float, ...], ...]  # [i][j] between ranks i and j
-    bandwidth_Bps: tuple[tuple[float, ...], ...]
+    flops_per_s: tuple[float, ...]  # per rank (median of its repeats)
+    latency_s: Matrix  # [i][j] between ranks i and j (median)
+    bandwidth_Bps: Matrix
     measured_at: float
     probe_s: float
     rank_executors: tuple[str, ...] = ()  # executor address of each calibration rank (links are between these)
@@ -40,10 +56,34 @@ class ClusterInfo:
     executor_memory: str = ""  # spark.executor.memory
     gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
     gpus_per_task: float = 0.0  # spark.task.resource.gpu.amount
+    threads_per_rank: tuple[int, ...] = ()  # torch threads each calibration rank ran (and trains) with
+    threads_option: int = 0  # launch.threads_per_worker the probe ran under (0: sparkdl's own rule)
+    # The optimistic end: the best of each measurement's repeats (fastest FLOP/s, shortest times).
+    # Load on a shared host only slows a measurement down, so this end is a legitimate view of the
+    # cluster; the planner switches to an approximate strategy only when both ends agree.
+    best_flops_per_s: tuple[float, ...] = ()
+    best_latency_s: Matrix = ()
+    best_bandwidth_Bps: Matrix = ()
+    best_collective_latency_s: float = 0.0
+    best_collective_bandwidth_Bps: float = 0.0
+    probes: int = 1  # calibrations merged into this one (a re-measurement makes 2)
 
     @property
     def slowest_flops(self) -> float:
         return min(self.flops_per_s)
+
+    @property
+    def has_spread(self) -> bool:
+        """Whether the optimistic end was measured (a hand-built ClusterInfo may have one end only)."""
+        return len(self.best_flops_per_s) == self.workers and len(self.best_latency_s) == self.workers
+
+    def optimistic(self) -> ClusterInfo:
+        """This calibration at its optimistic end (itself when that end was not measured)."""
+        if not self.has_spread:
+            return self
+        return replace(self, flops_per_s=self.best_flops_per_s, latency_s=self.best_latency_s,
+                       bandwidth_Bps=self.best_bandwidth_Bps, collective_latency_s=self.best_collective_latency_s,
+                       collective_bandwidth_Bps=self.best_collective_bandwidth_Bps)
 
     def worst_link(self) -> tuple[float, float]:
         """(largest latency, smallest bandwidth) over all pairs: a ring runs at its slowest link."""
@@ -62,169 +102,151 @@ class ClusterInfo:
             for j in range(self.workers):
                 if i == j:
                     continue
-                key = tuple(sorted((self.rank_executors[i], self.rank_executors[j])))
+                a, b = sorted((self.rank_executors[i], self.rank_executors[j]))
                 latency, bandwidth = self.latency_s[i][j], self.bandwidth_Bps[i][j]
-                old = best.get(key)  # type: ignore[arg-type]
-                best[key] = (max(latency, old[0]), min(bandwidth, old[1])) if old else (latency, bandwidth)  # type: ignore[index]
+                old = best.get((a, b))
+                best[(a, b)] = (max(latency, old[0]), min(bandwidth, old[1])) if old else (latency, bandwidth)
         return tuple((a, b, lat, bw) for (a, b), (lat, bw) in sorted(best.items()))
 
 
-def _probe(ctx: Any) -> dict[str, Any]:
-    """Runs on every rank of the calibration job."""
-    import torch
-
-    flops = matmul_flops()
-    world, rank = ctx.world_size, ctx.rank
-    latency = [[0.0] * world for _ in range(world)]
-    bandwidth = [[float("inf")] * world for _ in range(world)]
-    small, large = torch.zeros(2), torch.zeros(1 << 20)  # 8 bytes, 4 MiB
-    for i in range(world):
-        for j in range(i + 1, world):
-            for buffer, rounds, table in ((small, 20, latency), (large, 3, bandwidth)):
-                ctx.comm.barrier()
-                times = []
-                for _ in range(rounds):
-                    started = time.perf_counter()
-                    if rank == i:
-                        ctx.comm.send(buffer, j, 31).wait()
-                        ctx.comm.recv(buffer, j, 32)
-                    elif rank == j:
-                        ctx.comm.recv(buffer, i, 31)
-                        ctx.comm.send(buffer, i, 32).wait()
-                    times.append((time.perf_counter() - started) / 2)
-                if rank == i:
-                    one_way = statistics.median(times)
-                    if table is latency:
-                        latency[i][j] = latency[j][i] = one_way
-                    else:
-                        nbytes = buffer.numel() * buffer.element_size()
-                        seconds = max(one_way - latency[i][j], 1e-9)
-                        bandwidth[i][j] = bandwidth[j][i] = nbytes / seconds
-    collective_latency, collective_bandwidth = _collective(ctx, small, large)
-    gathered = ctx.comm.allgather_object({"flops": flops, "latency": latency, "bandwidth": bandwidth})
-    merged_latency = [[max(g["latency"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
-    merged_bandwidth = [[min(g["bandwidth"][i][j] for g in gathered) for j in range(world)] for i in range(world)]
-    return {"flops": [g["flops"] for g in gathered], "latency": merged_latency, "bandwidth": merged_bandwidth,
-            "collective_latency": collective_latency, "collective_bandwidth": collective_bandwidth,
-            "executors": list(ctx.world.executors)}
+def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: float,
+                       threads_option: int | None = None, measured_at: float | None = None) -> ClusterInfo:
+    """A ClusterInfo from Spark's facts and launch.probe's result dict (rank 0's)."""
+    return ClusterInfo(
+        master=facts.master, workers=facts.workers, executors=facts.executors,
+        flops_per_s=tuple(float(f) for f in probe["flops"]), latency_s=_matrix(probe["latency"]),
+        bandwidth_Bps=_matrix(probe["bandwidth"]), rank_executors=tuple(probe.get("executors", ())),
+        collective_latency_s=float(probe.get("collective_latency", 0.0)),
+        collective_bandwidth_Bps=float(probe.get("collective_bandwidth", 0.0)),
+        measured_at=time.time() if measured_at is None else measured_at, probe_s=probe_s, slots=facts.slots,
+        executor_memory=facts.executor_memory, gpus_per_executor=facts.gpus_per_executor,
+        gpus_per_task=facts.gpus_per_task, threads_per_rank=tuple(int(t) for t in probe.get("threads", ())),
+        threads_option=threads_option or 0,
+        best_flops_per_s=tuple(float(f) for f in probe.get("flops_best", ())),
+        best_latency_s=_matrix(probe.get("latency_best", ())), best_bandwidth_Bps=_matrix(probe.get("bandwidth_best", ())),
+        best_collective_latency_s=float(probe.get("collective_latency_best", 0.0)),
+        best_collective_bandwidth_Bps=float(probe.get("collective_bandwidth_best", 0.0)))
 
 
-def _collective(ctx: Any, small: Any, large: Any) -> tuple[float, float]:
-    """Ring parameters that reproduce the measured allreduce of 8 bytes and of 4 MiB:
-    T(n) = 2(W-1) a + 2(W-1)/W n / b. Rank 0's medians (after a barrier, so all ranks start together)."""
-    world = ctx.world_size
-    if world < 2:
-        return 0.0, 0.0
-    medians = []
-    for buffer, rounds in ((small, 20), (large, 5)):
-        ctx.comm.barrier()
-        ctx.comm.allreduce(buffer.clone(), op="sum")  # warm-up
-        times = []
-        for _ in range(rounds):
-            work = buffer.clone()
-            started = time.perf_counter()
-            ctx.comm.allreduce(work, op="avg")
-            times.append(time.perf_counter() - started)
-        medians.append(statistics.median(times))
-    hops = 2 * (world - 1)
-    latency = medians[0] / hops
-    nbytes = large.numel() * large.element_size()
-    bandwidth = hops / world * nbytes / max(medians[1] - medians[0], 1e-9)
-    decided = ctx.comm.allgather_object((latency, bandwidth))[0]  # every rank reports rank 0's
-    return decided
+def merge(first: ClusterInfo, second: ClusterInfo) -> ClusterInfo:
+    """Best of two calibrations of one cluster, measurement by measurement and at each end: noise
+    only slows a measurement down, so the better figure of two is the nearer to the truth. Ranks
+    are matched by executor address (a job's rank r need not be on the other job's rank-r
+    executor); when they cannot be matched, the newer calibration is kept as it is."""
+    order = _rank_order(first.rank_executors, second.rank_executors)
+    if order is None or first.workers != second.workers:
+        return replace(second, probes=first.probes + second.probes)
+    again = _reordered(second, order)
+
+    def fast(a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
+        return tuple(max(x, y) for x, y in zip(a, b)) if len(a) == len(b) else tuple(b)
+
+    def table(a: Matrix, b: Matrix, pick: Any) -> Matrix:
+        return tuple(tuple(pick(x, y) for x, y in zip(r, s)) for r, s in zip(a, b)) if len(a) == len(b) else b
+
+    def ring(a: float, b: float, pick: Any) -> float:
+        measured = [v for v in (a, b) if v > 0]  # 0: not measured
+        return pick(measured) if measured else 0.0
+
+    return replace(
+        again, flops_per_s=fast(first.flops_per_s, again.flops_per_s),
+        latency_s=table(first.latency_s, again.latency_s, min),
+        bandwidth_Bps=table(first.bandwidth_Bps, again.bandwidth_Bps, max),
+        collective_latency_s=ring(first.collective_latency_s, again.collective_latency_s, min),
+        collective_bandwidth_Bps=ring(first.collective_bandwidth_Bps, again.collective_bandwidth_Bps, max),
+        best_flops_per_s=fast(first.best_flops_per_s, again.best_flops_per_s),
+        best_latency_s=table(first.best_latency_s, again.best_latency_s, min),
+        best_bandwidth_Bps=table(first.best_bandwidth_Bps, again.best_bandwidth_Bps, max),
+        best_collective_latency_s=ring(first.best_collective_latency_s, again.best_collective_latency_s, min),
+        best_collective_bandwidth_Bps=ring(first.best_collective_bandwidth_Bps, again.best_collective_bandwidth_Bps,
+                                           max),
+        probe_s=first.probe_s + second.probe_s, probes=first.probes + second.probes)
 
 
-def _cache_path() -> Path:
+def _rank_order(first: Sequence[str], second: Sequence[str]) -> list[int] | None:
+    """order[i]: the rank of the second calibration on the executor of the first's rank i."""
+    if not first or sorted(first) != sorted(second):
+        return None
+    free: dict[str, list[int]] = {}
+    for rank, executor in enumerate(second):
+        free.setdefault(executor, []).append(rank)
+    return [free[executor].pop(0) for executor in first]
+
+
+def _reordered(info: ClusterInfo, order: list[int]) -> ClusterInfo:
+    """`info` with its ranks renumbered: new rank i is old rank order[i]."""
+    def ranks(values: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(values[r] for r in order) if len(values) == len(order) else tuple(values)
+
+    def pairs(values: Matrix) -> Matrix:
+        return tuple(tuple(values[r][c] for c in order) for r in order) if len(values) == len(order) else values
+
+    return replace(info, flops_per_s=ranks(info.flops_per_s), best_flops_per_s=ranks(info.best_flops_per_s),
+                   threads_per_rank=ranks(info.threads_per_rank), rank_executors=ranks(info.rank_executors),
+                   latency_s=pairs(info.latency_s), bandwidth_Bps=pairs(info.bandwidth_Bps),
+                   best_latency_s=pairs(info.best_latency_s), best_bandwidth_Bps=pairs(info.best_bandwidth_Bps))
+
+
+def cached(facts: ClusterFacts, now: float | None = None) -> ClusterInfo | None:
+    """The cached measurement of this cluster, if fresh; never starts a probe."""
+    entry = _read_cache().get(facts.cache_key)
+    if not _fresh(entry, time.time() if now is None else now):
+        return None
+    # Spark's facts are read afresh each time; only the measurements come from the cache.
+    return replace(_from_entry(entry), slots=facts.slots, executor_memory=facts.executor_memory,  # type: ignore[arg-type]
+                   gpus_per_executor=facts.gpus_per_executor, gpus_per_task=facts.gpus_per_task)
+
+
+def remember(info: ClusterInfo, facts: ClusterFacts) -> None:
+    """Cache `info` under this cluster's key (a read-only home only costs the next plan a probe)."""
+    path = cache_path()
+    cache = _read_cache()
+    cache[facts.cache_key] = asdict(info)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two drivers writing at once never mix halves
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def cache_path() -> Path:
     root = os.environ.get("SPARKDL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkdl")
     return Path(root) / "calibration.json"
 
 
-def _executors(spark: Any) -> tuple[str, ...]:
-    try:
-        infos = spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()  # noqa: SLF001
-        hosts = sorted(f"{e.host()}:{e.port()}" for e in infos)
-        return tuple(hosts[1:]) if len(hosts) > 1 else tuple(hosts)  # the first entry is the driver
-    except Exception:  # noqa: BLE001 - Spark Connect: no JVM view
-        return ()
-
-
-def _cache_key(spark: Any, workers: int) -> str:
-    return f"{spark.sparkContext.master}|{workers}|{','.join(_executors(spark))}"
-
-
 def _read_cache() -> dict[str, Any]:
-    path = _cache_path()
+    path = cache_path()
     if path.is_file():
         try:
-            return json.loads(path.read_text())
+            data = json.loads(path.read_text())
+            return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
     return {}
 
 
-def _fresh(entry: dict[str, Any] | None) -> bool:
-    # Entries written before the collective probe and executor addresses existed are measured again.
-    return bool(entry) and time.time() - entry["measured_at"] < CACHE_TTL_S and "rank_executors" in entry  # type: ignore[index]
+# Entries written before these measurements existed (collective probe, executor addresses, thread
+# counts, the optimistic end) are measured again rather than half-trusted.
+_REQUIRED = ("measured_at", "rank_executors", "threads_per_rank", "best_flops_per_s", "best_latency_s")
 
 
-def cached_cluster_info(spark: Any, workers: int) -> ClusterInfo | None:
-    """The cached measurement of this cluster, if fresh; never starts a probe."""
-    entry = _read_cache().get(_cache_key(spark, workers))
-    return _from_entry(entry) if _fresh(entry) else None
+def _fresh(entry: dict[str, Any] | None, now: float) -> bool:
+    if not isinstance(entry, dict) or any(key not in entry for key in _REQUIRED):
+        return False
+    return bool(entry["threads_per_rank"]) and now - float(entry["measured_at"]) < CACHE_TTL_S
 
 
-def cluster_info(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False,
-                 backend: str = "torch") -> ClusterInfo:
-    """Measured (or cached) facts about the ranks a run of `workers` workers would get."""
-    master = spark.sparkContext.master
-    executors = _executors(spark)
-    key = _cache_key(spark, workers)
-    path = _cache_path()
-    cache = _read_cache()
-    entry = cache.get(key)
-    if not refresh and _fresh(entry):
-        return _from_entry(entry)
-    import sparkdl
-
-    started = time.perf_counter()
-    options: dict[str, Any] = {"progress": False, "backend": "torch"}
-    if threads_per_worker:
-        options["threads_per_worker"] = threads_per_worker
-    probe = sparkdl.run(_probe, num_workers=workers, **options)
-    conf = spark.sparkContext.getConf()
-    from sparkdl.launch.driver import concurrent_slots
-
-    info = ClusterInfo(master=master, workers=workers, executors=executors,
-                       flops_per_s=tuple(probe["flops"]),
-                       latency_s=tuple(tuple(r) for r in probe["latency"]),
-                       bandwidth_Bps=tuple(tuple(r) for r in probe["bandwidth"]),
-                       rank_executors=tuple(probe["executors"]),
-                       collective_latency_s=probe["collective_latency"],
-                       collective_bandwidth_Bps=probe["collective_bandwidth"],
-                       measured_at=time.time(), probe_s=time.perf_counter() - started,
-                       slots=concurrent_slots(spark), executor_memory=conf.get("spark.executor.memory", "1g"),
-                       gpus_per_executor=float(conf.get("spark.executor.resource.gpu.amount", "0")),
-                       gpus_per_task=float(conf.get("spark.task.resource.gpu.amount", "0")))
-    cache[key] = asdict(info)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home only costs the next plan another probe
-    return info
+def _matrix(rows: Any) -> Matrix:
+    return tuple(tuple(float(v) for v in row) for row in rows)
 
 
 def _from_entry(entry: dict[str, Any]) -> ClusterInfo:
-    return ClusterInfo(master=entry["master"], workers=entry["workers"], executors=tuple(entry["executors"]),
-                       flops_per_s=tuple(entry["flops_per_s"]),
-                       latency_s=tuple(tuple(r) for r in entry["latency_s"]),
-                       bandwidth_Bps=tuple(tuple(r) for r in entry["bandwidth_Bps"]),
-                       measured_at=entry["measured_at"], probe_s=entry["probe_s"], slots=entry.get("slots", 0),
-                       rank_executors=tuple(entry.get("rank_executors", ())),
-                       collective_latency_s=entry.get("collective_latency_s", 0.0),
-                       collective_bandwidth_Bps=entry.get("collective_bandwidth_Bps", 0.0),
-                       executor_memory=entry.get("executor_memory", ""),
-                       gpus_per_executor=entry.get("gpus_per_executor", 0.0),
-                       gpus_per_task=entry.get("gpus_per_task", 0.0))
+    known = {f.name for f in fields(ClusterInfo)}
+    values = {k: v for k, v in entry.items() if k in known}  # a newer sparkdl's extra keys are ignored
+    for key in ("latency_s", "bandwidth_Bps", "best_latency_s", "best_bandwidth_Bps"):
+        values[key] = _matrix(values.get(key, ()))
+    for key in ("executors", "flops_per_s", "rank_executors", "threads_per_rank", "best_flops_per_s"):
+        values[key] = tuple(values.get(key, ()))
+    return ClusterInfo(**values)

@@ -4,7 +4,8 @@ only: candidates come in as numbers (planner/cost.py), the choice and its explan
 The choice: data parallel when it fits and its exposed allreduce is at most CHEAP_COMM of its compute;
 otherwise the fastest predicted exact strategy (data parallel, hybrid: the update equals synchronous
 training), unless an approximate one (DiLoCo, IST) is predicted at least APPROXIMATE_MIN_SPEEDUP times
-faster, since those change the optimisation. This is ALGORITHMS.md's rule list: fits and
+faster, since those change the optimisation; `decide` requires that at both ends of the calibration
+(as measured, and at its optimistic end), so a noisy calibration cannot switch the algorithm. This is ALGORITHMS.md's rule list: fits and
 communication is cheap -> data parallel; does not fit -> hybrid (the fastest K that fits);
 communication-bound -> IST for wide MLPs, otherwise DiLoCo.
 """
@@ -56,6 +57,7 @@ class Plan:
     memory_budget: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     executor_links: tuple[tuple[str, str, float, float], ...] = ()  # measured, for placement (empty if emulated)
+    hinge: str = ""  # what the exact/approximate decision hinged on when the calibration's ends disagreed
 
     def __post_init__(self) -> None:
         if not 0 <= self.chosen < len(self.candidates):
@@ -109,12 +111,13 @@ class Plan:
                 "plan.predicted_memory_bytes": f"{c.memory_bytes:.0f}",
                 "plan.network": f"{self.bandwidth_Bps * 8 / 1e9:.4g} Gbit/s, {self.latency_s * 1e3:.4g} ms"
                                 + (" (emulated)" if self.emulated else ""),
-                "plan.candidates": str(len(self.candidates))}
+                "plan.candidates": str(len(self.candidates)), **({"plan.hinge": self.hinge} if self.hinge else {})}
 
 
 def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXIMATE_MIN_SPEEDUP,
            steps: int | None = None) -> tuple[int, str]:
-    """Index of the chosen candidate and the reason; ValueError when none is feasible.
+    """Index of the chosen candidate and the reason, from one calibration; ValueError when none is
+    feasible.
 
     An approximate strategy (DiLoCo, IST) must be predicted at least `approximate_min_speedup` times
     faster than the best feasible exact one: it changes the optimisation (typically a little accuracy
@@ -125,38 +128,146 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     if not feasible:
         raise NoFeasibleLayout("no candidate layout is feasible")
-    cheap = [i for i in feasible if candidates[i].strategy == "data_parallel"
-             and candidates[i].comm_s <= CHEAP_COMM * candidates[i].compute_s]
-    if cheap:
-        # IST may still predict a shorter step, but only by training a subnet: not worth it here.
-        i = min(cheap, key=lambda i: candidates[i].predicted_step_s)
-        c = candidates[i]
-        return i, (f"fits, and its exposed allreduce ({c.comm_s * 1e3:.2f} ms) is at most "
-                   f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
-    exact = [i for i in feasible if candidates[i].strategy in EXACT]
     approximate = [i for i in feasible if candidates[i].strategy not in EXACT]
-    best_exact = min(exact, key=lambda i: candidates[i].predicted_step_s) if exact else None
     best_approx = min(approximate, key=lambda i: candidates[i].predicted_step_s) if approximate else None
-    if best_exact is None:
+    v = verdict(candidates, best_approx if best_approx is not None else feasible[0], approximate_min_speedup, steps)
+    if v.cheap is not None:
+        # IST may still predict a shorter step, but only by training a subnet: not worth it here.
+        c = candidates[v.cheap]
+        return v.cheap, (f"fits, and its exposed allreduce ({c.comm_s * 1e3:.2f} ms) is at most "
+                         f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
+    if v.exact is None:
         c = candidates[best_approx]  # type: ignore[index]
         return best_approx, (f"fastest predicted step ({c.predicted_step_s * 1e3:.2f} ms); "  # type: ignore[return-value]
                              "no exact strategy is feasible")
-    e = candidates[best_exact]
+    e = candidates[v.exact]
     if best_approx is not None:
         a = candidates[best_approx]
-        speedup = e.predicted_step_s / a.predicted_step_s if a.predicted_step_s > 0 else math.inf
-        saving_s = (e.predicted_step_s - a.predicted_step_s) * steps if steps else math.inf
-        if speedup >= approximate_min_speedup and saving_s < MIN_SAVING_S:
-            return best_exact, (f"exact updates; {a.label} is {speedup:.1f}x faster per step but would save only "
-                                f"{saving_s:.1f} s over the run's {steps} steps: too short to pay off")
-        if speedup >= approximate_min_speedup:
-            return best_approx, (f"fastest predicted step ({a.predicted_step_s * 1e3:.2f} ms), {speedup:.1f}x the "
+        if v.passes:
+            return best_approx, (f"fastest predicted step ({a.predicted_step_s * 1e3:.2f} ms), {v.speedup:.1f}x the "
                                  f"best exact strategy ({e.label}, {e.predicted_step_s * 1e3:.2f} ms), which is "
                                  "communication-bound")
-        if speedup > 1:
-            return best_exact, (f"exact updates; {a.label} is predicted only {speedup:.2f}x faster "
-                                f"(approximate strategies need >= {approximate_min_speedup:g}x)")
-    return best_exact, f"fastest predicted step ({e.predicted_step_s * 1e3:.2f} ms), exact updates"
+        if v.speedup >= approximate_min_speedup:
+            return v.exact, (f"exact updates; {a.label} is {v.speedup:.1f}x faster per step but would save only "
+                             f"{v.saving_s:.1f} s over the run's {steps} steps: too short to pay off")
+        if v.speedup > 1:
+            return v.exact, (f"exact updates; {a.label} is predicted only {v.speedup:.2f}x faster "
+                             f"(approximate strategies need >= {approximate_min_speedup:g}x)")
+    return v.exact, f"fastest predicted step ({e.predicted_step_s * 1e3:.2f} ms), exact updates"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether approximate candidate `index` pays off under one calibration, and against what."""
+
+    index: int
+    passes: bool
+    speedup: float  # the best exact step over this one's
+    saving_s: float  # over the run (inf: steps unknown)
+    exact: int | None  # the best feasible exact candidate
+    cheap: int | None  # a data-parallel candidate whose communication is cheap (exact wins outright)
+
+    def why_not(self, candidates: list[Candidate], end: str, approximate_min_speedup: float) -> str:
+        """Why it does not pay off at this end of the calibration (a clause for a reason)."""
+        if self.cheap is not None:
+            c = candidates[self.cheap]
+            return (f"at the {end} end data parallel's allreduce is cheap ({c.comm_s * 1e3:.2f} ms, at most "
+                    f"{CHEAP_COMM:.0%} of its {c.compute_s * 1e3:.2f} ms compute)")
+        if self.speedup < approximate_min_speedup:
+            return f"only {self.speedup:.1f}x at the {end} end"
+        return f"at the {end} end it would save only {self.saving_s:.1f} s over the run"
+
+
+def verdict(candidates: list[Candidate], index: int, approximate_min_speedup: float = APPROXIMATE_MIN_SPEEDUP,
+            steps: int | None = None) -> Verdict:
+    """choose's rule for one approximate candidate: no cheap data parallel, >= approximate_min_speedup
+    times the best exact step, >= MIN_SAVING_S saved over the run (or no exact candidate at all)."""
+    feasible = [i for i, c in enumerate(candidates) if c.feasible]
+    cheap = [i for i in feasible if candidates[i].strategy == "data_parallel"
+             and candidates[i].comm_s <= CHEAP_COMM * candidates[i].compute_s]
+    exact = [i for i in feasible if candidates[i].strategy in EXACT]
+    best_cheap = min(cheap, key=lambda i: candidates[i].predicted_step_s) if cheap else None
+    if not exact:
+        return Verdict(index, True, math.inf, math.inf, None, best_cheap)
+    best = min(exact, key=lambda i: candidates[i].predicted_step_s)
+    e, a = candidates[best], candidates[index]
+    speedup = e.predicted_step_s / a.predicted_step_s if a.predicted_step_s > 0 else math.inf
+    saving_s = (e.predicted_step_s - a.predicted_step_s) * steps if steps else math.inf
+    passes = best_cheap is None and speedup >= approximate_min_speedup and saving_s >= MIN_SAVING_S
+    return Verdict(index, passes, speedup, saving_s, best, best_cheap)
+
+
+@dataclass(frozen=True)
+class Decision:
+    index: int
+    reason: str
+    hinge: str = ""  # when the calibration's two ends disagreed on exact vs approximate: why, and on what
+
+
+def decide(measured: list[Candidate], optimistic: list[Candidate] | None = None,
+           approximate_min_speedup: float = APPROXIMATE_MIN_SPEEDUP, steps: int | None = None) -> Decision:
+    """choose, made robust to a noisy calibration: `optimistic` holds the same candidates (same
+    order) priced at the calibration's optimistic end (best times, fastest ranks). An approximate
+    strategy is taken only when it passes choose's rule at both ends; otherwise the measured end's
+    best exact one is kept and the reason says what the decision hinged on (the network or the
+    compute term: the one whose optimistic figure alone flips the verdict)."""
+    index, reason = choose(measured, approximate_min_speedup, steps)
+    if optimistic is None:
+        return Decision(index, reason)
+    if [c.label for c in optimistic] != [c.label for c in measured]:
+        raise ValueError("the two ends of the calibration must price the same candidates")
+    o_index, _ = choose(optimistic, approximate_min_speedup, steps)
+    m_exact, o_exact = measured[index].strategy in EXACT, optimistic[o_index].strategy in EXACT
+    if m_exact and (o_exact or not any(c.feasible and c.strategy in EXACT for c in optimistic)):
+        return Decision(index, reason)
+    if m_exact:  # only the optimistic end favours an approximate strategy: exact kept, as measured
+        o = verdict(optimistic, o_index, approximate_min_speedup, steps)
+        m = verdict(measured, o_index, approximate_min_speedup, steps)
+        a = optimistic[o_index]
+        hinge = (f"{a.label} is {o.speedup:.1f}x faster at the optimistic end but "
+                 f"{m.why_not(measured, 'measured', approximate_min_speedup)}; "
+                 f"{_term(measured, optimistic, o_index, approximate_min_speedup, steps)}")
+        return Decision(index, f"{reason}; {hinge}: kept exact", hinge)
+    if verdict(measured, index, approximate_min_speedup, steps).exact is None:
+        return Decision(index, reason)  # nothing exact is feasible: no decision to hinge on
+    both = [i for i, c in sorted(enumerate(measured), key=lambda ic: ic[1].predicted_step_s)
+            if c.feasible and c.strategy not in EXACT and verdict(measured, i, approximate_min_speedup, steps).passes
+            and verdict(optimistic, i, approximate_min_speedup, steps).passes]
+    if both:
+        i = both[0]
+        o = verdict(optimistic, i, approximate_min_speedup, steps)
+        if i == index:
+            return Decision(i, f"{reason}; {o.speedup:.1f}x at the calibration's optimistic end too")
+        m = verdict(measured, i, approximate_min_speedup, steps)
+        return Decision(i, f"{m.speedup:.1f}x the best exact strategy at the measured end and {o.speedup:.1f}x at the "
+                           f"optimistic end ({measured[index].label} is faster only at the measured end)")
+    m, o = verdict(measured, index, approximate_min_speedup, steps), verdict(optimistic, index, approximate_min_speedup,
+                                                                              steps)
+    a, e = measured[index], measured[m.exact]  # type: ignore[index]
+    hinge = (f"{a.label} is {m.speedup:.1f}x faster at the measured end but "
+             f"{o.why_not(optimistic, 'optimistic', approximate_min_speedup)}; "
+             f"{_term(measured, optimistic, index, approximate_min_speedup, steps)}")
+    return Decision(m.exact, f"exact updates ({e.predicted_step_s * 1e3:.2f} ms); {hinge}: kept exact", hinge)  # type: ignore[arg-type]
+
+
+def _term(measured: list[Candidate], optimistic: list[Candidate], index: int, approximate_min_speedup: float,
+          steps: int | None) -> str:
+    """Which term of the step time the verdict on candidate `index` hinges on (a clause): price every
+    candidate with one term from each end (step = compute + comm) and see which swap alone flips it."""
+    def mixed(compute_from: list[Candidate], comm_from: list[Candidate]) -> bool:
+        priced = [Candidate(**{**c.__dict__, "compute_s": k.compute_s, "comm_s": n.comm_s,
+                               "predicted_step_s": k.compute_s + n.comm_s})
+                  for c, k, n in zip(measured, compute_from, comm_from)]
+        return verdict(priced, index, approximate_min_speedup, steps).passes
+
+    at_optimistic = verdict(optimistic, index, approximate_min_speedup, steps).passes
+    network = mixed(measured, optimistic) == at_optimistic  # measured compute, optimistic network
+    compute = mixed(optimistic, measured) == at_optimistic
+    if network and not compute:
+        return "the network term decides"
+    if compute and not network:
+        return "the compute term decides"
+    return "either term alone decides" if network else "the network and compute terms decide together"
 
 
 def _size(nbytes: float | None) -> str:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from sparkdl.comm.base import Communicator
 from sparkdl.config import TrainConfig
+from sparkdl.layouts import StrategyLayout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -21,14 +22,26 @@ class Strategy(abc.ABC):
     name: str = ""
     requires: frozenset[str] = frozenset()
 
-    def __init__(self, comm: Communicator, plan: Any = None, train: TrainConfig | None = None) -> None:
-        """`plan`: the strategy's own frozen parameters worked out on the driver (e.g. stage cuts);
-        `train`: the run's training options (sync mode, gradient clipping, ...)."""
+    def __init__(self, comm: Communicator, layout: StrategyLayout = None, train: TrainConfig | None = None, *,
+                 loss_weight: float = 1.0, compute_speed: float = 1.0) -> None:
+        """`layout`: the strategy's own frozen parameters worked out on the driver (stage cuts, IST
+        layers; None for data parallel); `train`: the run's training options (sync mode, gradient
+        clipping, ...); `loss_weight`: factor on this rank's loss when batches are shared by speed
+        (launch/balance.py); `compute_speed`: launch.emulate_speed, < 1 stretches this rank's compute."""
         self.comm = comm
-        self.plan = plan
+        self.layout = layout
         self.train = train or TrainConfig()
-        self.loss_weight = 1.0  # data parallel with batches shared by speed (launch/balance.py)
-        self.compute_speed = 1.0  # launch.emulate_speed: < 1 stretches this rank's compute
+        self.loss_weight = float(loss_weight)
+        self.compute_speed = float(compute_speed)
+
+    def place(self, executors: Sequence[str]) -> str | None:
+        """Fit the layout to the executors this job's ranks got (rank r on executors[r]) before
+        setup; returns a line to tell the user when that changed anything, else None."""
+        return None
+
+    def epoch_record(self) -> dict[str, Any]:
+        """Facts about the layout worth keeping in every epoch's history record."""
+        return {}
 
     def slow_down(self, since: float) -> None:
         """Emulate a slower rank: stretch the compute done since `since` (perf_counter) to 1/speed."""

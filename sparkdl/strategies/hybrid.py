@@ -15,13 +15,13 @@ averaged over its D replicas. BatchNorm statistics are per micro-batch, as in GP
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
+from sparkdl.layouts import HybridLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
@@ -34,63 +34,11 @@ def _tag(kind: int, index: int = 0) -> int:
     return kind * (1 << 24) + index
 
 
-def default_grid(stages: int, replicas: int) -> tuple[tuple[int, ...], ...]:
-    """grid[d][k]: replicas take consecutive blocks of K ranks; inside a block the stages run
-    backwards so that rank 0 holds the last stage (the loss) of replica 0."""
-    return tuple(tuple(d * stages + (stages - 1 - k) for k in range(stages)) for d in range(replicas))
-
-
 def microbatch_sizes(rows: int, microbatches: int) -> list[int]:
     """Rows of each micro-batch (sizes differ by at most one); fewer micro-batches than requested
     only when a short last batch has fewer rows than that."""
     count = max(1, min(microbatches, rows))
     return [rows // count + (1 if i < rows % count else 0) for i in range(count)]
-
-
-@dataclass(frozen=True)
-class HybridLayout:
-    """Everything a rank needs to run its stage; built and validated on the driver."""
-
-    stages: int
-    replicas: int
-    cuts: tuple[int, ...]  # K+1 boundaries over the Sequential's top-level layers
-    boundary_shapes: tuple[tuple[int, ...], ...]  # per-row shape of stage k's output, k < K-1
-    boundary_dtypes: tuple[str, ...]
-    input_shape: tuple[int, ...]  # per-row feature shape
-    label_dtype: str
-    microbatches: int
-    schedule: str
-    grid: tuple[tuple[int, ...], ...]
-    # Measured links between executors (a, b, latency s, bandwidth B/s) and what crosses them, for
-    # placing the grid once the ranks' executors are known (`placed`); empty: the default grid.
-    executor_links: tuple[tuple[str, str, float, float], ...] = ()
-    stage_grad_bytes: tuple[float, ...] = ()
-    boundary_bytes: float = 0.0
-
-    def placed(self, executors: tuple[str, ...]) -> "HybridLayout":
-        """This layout with its grid placed on the ranks' executors (DT-FM, planner/placement.py):
-        each stage's data-parallel group on fast links, stage boundaries on slow ones. Every rank
-        computes the same grid from the same inputs. Unchanged without measured links, or when an
-        executor was not part of the measurement."""
-        if not self.executor_links or len(executors) != self.stages * self.replicas:
-            return self
-        from dataclasses import replace
-
-        from sparkdl.planner.placement import place_on_executors
-
-        grid = place_on_executors(self.executor_links, executors, self.stages, self.stage_grad_bytes,
-                                  self.boundary_bytes)
-        return replace(self, grid=grid) if grid else self
-
-    def position(self, rank: int) -> tuple[int, int]:
-        """(replica, stage) of a global rank."""
-        for replica, ranks in enumerate(self.grid):
-            if rank in ranks:
-                return replica, ranks.index(rank)
-        raise ValueError(f"rank {rank} is not in the hybrid grid {self.grid}")
-
-    def stage_layers(self, stage: int) -> range:
-        return range(self.cuts[stage], self.cuts[stage + 1])
 
 
 class _Receives:
@@ -160,18 +108,37 @@ class Hybrid(Strategy):
     name = "hybrid"
     requires = frozenset({ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP})
 
-    def __init__(self, comm: Communicator, plan: Any = None, train: Any = None) -> None:
-        super().__init__(comm, plan, train)
-        if not isinstance(plan, HybridLayout):
+    layout: HybridLayout
+
+    def __init__(self, comm: Communicator, layout: HybridLayout | None = None, train: Any = None,
+                 **options: Any) -> None:
+        super().__init__(comm, layout, train, **options)
+        if not isinstance(layout, HybridLayout):
             raise TypeError("the hybrid strategy needs the HybridLayout the driver planned")
-        self.layout = plan
-        self.replica, self.stage = plan.position(comm.rank)
-        self.last = plan.stages - 1
-        ranks = plan.grid[self.replica]
+        self._take_position(layout)
+
+    def _take_position(self, layout: HybridLayout) -> None:
+        self.layout = layout
+        self.replica, self.stage = layout.position(self.comm.rank)
+        self.last = layout.stages - 1
+        ranks = layout.grid[self.replica]
         self._first_rank, self._last_rank = ranks[0], ranks[-1]
         self._prev = ranks[self.stage - 1] if self.stage > 0 else None
         self._next = ranks[self.stage + 1] if self.stage < self.last else None
-        self._ops = SCHEDULES[plan.schedule]
+        self._ops = SCHEDULES[layout.schedule]
+
+    def place(self, executors: Sequence[str]) -> str | None:
+        """The grid placed on measured links between these executors (DT-FM); every rank computes
+        the same grid from the same inputs."""
+        placed = self.layout.placed(tuple(executors))
+        if placed is self.layout:
+            return None
+        self._take_position(placed)
+        return (f"sparkdl: hybrid grid placed on measured links: {[list(r) for r in placed.grid]} "
+                "(grid[replica][stage] = rank)")
+
+    def epoch_record(self) -> dict[str, Any]:
+        return {"hybrid_grid": [list(ranks) for ranks in self.layout.grid]}
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:

@@ -17,7 +17,6 @@ test, as the paper does (every hidden layer then needs a BatchNorm1d).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,25 +24,13 @@ from torch import nn
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST, Communicator
 from sparkdl.errors import ModelError
+from sparkdl.layouts import IstLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.data_parallel import broadcast_module
 
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus, nn.Identity,
                nn.Mish, nn.Hardtanh, nn.ReLU6, nn.SELU, nn.CELU, nn.Dropout)
 MIN_NEURONS_PER_RANK = 256
-
-
-@dataclass(frozen=True)
-class IstLayout:
-    """Where the Linear and BatchNorm1d layers sit in the Sequential; built on the driver."""
-
-    linears: tuple[int, ...]  # Sequential indices of the Linear layers, in order
-    norms: tuple[tuple[int, int], ...]  # (Sequential index of a BatchNorm1d, hidden layer it normalises)
-    widths: tuple[int, ...]  # hidden widths (outputs of every Linear but the last)
-    world: int
-    sync_every: int
-    scale: str  # "scale" or "batchnorm"
-    seed: int
 
 
 def ist_layout(model: nn.Module, world: int, sync_every: int, scale: str, seed: int) -> IstLayout:
@@ -238,11 +225,12 @@ class Ist(Strategy):
     name = "ist"
     requires = frozenset({ALLGATHER, ALLREDUCE, BROADCAST})
 
-    def __init__(self, comm: Communicator, plan: Any = None, train: Any = None) -> None:
-        super().__init__(comm, plan, train)
-        if not isinstance(plan, IstLayout):
+    layout: IstLayout
+
+    def __init__(self, comm: Communicator, layout: IstLayout | None = None, train: Any = None, **options: Any) -> None:
+        super().__init__(comm, layout, train, **options)
+        if not isinstance(layout, IstLayout):
             raise TypeError("the ist strategy needs the IstLayout the driver planned")
-        self.layout = plan
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         if self.layout.scale == "batchnorm":

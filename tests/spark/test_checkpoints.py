@@ -107,7 +107,8 @@ def test_a_rank_exception_is_not_retried(spark, tmp_path) -> None:  # type: igno
     MARKER.update(path=str(tmp_path / "raised"), rank=1, calls_per_step=1)
     started = time.monotonic()
     with pytest.raises(TrainingError, match="rank 1.*ValueError: bad batch on purpose"):
-        fit(rows_df(spark), loss=failing_loss, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+        fit(rows_df(spark), loss=failing_loss, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2,
+            peer_failure_delay_s=0.5)
     assert len(list(tmp_path.glob("raised-*"))) == 1  # one attempt: it would fail again
     assert time.monotonic() - started < 60
 

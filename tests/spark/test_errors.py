@@ -95,7 +95,8 @@ def test_a_failing_rank_gives_a_driver_side_error_naming_it(small_df) -> None:  
         ctx.comm.barrier()
 
     with pytest.raises(TrainingError, match=r"rank 1: ValueError: boom from the user loop \(on host \S+\)"):
-        sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=30)
+        sparkdl.run(train_fn, df=small_df.select("a", "b", "label"), num_workers=2, timeout_s=30,
+                    peer_failure_delay_s=0.5)
 
 
 def test_fewer_rows_than_workers(spark) -> None:  # type: ignore[no-untyped-def]

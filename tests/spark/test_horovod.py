@@ -73,4 +73,5 @@ def test_a_failing_rank_is_a_clear_error_not_a_hang(rows_df) -> None:  # type: i
         ctx.comm.allreduce(torch.ones(4))  # the peer is gone: must end within the timeout
 
     with pytest.raises(TrainingError, match="rank 0: RuntimeError: rank zero gave up"):
-        sparkdl.run(train_fn, df=rows_df, num_workers=2, backend="horovod", timeout_s=20)
+        sparkdl.run(train_fn, df=rows_df, num_workers=2, backend="horovod", timeout_s=20,
+                    peer_failure_delay_s=0.5)

@@ -51,9 +51,9 @@ def test_hybrid_gives_the_weights_of_data_parallel(spark, workers: int, stages: 
     if workers == 4:
         # With this cluster calibrated, the grid is placed on the measured links between the
         # executors this job's ranks land on (at run time); the update must not depend on it.
-        from sparkdl.planner.cluster import cluster_info
+        from sparkdl.planning import calibrate
 
-        cluster_info(spark, workers)
+        calibrate(spark, workers)
     hybrid = fit(df, num_workers=workers, strategy="hybrid", stages=stages, microbatches=4)
     grid = hybrid.history[0]["hybrid_grid"]
     assert grid[0][-1] == 0 and sorted(r for ranks in grid for r in ranks) == list(range(workers))

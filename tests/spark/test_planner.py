@@ -101,14 +101,19 @@ def test_cli_plan_prints_the_table(spark, repo_root: Path, tmp_path: Path, capsy
 
 
 def test_cluster_info_records_spark_resources(spark) -> None:  # type: ignore[no-untyped-def]
-    from sparkdl.planner.cluster import cluster_info
+    from sparkdl.planning import calibrate
 
-    info = cluster_info(spark, 2, refresh=True)
+    info = calibrate(spark, 2, refresh=True)
     assert info.slots == 4 and info.executor_memory == "1g" and len(info.executors) == 2
     assert len(info.flops_per_s) == 2 and min(info.flops_per_s) > 1e8
     latency, bandwidth = info.worst_link()
     assert 0 < latency < 0.1 and bandwidth > 1e6
-    assert cluster_info(spark, 2).measured_at == info.measured_at  # cached
+    # the probe reports the threads its ranks ran with, and the optimistic end of every measurement
+    assert len(info.threads_per_rank) == 2 and min(info.threads_per_rank) >= 1
+    assert all(b >= m for b, m in zip(info.best_flops_per_s, info.flops_per_s))
+    best_latency, best_bandwidth = info.optimistic().worst_link()
+    assert 0 < best_latency <= latency and best_bandwidth >= bandwidth
+    assert calibrate(spark, 2).measured_at == info.measured_at  # cached
 
 
 def test_batches_shared_by_speed_give_the_step_over_all_rows(spark) -> None:  # type: ignore[no-untyped-def]

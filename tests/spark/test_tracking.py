@@ -106,7 +106,7 @@ def test_a_failed_run_is_marked_failed_with_the_log_tail(spark, mlflow_server) -
 
     estimator = TorchEstimator(model=Exploding, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64,
                                num_workers=2, tracking_uri=mlflow_server.uri, experiment="sparkdl-failures",
-                               progress=False, timeout_s=30)
+                               progress=False, timeout_s=30, peer_failure_delay_s=0.5)
     # strategy="auto" profiles the model on the driver first, where it explodes too: the planner
     # steps aside (data parallel, with a warning) and the ranks report the failure as before.
     with pytest.raises(TrainingError, match="ArithmeticError: exploded at step 3"), \

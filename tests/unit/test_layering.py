@@ -6,16 +6,28 @@
 - worker-side modules (comm/*, strategies/*, data/batches.py, launch/worker.py,
   launch/rendezvous.py) never import pyspark.sql, directly or through other sparkdl modules;
 - strategies/* import from sparkdl.comm only sparkdl.comm.base, never a backend;
-- no module imports horovod or mlflow at module top level (`import sparkdl` works without them).
+- no module imports horovod or mlflow at module top level (`import sparkdl` works without them);
+- no import cycle inside sparkdl, lazy imports (inside functions) included; a package's __init__
+  importing its own submodules, and a submodule importing its package, is not a cycle;
+- composition happens in api, estimator, cli and planning: any other module imports a driver-side
+  module (data/feed, launch/driver, launch/attempts, launch/probe, tracking, planning, checks,
+  scoring) only from its own subpackage, lazy imports included, save the few deliberate edges of
+  COMPOSITION_EXCEPTIONS;
+- planner/* never imports sparkdl.api, sparkdl.launch.driver or pyspark at module top level
+  (measurements reach the planner as data);
+- no module imports another module's `_private` name (`from sparkdl.x import _helper`).
 
-Imports under `if TYPE_CHECKING:` are never executed, so they count only for the first rule.
+Imports under `if TYPE_CHECKING:` are never executed, so they count only for the first rule and
+the private-name rule.
 """
 from __future__ import annotations
 
 import ast
 import sys
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import pytest
 
@@ -33,6 +45,7 @@ class Import:
     lineno: int
     top_level: bool  # executed when the module is imported
     type_checking: bool  # inside `if TYPE_CHECKING:`
+    name: str = ""  # the imported name of `from a import name` ("" for `import a`)
 
 
 def module_name(path: Path) -> str:
@@ -75,7 +88,7 @@ def imports_in_source(source: str, module: str, is_package: bool = False,
                 full = f"{base}.{alias.name}"
                 is_module = base.split(".")[0] == "sparkdl" and exists(full)
                 target = full if is_module else base
-                found.append(Import(target, (base, full), node.lineno, top, tc))
+                found.append(Import(target, (base, full), node.lineno, top, tc, alias.name))
             return
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             top = False
@@ -194,6 +207,198 @@ def test_horovod_and_mlflow_are_imported_lazily() -> None:
     assert not bad, f"import horovod/mlflow inside the function that needs them: {bad}"
 
 
+# --- no import cycles -----------------------------------------------------------------------
+
+PACKAGES = frozenset(m for m, (path, _) in SOURCES.items() if path.name == "__init__.py")
+
+
+def _known_module(name: str, known: Iterable[str]) -> str | None:
+    """`name`, or its longest dotted prefix that is one of the `known` modules."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph(modules: Mapping[str, list[Import]], packages: Iterable[str]) -> dict[str, dict[str, Import]]:
+    """sparkdl module -> {sparkdl module it imports: the first statement that makes that edge}.
+
+    Lazy imports count, imports under TYPE_CHECKING do not (never executed). An edge to a package
+    is an edge to its __init__ only, and a package's __init__ importing its own descendants makes
+    no edge: that `strategies/__init__` imports `strategies.base` while `strategies/ist.py` does
+    `from sparkdl.strategies import strategy_class` is the normal package pattern, not a cycle."""
+    packages = frozenset(packages)
+    graph: dict[str, dict[str, Import]] = {m: {} for m in modules}
+    for module, imps in modules.items():
+        for imp in imps:
+            if imp.type_checking:
+                continue
+            target = _known_module(imp.target, graph)
+            if target is None or target == module:
+                continue
+            if module in packages and _under(target, module):
+                continue
+            graph[module].setdefault(target, imp)
+    return graph
+
+
+def strongly_connected_components(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Tarjan's algorithm; each component sorted, in a deterministic order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return components
+
+
+def _cycle_through(component: list[str], graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """A shortest cycle through the component's first module, as [a, b, ..., a]."""
+    start, members = component[0], set(component)
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        for w in sorted(graph.get(v, ())):
+            if w == start and v != start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if w in members and w != start and w not in parent:
+                parent[w] = v
+                queue.append(w)
+    raise AssertionError(f"not a cycle: {component}")  # pragma: no cover - Tarjan guarantees one
+
+
+def import_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (self-loops ignored)."""
+    return [_cycle_through(c, graph) for c in strongly_connected_components(graph) if len(c) > 1]
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph({m: imps for m, (_, imps) in SOURCES.items()}, PACKAGES)
+    bad = []
+    for component in strongly_connected_components(graph):
+        if len(component) < 2:
+            continue
+        cycle = _cycle_through(component, graph)
+        edges = "; ".join(_where(a, graph[a][b]) for a, b in zip(cycle, cycle[1:]))
+        others = sorted(set(component) - set(cycle))
+        also = f" [same component: {', '.join(others)}]" if others else ""
+        bad.append(f"{' -> '.join(cycle)} ({edges}){also}")
+    assert not bad, ("import cycles inside sparkdl (lazy imports count; move the shared code down a "
+                     "layer or pass it in): " + " | ".join(bad))
+
+
+# --- composition only in api, estimator, cli and planning ------------------------------------
+
+DRIVER_SIDE = sorted(m for m in {"sparkdl.data.feed", "sparkdl.launch.driver", "sparkdl.launch.attempts",
+                                 "sparkdl.launch.probe", "sparkdl.tracking", "sparkdl.planning",
+                                 "sparkdl.checks", "sparkdl.scoring"} if sparkdl_module_exists(m))
+COMPOSERS = frozenset({"sparkdl.api", "sparkdl.estimator", "sparkdl.cli", "sparkdl.planning",
+                       "sparkdl.__main__", "sparkdl"})
+# Deliberate driver-side edges outside COMPOSERS, importer -> imported modules, each with its reason.
+# Keep it minimal: an edge that is not a design decision is fixed in the code, not listed here.
+COMPOSITION_EXCEPTIONS: dict[str, set[str]] = {
+    # the probe job runs with a disabled RunTracker: it needs the class, not a tracked run
+    "sparkdl.launch.probe": {"sparkdl.tracking"},
+}
+
+
+def _subpackage(module: str) -> str:
+    """The package a module belongs to: a package's __init__ belongs to the package itself."""
+    return module if module in PACKAGES else module.rpartition(".")[0]
+
+
+def test_only_composers_compose_driver_side_modules() -> None:
+    bad = []
+    for module, (_, imps) in SOURCES.items():
+        if module in COMPOSERS:
+            continue
+        for imp in imps:
+            if imp.type_checking:
+                continue
+            driver = next((d for d in DRIVER_SIDE if _under(imp.target, d)), None)
+            if driver is None or _under(module, driver):
+                continue
+            if _subpackage(module) == driver.rpartition(".")[0]:
+                continue
+            if driver in COMPOSITION_EXCEPTIONS.get(module, set()):
+                continue
+            if _where(module, imp) not in bad:  # `from sparkdl.data.feed import a, b` is one edge
+                bad.append(_where(module, imp))
+    assert not bad, (f"only {', '.join(sorted(COMPOSERS))} compose driver-side modules "
+                     f"({', '.join(DRIVER_SIDE)}) across subpackages (lazy imports count): {bad}")
+
+
+PLANNER = _modules("planner/*.py")
+NOT_AT_PLANNER_TOP_LEVEL = ("sparkdl.api", "sparkdl.launch.driver", "pyspark")
+
+
+@pytest.mark.parametrize("module", PLANNER or [pytest.param("-", marks=pytest.mark.skip("no planner yet"))])
+def test_planner_imports_no_launcher_or_pyspark_at_top_level(module: str) -> None:
+    bad = [_where(module, i) for i in SOURCES[module][1]
+           if i.top_level and not i.type_checking
+           and any(_under(name, f) for name in (i.target, *i.candidates) for f in NOT_AT_PLANNER_TOP_LEVEL)]
+    assert not bad, (f"the planner never launches jobs (measurements reach it as data); "
+                     f"{module} must not import {', '.join(NOT_AT_PLANNER_TOP_LEVEL)} at top level: {bad}")
+
+
+# --- no private names across modules --------------------------------------------------------
+
+def private_name_imports(module: str, imps: Iterable[Import], exists=sparkdl_module_exists) -> list[Import]:
+    """The `from X import _name` of `module` where X is another sparkdl module (dunders are public).
+
+    A private submodule imported from inside its own package (`from sparkdl.comm import _impl` in
+    sparkdl/comm/x.py) is package-internal and allowed."""
+    bad = []
+    for imp in imps:
+        if not imp.name.startswith("_") or imp.name.startswith("__"):
+            continue
+        source = imp.candidates[0]
+        if not _under(source, "sparkdl") or source == module:
+            continue
+        if _under(module, source) and exists(f"{source}.{imp.name}"):
+            continue
+        bad.append(imp)
+    return bad
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    by_line: dict[tuple[Path, int, str], list[str]] = {}
+    for module, (path, imps) in SOURCES.items():
+        for imp in private_name_imports(module, imps):
+            by_line.setdefault((path.relative_to(REPO_ROOT), imp.lineno, imp.candidates[0]), []).append(imp.name)
+    bad = [f"{path}:{line} imports {', '.join(names)} from {source}" for (path, line, source), names in by_line.items()]
+    assert not bad, f"make the name public (drop the underscore) or move it where it is used: {bad}"
+
+
 # --- the checker itself ---------------------------------------------------------------------
 
 def _fake_exists(name: str) -> bool:
@@ -237,3 +442,65 @@ def test_checker_tells_top_level_lazy_and_type_checking_imports_apart() -> None:
     assert imps[(9, "horovod.torch")].top_level
     assert "pyspark.sql" in imps[(11, "pyspark")].candidates and not imps[(11, "pyspark")].top_level
     assert not imps[(12, "mlflow.pytorch")].top_level
+
+
+def _graph_of(sources: dict[str, str], exists) -> dict[str, dict[str, Import]]:
+    """The import graph of synthetic modules (a name ending in `/` is a package's __init__)."""
+    modules = {m.rstrip("/"): imports_in_source(src, m.rstrip("/"), m.endswith("/"), exists=exists)
+               for m, src in sources.items()}
+    return import_graph(modules, {m.rstrip("/") for m in sources if m.endswith("/")})
+
+
+def test_checker_finds_cycles_and_ignores_self_loops() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "c"}, "d": {"a", "d"}, "e": {"f"}, "f": set()}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b", "c"}, "b": {"a"}, "c": {"b"}}) == [["a", "b", "a"]]  # one per component
+    assert import_cycles({"x": {"x"}}) == []
+
+
+def test_checker_does_not_report_the_package_init_pattern() -> None:
+    names = {"sparkdl", "sparkdl.api", "sparkdl.strategies", "sparkdl.strategies.base", "sparkdl.strategies.ist"}
+    graph = _graph_of({
+        "sparkdl/": "from sparkdl.config import RunConfig\ndef run():\n    from sparkdl import api",
+        "sparkdl.api": "import sparkdl\nfrom sparkdl import __version__",
+        "sparkdl.strategies/": "from sparkdl.strategies.base import Strategy\nfrom . import ist",
+        "sparkdl.strategies.base": "from sparkdl.strategies import strategy_class",
+        "sparkdl.strategies.ist": "from sparkdl.strategies import strategy_class\nfrom .base import Strategy",
+    }, names.__contains__)
+    assert set(graph["sparkdl.strategies.ist"]) == {"sparkdl.strategies", "sparkdl.strategies.base"}
+    assert set(graph["sparkdl.api"]) == {"sparkdl"}
+    assert graph["sparkdl"] == {} and graph["sparkdl.strategies"] == {}
+    assert import_cycles(graph) == []
+
+
+def test_checker_ignores_type_checking_edges_but_counts_lazy_ones() -> None:
+    names = {"sparkdl.launch.loop", "sparkdl.launch.worker"}
+    worker = "def run(ctx):\n    from sparkdl.launch.loop import train\n    return train(ctx)"
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sparkdl.launch.worker import WorkerContext"
+    lazy = "def train(ctx):\n    from sparkdl.launch.worker import WorkerContext"
+    assert import_cycles(_graph_of({"sparkdl.launch.loop": typed, "sparkdl.launch.worker": worker},
+                                   names.__contains__)) == []
+    assert import_cycles(_graph_of({"sparkdl.launch.loop": lazy, "sparkdl.launch.worker": worker},
+                                   names.__contains__)) == [["sparkdl.launch.loop", "sparkdl.launch.worker",
+                                                             "sparkdl.launch.loop"]]
+
+
+def test_checker_finds_private_name_imports() -> None:
+    names = {"sparkdl.comm", "sparkdl.comm.base", "sparkdl.comm._impl", "sparkdl.config_values"}
+    source = "\n".join([
+        "from sparkdl.config_values import _check_types, parse_bytes",
+        "from .base import _helper, Communicator",
+        "from . import _impl",
+        "from sparkdl import __version__",
+        "from mlflow.tracking.fluent import _get_experiment_id",
+        "from sparkdl.comm.torch_dist import _own_helper",
+        "if TYPE_CHECKING:",
+        "    from sparkdl.comm.base import _Proto",
+        "def f():",
+        "    from sparkdl.launch.worker import _dumps_any",
+    ])
+    imps = imports_in_source(source, "sparkdl.comm.torch_dist", exists=names.__contains__)
+    found = [(i.lineno, i.name) for i in private_name_imports("sparkdl.comm.torch_dist", imps, names.__contains__)]
+    assert found == [(1, "_check_types"), (2, "_helper"), (8, "_Proto"), (10, "_dumps_any")]
+    init = imports_in_source("from ._impl import _private", "sparkdl.comm", is_package=True, exists=names.__contains__)
+    assert [i.name for i in private_name_imports("sparkdl.comm", init, names.__contains__)] == ["_private"]

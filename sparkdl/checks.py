@@ -1,0 +1,162 @@
+"""The checks a run passes on the driver before any barrier job starts: the model against its
+input and loss, the rows against the workers, the backend against the strategy, what must pickle,
+the JVM bridge's preflight, and the scoring options. Each raises a SparkdlError naming the option
+or column and the fix, in seconds instead of after the data was shipped to every executor.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sparkdl.config import RunConfig
+from sparkdl.errors import ConfigError, ModelError
+
+_log = logging.getLogger("sparkdl")
+
+
+def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, int]:
+    """Build the model on the driver and run one zero batch through it, so a wrong model or input
+    width fails here in seconds instead of on every executor."""
+    import torch
+
+    from sparkdl.launch.objectives import build_model
+
+    module = build_model(model, config.train.seed)
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(2, num_features))
+    except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
+        raise ModelError(f"the model cannot take a batch of {num_features} features "
+                         f"(from feature_cols {list(config.data.feature_cols)}): {type(exc).__name__}: {exc}",
+                         hint="make the first layer's input width match the number of feature values") from None
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != 2:
+        raise ModelError("the model must return one tensor with the batch as its first dimension",
+                         hint="return logits/values of shape (batch, outputs)")
+    return module, int(out[0].numel())
+
+
+def check_output_width(config: RunConfig, out_width: int, num_classes: int | None) -> None:
+    """The model's output must fit the built-in loss, or every executor fails on its first step."""
+    loss = config.train.loss
+    if loss == "cross_entropy":
+        need = max(2, num_classes or 2)
+        if out_width < need:
+            raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column "
+                             f"{config.data.label_col!r} holds {num_classes} classes but the model outputs "
+                             f"{out_width} value(s) per row",
+                             hint=f"make the last layer output {need}, or use loss='bce_with_logits' "
+                                  "with one output for two classes")
+    elif loss in ("mse", "bce_with_logits") and out_width != 1:
+        raise ModelError(f"loss {loss!r} compares one output per row with the scalar label column "
+                         f"{config.data.label_col!r}, but the model outputs {out_width} values per row",
+                         hint="make the last layer output 1, or pass a callable loss")
+
+
+def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: int) -> Any:
+    """on_invalid="skip" with cross-entropy: class indices the model has no logit for are invalid
+    labels too; those rows are dropped (one more counting job), others still raise."""
+    from dataclasses import replace
+
+    from pyspark.sql import functions as F
+
+    from sparkdl.data.layout import LABEL_COLUMN
+    from sparkdl.errors import EmptyDataError
+
+    classes = prepared.layout.num_classes
+    if config.data.on_invalid != "skip" or config.train.loss != "cross_entropy" or not classes \
+            or classes <= out_width or out_width < 2:
+        return prepared
+    kept = prepared.df.filter(F.col(LABEL_COLUMN) < out_width)
+    split = prepared.layout.split_column
+    rows = kept.filter(F.col(split) == 0).count() if split else kept.count()
+    dropped = prepared.num_rows - rows
+    if rows == 0:
+        raise EmptyDataError(f"every label of {config.data.label_col!r} is a class index >= the model's "
+                             f"{out_width} outputs", hint=f"make the last layer output {classes}")
+    _log.warning("sparkdl: on_invalid='skip' dropped %d rows whose label is a class index >= the model's %d "
+                 "outputs", dropped, out_width)
+    return replace(prepared, df=kept.repartition(config.launch.num_workers), num_rows=rows,
+                   dropped_rows=prepared.dropped_rows + dropped,
+                   layout=replace(prepared.layout, num_classes=out_width))
+
+
+def check_enough_rows(config: RunConfig, num_rows: int) -> None:
+    """Every rank gets rows and at least one step, as the workers will count them (epoch_plan over
+    the round-robin shares prepare() gives)."""
+    from sparkdl.data.epochs import epoch_plan, expected_row_counts
+
+    workers, batch = config.launch.num_workers, config.data.batch_size
+    if num_rows < workers:
+        raise ConfigError(f"the DataFrame has {num_rows} row(s), fewer than num_workers={workers}: "
+                          "some workers would get no data", hint=f"use num_workers <= {num_rows}")
+    if epoch_plan(expected_row_counts(num_rows, workers), config.data).steps == 0:
+        raise ConfigError(f"drop_last=True with batch_size={batch} drops everything: each of the {workers} "
+                          f"workers gets about {num_rows // workers} rows",
+                          hint="lower batch_size or set drop_last=False")
+
+
+def check_backend(config: RunConfig) -> None:
+    """A missing backend, or one lacking an operation the strategy needs, fails here, not on every
+    executor after the data was shipped."""
+    from sparkdl.comm import backend_class
+    from sparkdl.strategies import strategy_class
+
+    # "auto" is resolved to a concrete strategy before this check in fit; a custom loop has none.
+    requires = strategy_class(config.train.strategy).requires if config.train.strategy != "auto" else frozenset()
+    missing = requires - backend_class(config.launch.backend).ops
+    if missing:
+        raise ConfigError(f"train.strategy={config.train.strategy!r} needs {', '.join(sorted(missing))}, which "
+                          f"launch.backend={config.launch.backend!r} does not provide",
+                          hint="use backend='torch' (torch.distributed has point-to-point and subgroups)")
+    if config.launch.backend == "horovod":
+        from sparkdl.comm.horovod import import_horovod
+
+        import_horovod()
+
+
+def preflight(spark: Any, workers: int, gpus_per_worker: int = 0) -> None:
+    """The JVM bridge's checks besides the slot count (which ensure_slots waits for): dynamic
+    allocation, executor GPUs without task GPU amounts (unless the training stage asks for GPUs
+    itself, launch.gpus_per_worker). Also attaches BarrierWatch, whose events explain failures.
+    Without the bridge (no jar, Spark Connect) nothing happens."""
+    from sparkdl import jvm
+
+    jvm.attach(spark)
+    report = jvm.preflight(spark, workers)
+    skipped = {"slots"} | ({"task_gpus"} if gpus_per_worker else set())
+    problems = [p for p in (report or {}).get("problems", []) if p.get("code") not in skipped]
+    if problems:
+        raise ConfigError("; ".join(p["message"] for p in problems), hint="; ".join(p["fix"] for p in problems))
+
+
+def check_picklable(spec: Any) -> None:
+    """Everything in the TrainSpec must reach the executors; say which part cannot, before the job."""
+    from sparkdl.launch.wire import dumps_any
+
+    for name in ("model", "train_fn", "config"):
+        value = getattr(spec, name)
+        try:
+            dumps_any(value)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            what = {"model": "the model", "train_fn": "train_fn", "config": "the loss or optimizer"}[name]
+            raise ModelError(f"{what} cannot be sent to the executors: {type(exc).__name__}: {exc}",
+                             hint="it (or something it refers to, e.g. a SparkSession, DataFrame, lock or "
+                                  "open file) must be picklable; create such objects inside the function") from None
+
+
+def check_gpus_per_task(amount: float) -> None:
+    """Spark's rule for task resource amounts: a whole number, or a fraction of one GPU."""
+    import math
+
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount) \
+            or amount < 0 or (amount > 1 and float(amount) != int(amount)):
+        raise ConfigError(f"inference GPUs per task must be 0 (CPU), a fraction <= 1 or a whole number; "
+                          f"got {amount!r}",
+                          hint="e.g. setInferenceGpus(0.25) lets 4 scoring tasks share each GPU")
+
+
+def check_inference_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"the inference batch size must be a positive integer; got {batch_size!r}",
+                           hint="setInferenceBatchSize(1024)")

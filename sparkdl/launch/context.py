@@ -1,0 +1,104 @@
+"""WorkerContext: what every rank's loop (the built-in one or a custom `train_fn`) receives.
+
+It is built complete by launch/worker.py, after the rendezvous, the row counts and (for batches
+shared by speed) the shares have been agreed by every rank, and never changes afterwards: its step
+arithmetic is `epoch_plan` over those agreed values (data/epochs.py, the rule's one home), so every
+rank derives the same steps from the same inputs.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterator
+
+from sparkdl.comm.base import Communicator, WorldInfo
+from sparkdl.data.epochs import BatchOptions, EpochPlan, check_shards, epoch_plan
+from sparkdl.launch.spec import TrainSpec
+
+__all__ = ["WorkerContext", "EpochPlan", "epoch_plan", "check_shards", "rank_threads"]
+
+
+def rank_threads(configured: int | None, cpus: int | None, ranks_on_host: int) -> int:
+    """torch threads of one training rank: launch.threads_per_worker, else the host's cores shared
+    by the ranks on it (each starting one thread per core would thrash)."""
+    if configured:
+        return configured
+    return max(1, (cpus or os.cpu_count() or 1) // max(ranks_on_host, 1))
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """`ctx` of `sparkdl.run(train_fn)`: rank, world, communicator, this rank's batches."""
+
+    world: WorldInfo
+    comm: Communicator
+    spec: TrainSpec
+    row_counts: tuple[int, ...] = ()  # every rank's shard, in rank order (the same on every rank)
+    spool: Any = None  # this rank's training rows (data.batches.Spool), None without a DataFrame
+    validation: Any = None  # this rank's validation rows (a Spool), None without validation data
+    reporter: Any = None  # metrics and progress to the driver (rank 0); see launch.reporter
+    batch_shares: tuple[int, ...] | None = None  # rows per rank and step when shared by speed (launch.balance)
+    spool_seconds: float = 0.0  # receiving this rank's partition from Spark and spooling it (epoch 1's extra)
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def device(self) -> Any:
+        return self.comm.device
+
+    @property
+    def config(self) -> Any:
+        return self.spec.config
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of this rank's shard."""
+        return self.row_counts[self.rank] if self.row_counts else 0
+
+    @cached_property
+    def epoch(self) -> EpochPlan:
+        """Steps and batch sizes of every epoch, the same on every rank."""
+        return epoch_plan(self.row_counts, self.spec.config.data, self.batch_shares)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.epoch.steps if self.row_counts else 0
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation is not None
+
+    def batches(self, epoch: int = 0) -> Iterator[tuple[Any, Any]]:
+        """(features, labels) torch batches of this rank's shard; the same step count on every rank."""
+        if self.spool is None:
+            from sparkdl.errors import ConfigError
+
+            raise ConfigError("ctx.batches() needs data, but this run has no DataFrame",
+                              hint="pass df= to sparkdl.run")
+        plan = self.epoch
+        return self.spool.batches(
+            epoch, batch_size=plan.batch_size(self.rank), steps=plan.steps, shuffle=self.spec.config.data.shuffle,
+            seed=self.spec.config.train.seed, rank=self.rank, drop_last=plan.full_steps_only,
+            last_batch_size=plan.last_batch_size(self.rank))
+
+    def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, Any]]:
+        """This rank's validation rows, in order, once (empty without validation data). Ranks hold
+        different numbers of rows: combine per-rank sums with one collective afterwards."""
+        spool = self.validation
+        if spool is None or spool.num_rows == 0:
+            return iter(())
+        plan = epoch_plan([spool.num_rows], BatchOptions(batch_size))
+        return spool.batches(0, batch_size=batch_size, steps=plan.steps, shuffle=False, seed=0, rank=self.rank,
+                             drop_last=False, last_batch_size=plan.last_batch_size(0))
+

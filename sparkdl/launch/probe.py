@@ -1,0 +1,138 @@
+"""The calibration probe: a short barrier job of num_workers ranks that measures what the planner
+prices a layout with, and hands it back as data (planner/cluster.py turns it into a ClusterInfo).
+
+Every rank measures its matrix-product FLOP/s with the torch threads it trains with (and reports that
+thread count); every pair of ranks measures latency (8-byte ping-pong) and bandwidth (4 MiB
+ping-pong); rank 0 times the backend's allreduce. Each measurement is kept at two ends: the median
+(what the cluster did during the probe) and the best (what it can do: on a shared host noise only
+slows a measurement down), so the planner can tell a decision that holds from one that hinges on
+noise. `run_probe` launches the job through the launch modules directly, as `sparkdl.run` does for a
+loop without a DataFrame, so the planner never climbs back to the public entry points.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from sparkdl.planner.speed import matmul_rates
+
+PING_ROUNDS = 20  # 8-byte round trips per pair
+BANDWIDTH_ROUNDS = 3  # 4 MiB round trips per pair
+ALLREDUCE_ROUNDS = (20, 5)  # timed allreduces of 8 bytes, of 4 MiB
+
+
+def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[str, Any]:
+    """Run `probe` on `workers` ranks (a barrier job over `workers` one-row partitions) and return
+    rank 0's result, the dict `probe` documents."""
+    from sparkdl.config import RunConfig
+    from sparkdl.launch.attempts import tracked_submit
+    from sparkdl.launch.driver import ensure_training_slots, new_run_id
+    from sparkdl.launch.spec import TrainSpec
+    from sparkdl.tracking import RunTracker
+
+    options: dict[str, Any] = {"progress": False, "backend": "torch"}
+    if threads_per_worker:
+        options["threads_per_worker"] = threads_per_worker
+    config = RunConfig.from_kwargs(num_workers=workers, **options)
+    config.train.validate()  # no DataFrame: the data section does not apply
+    config.launch.validate()
+    ensure_training_slots(spark, workers, config.launch)
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=None, train_fn=probe)
+    # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
+    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec, RunTracker(enabled=False))
+    return result
+
+
+def probe(ctx: Any) -> dict[str, Any]:
+    """Runs on every rank. Returns (on every rank) per-rank lists "flops", "flops_best" and "threads",
+    rank-pair tables "latency", "latency_best", "bandwidth", "bandwidth_best" ([i][j], seconds and
+    bytes/s), the ring parameters "collective_latency", "collective_bandwidth" and their "_best"
+    counterparts, and "executors" (each rank's executor address)."""
+    import torch
+
+    rates = matmul_rates()  # with the threads the worker set for this rank, as training runs
+    small, large = torch.zeros(2), torch.zeros(1 << 20)  # 8 bytes, 4 MiB
+    links = _links(ctx, small, large)
+    collective = _collective(ctx, small, large)
+    rates += matmul_rates()  # again after the messages: a burst of load shows as spread, not as speed
+    mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
+            **links}
+    gathered = ctx.comm.allgather_object(mine)
+    world = ctx.world_size
+    # Only rank i fills the entries of pair (i, j); the others hold 0 / inf there.
+    result: dict[str, Any] = {key: [g[key] for g in gathered] for key in ("flops", "flops_best", "threads")}
+    for key in ("latency", "latency_best"):
+        result[key] = [[max(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]
+    for key in ("bandwidth", "bandwidth_best"):
+        result[key] = [[min(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]
+    result.update(collective)
+    result["executors"] = list(ctx.world.executors)
+    return result
+
+
+def _links(ctx: Any, small: Any, large: Any) -> dict[str, list[list[float]]]:
+    """Ping-pong every pair (i < j): one-way latency of 8 bytes, bandwidth of 4 MiB beyond it."""
+    world, rank = ctx.world_size, ctx.rank
+    tables = {key: [[0.0 if key.startswith("latency") else float("inf")] * world for _ in range(world)]
+              for key in ("latency", "latency_best", "bandwidth", "bandwidth_best")}
+    for i in range(world):
+        for j in range(i + 1, world):
+            one_way = {}
+            for buffer, rounds in ((small, PING_ROUNDS), (large, BANDWIDTH_ROUNDS)):
+                ctx.comm.barrier()
+                one_way[buffer.numel()] = _ping_pong(ctx, buffer, rounds, i, j)
+            if rank != i:
+                continue
+            small_times, large_times = one_way[small.numel()], one_way[large.numel()]
+            nbytes = large.numel() * large.element_size()
+            for suffix, pick in (("", statistics.median), ("_best", min)):
+                latency = pick(small_times)
+                bandwidth = nbytes / max(pick(large_times) - latency, 1e-9)
+                tables["latency" + suffix][i][j] = tables["latency" + suffix][j][i] = latency
+                tables["bandwidth" + suffix][i][j] = tables["bandwidth" + suffix][j][i] = bandwidth
+    return tables
+
+
+def _ping_pong(ctx: Any, buffer: Any, rounds: int, i: int, j: int) -> list[float]:
+    """One-way times of `rounds` round trips between ranks i and j (other ranks return zeros)."""
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        if ctx.rank == i:
+            ctx.comm.send(buffer, j, 31).wait()
+            ctx.comm.recv(buffer, j, 32)
+        elif ctx.rank == j:
+            ctx.comm.recv(buffer, i, 31)
+            ctx.comm.send(buffer, i, 32).wait()
+        times.append((time.perf_counter() - started) / 2)
+    return times
+
+
+def _collective(ctx: Any, small: Any, large: Any) -> dict[str, float]:
+    """Ring parameters that reproduce the measured allreduce of 8 bytes and of 4 MiB:
+    T(n) = 2(W-1) a + 2(W-1)/W n / b, from rank 0's median times and from its best ones (after a
+    barrier, so all ranks start together). Every rank returns rank 0's figures."""
+    world = ctx.world_size
+    if world < 2:
+        return {"collective_latency": 0.0, "collective_bandwidth": 0.0,
+                "collective_latency_best": 0.0, "collective_bandwidth_best": 0.0}
+    samples = []
+    for buffer, rounds in zip((small, large), ALLREDUCE_ROUNDS):
+        ctx.comm.barrier()
+        ctx.comm.allreduce(buffer.clone(), op="sum")  # warm-up
+        times = []
+        for _ in range(rounds):
+            work = buffer.clone()
+            started = time.perf_counter()
+            ctx.comm.allreduce(work, op="avg")
+            times.append(time.perf_counter() - started)
+        samples.append(times)
+    hops = 2 * (world - 1)
+    nbytes = large.numel() * large.element_size()
+    decided: dict[str, float] = {}
+    for suffix, pick in (("", statistics.median), ("_best", min)):
+        small_s, large_s = pick(samples[0]), pick(samples[1])
+        decided["collective_latency" + suffix] = small_s / hops
+        decided["collective_bandwidth" + suffix] = hops / world * nbytes / max(large_s - small_s, 1e-9)
+    return ctx.comm.allgather_object(decided)[0]
