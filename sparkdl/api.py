@@ -18,7 +18,7 @@ from sparkdl.data.feed import label_is_integral  # noqa: F401 - public here
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.launch.attempts import tracked_submit
 from sparkdl.launch.shipping import ship_by_value
-from sparkdl.planning import resolve
+from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
 
 _log = logging.getLogger("sparkdl")
@@ -75,6 +75,8 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     config.validate()
     model = _the_model(model, config)
     kept = kept_plan(plan, config)
+    if kept is not None:
+        check_kept_world(kept, config)
     check_columns(df, list(config.data.feature_cols) + [_label_col(config)])
     spark = _spark(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)

@@ -124,19 +124,16 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     from sparkdl.errors import ConfigError
     from sparkdl.resolved_plan import ResolvedPlan
 
-    hint = "plan again for this model and data (sparkdl.plan), or drop plan= / plan_from_run="
-    if plan.world != config.launch.num_workers:
-        raise ConfigError(f"plan= was made for {plan.world} workers, but launch.num_workers="
-                          f"{config.launch.num_workers}", hint=f"pass num_workers={plan.world}, or {hint}")
+    check_kept_world(plan, config)
     named, kept = config.train.strategy, plan.options.get("strategy")
     if named not in ("auto", kept):
         raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
-                          hint=f"leave strategy unset (or 'auto') when passing a plan, or {hint}")
+                          hint=f"leave strategy unset (or 'auto') when passing a plan, or {_REPLAN}")
     config = config.merged({"train": plan.options}).validate()
     check_backend(config)
     mismatch = _layout_mismatch(plan, module, config, layout)
     if mismatch:
-        raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=hint)
+        raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=_REPLAN)
     if plan.strategy != "hybrid":
         from sparkdl.planner.stages import check_data_parallel_memory
 
@@ -147,6 +144,18 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
         use_batch_statistics(module)  # the driver's copy must match the trained state's keys
     params = {**plan.as_params(), "plan.reused": "true"}
     return ResolvedPlan.build(config, plan.layout, params, plan.auto)
+
+
+_REPLAN = "plan again for this model and data (sparkdl.plan), or drop plan= / plan_from_run="
+
+
+def check_kept_world(plan: ResolvedPlan, config: RunConfig) -> None:
+    """A kept plan is for the world it was made for (cheap: checked before any Spark job)."""
+    from sparkdl.errors import ConfigError
+
+    if plan.world != config.launch.num_workers:
+        raise ConfigError(f"plan= was made for {plan.world} workers, but launch.num_workers="
+                          f"{config.launch.num_workers}", hint=f"pass num_workers={plan.world}, or {_REPLAN}")
 
 
 def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout) -> str:

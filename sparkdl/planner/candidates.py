@@ -33,7 +33,7 @@ from sparkdl.planner.profile import ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
-HETEROGENEOUS = 1.5  # fastest / slowest rank speed above which shares by speed are priced (calibration noise stays below)
+HETEROGENEOUS = 1.5  # fastest / slowest rank speed (at both calibration ends) above which shares by speed are priced
 IST_R = 30
 
 

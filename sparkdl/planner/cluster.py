@@ -123,7 +123,8 @@ def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: floa
         gpus_per_task=facts.gpus_per_task, threads_per_rank=tuple(int(t) for t in probe.get("threads", ())),
         threads_option=threads_option or 0,
         best_flops_per_s=tuple(float(f) for f in probe.get("flops_best", ())),
-        best_latency_s=_matrix(probe.get("latency_best", ())), best_bandwidth_Bps=_matrix(probe.get("bandwidth_best", ())),
+        best_latency_s=_matrix(probe.get("latency_best", ())),
+        best_bandwidth_Bps=_matrix(probe.get("bandwidth_best", ())),
         best_collective_latency_s=float(probe.get("collective_latency_best", 0.0)),
         best_collective_bandwidth_Bps=float(probe.get("collective_bandwidth_best", 0.0)))
 
@@ -193,7 +194,8 @@ def cached(facts: ClusterFacts, now: float | None = None) -> ClusterInfo | None:
     if not _fresh(entry, time.time() if now is None else now):
         return None
     # Spark's facts are read afresh each time; only the measurements come from the cache.
-    return replace(_from_entry(entry), slots=facts.slots, executor_memory=facts.executor_memory,  # type: ignore[arg-type]
+    info = _from_entry(entry)  # type: ignore[arg-type] - _fresh checked it is a dict
+    return replace(info, slots=facts.slots, executor_memory=facts.executor_memory,
                    gpus_per_executor=facts.gpus_per_executor, gpus_per_task=facts.gpus_per_task)
 
 

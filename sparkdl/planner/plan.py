@@ -4,10 +4,11 @@ only: candidates come in as numbers (planner/cost.py), the choice and its explan
 The choice: data parallel when it fits and its exposed allreduce is at most CHEAP_COMM of its compute;
 otherwise the fastest predicted exact strategy (data parallel, hybrid: the update equals synchronous
 training), unless an approximate one (DiLoCo, IST) is predicted at least APPROXIMATE_MIN_SPEEDUP times
-faster, since those change the optimisation; `decide` requires that at both ends of the calibration
-(as measured, and at its optimistic end), so a noisy calibration cannot switch the algorithm. This is ALGORITHMS.md's rule list: fits and
+faster, since those change the optimisation. This is ALGORITHMS.md's rule list: fits and
 communication is cheap -> data parallel; does not fit -> hybrid (the fastest K that fits);
-communication-bound -> IST for wide MLPs, otherwise DiLoCo.
+communication-bound -> IST for wide MLPs, otherwise DiLoCo. `decide` requires an approximate
+strategy to pass that rule at both ends of the calibration (as measured, and at its optimistic end),
+so one noisy calibration cannot switch the algorithm, and says what the decision hinged on.
 """
 from __future__ import annotations
 
@@ -228,8 +229,10 @@ def decide(measured: list[Candidate], optimistic: list[Candidate] | None = None,
                  f"{m.why_not(measured, 'measured', approximate_min_speedup)}; "
                  f"{_term(measured, optimistic, o_index, approximate_min_speedup, steps)}")
         return Decision(index, f"{reason}; {hinge}: kept exact", hinge)
-    if verdict(measured, index, approximate_min_speedup, steps).exact is None:
+    m = verdict(measured, index, approximate_min_speedup, steps)
+    if m.exact is None:
         return Decision(index, reason)  # nothing exact is feasible: no decision to hinge on
+    exact = m.exact
     both = [i for i, c in sorted(enumerate(measured), key=lambda ic: ic[1].predicted_step_s)
             if c.feasible and c.strategy not in EXACT and verdict(measured, i, approximate_min_speedup, steps).passes
             and verdict(optimistic, i, approximate_min_speedup, steps).passes]
@@ -238,16 +241,15 @@ def decide(measured: list[Candidate], optimistic: list[Candidate] | None = None,
         o = verdict(optimistic, i, approximate_min_speedup, steps)
         if i == index:
             return Decision(i, f"{reason}; {o.speedup:.1f}x at the calibration's optimistic end too")
-        m = verdict(measured, i, approximate_min_speedup, steps)
-        return Decision(i, f"{m.speedup:.1f}x the best exact strategy at the measured end and {o.speedup:.1f}x at the "
-                           f"optimistic end ({measured[index].label} is faster only at the measured end)")
-    m, o = verdict(measured, index, approximate_min_speedup, steps), verdict(optimistic, index, approximate_min_speedup,
-                                                                              steps)
-    a, e = measured[index], measured[m.exact]  # type: ignore[index]
+        m_i = verdict(measured, i, approximate_min_speedup, steps)
+        return Decision(i, f"{m_i.speedup:.1f}x the best exact strategy at the measured end and {o.speedup:.1f}x at "
+                           f"the optimistic end ({measured[index].label} is faster only at the measured end)")
+    o = verdict(optimistic, index, approximate_min_speedup, steps)
+    a, e = measured[index], measured[exact]
     hinge = (f"{a.label} is {m.speedup:.1f}x faster at the measured end but "
              f"{o.why_not(optimistic, 'optimistic', approximate_min_speedup)}; "
              f"{_term(measured, optimistic, index, approximate_min_speedup, steps)}")
-    return Decision(m.exact, f"exact updates ({e.predicted_step_s * 1e3:.2f} ms); {hinge}: kept exact", hinge)  # type: ignore[arg-type]
+    return Decision(exact, f"exact updates ({e.predicted_step_s * 1e3:.2f} ms); {hinge}: kept exact", hinge)
 
 
 def _term(measured: list[Candidate], optimistic: list[Candidate], index: int, approximate_min_speedup: float,

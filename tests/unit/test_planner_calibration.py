@@ -64,7 +64,8 @@ def test_the_cache_round_trip(cache_dir: Path) -> None:
     assert cl.cached(facts()) == info
     # Spark's facts are read afresh; another cluster (other executors) has no entry
     moved = cl.cached(ClusterFacts("spark://m:7077", 2, ("h:1", "h:2"), slots=8, executor_memory="4g"))
-    assert moved is not None and moved.slots == 8 and moved.executor_memory == "4g" and moved.flops_per_s == info.flops_per_s
+    assert moved is not None and moved.slots == 8 and moved.executor_memory == "4g"
+    assert moved.flops_per_s == info.flops_per_s
     assert cl.cached(facts(("h:1", "h:3"))) is None
 
 

@@ -29,9 +29,9 @@ def candidate(label: str, compute_ms: float, comm_ms: float) -> Candidate:
     options: dict[str, Any] = {"strategy": strategy}
     if extra:
         options["batch_balance"] = extra
-    return Candidate(strategy=strategy, options=tuple(options.items()), predicted_step_s=(compute_ms + comm_ms) / 1e3,
-                     bytes_per_step=1.0, memory_bytes=1.0, feasible=True, reason="", compute_s=compute_ms / 1e3,
-                     comm_s=comm_ms / 1e3)
+    return Candidate(strategy=strategy, options=tuple(options.items()),
+                     predicted_step_s=(compute_ms + comm_ms) / 1e3, bytes_per_step=1.0, memory_bytes=1.0,
+                     feasible=True, reason="", compute_s=compute_ms / 1e3, comm_s=comm_ms / 1e3)
 
 
 def test_the_issues_numbers_keep_exact_updates_when_only_the_measured_end_favours_ist() -> None:
