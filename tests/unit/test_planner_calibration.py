@@ -129,3 +129,36 @@ def test_worker_threads_come_from_the_calibration() -> None:
     assert worker_threads(config(), info) == 2
     assert worker_threads(config(threads_per_worker=4), None) == 4
     assert worker_threads(config(), None) == 1
+
+
+# -- planning composes: facts -> cache -> probe -> ClusterInfo -> plan (Spark and the probe faked) --
+
+def test_planning_measures_once_more_when_the_ends_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from sparkdl import planning
+    from sparkdl.launch import probe as probe_module
+
+    calls: list[tuple[int, int | None]] = []
+
+    def fake_probe(spark: Any, workers: int, threads: int | None) -> dict[str, Any]:
+        calls.append((workers, threads))
+        # a jittery network: 5 ms and 80 Mbit/s as measured, 1 us and 8 Tbit/s at best
+        result = probe(flops=(2e10, 2e10), latency=5e-3, bandwidth=1e7, executors=("h:1", "h:2"))
+        best = [[0.0, 1e-6], [1e-6, 0.0]], [[INF, 1e12], [1e12, INF]]
+        return {**result, "latency_best": best[0], "bandwidth_best": best[1], "collective_latency_best": 1e-6,
+                "collective_bandwidth_best": 1e12, "threads": [1, 1]}
+
+    monkeypatch.setattr(probe_module, "run_probe", fake_probe)
+    monkeypatch.setattr(planning, "session_facts", lambda spark, workers: ClusterFacts("local-cluster", workers,
+                                                                                       ("h:1", "h:2"), slots=4))
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    cfg = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,
+                                num_workers=2, epochs=100, progress=False).validate()
+    plan = planning.make_plan(model, cfg, 64, spark=None, num_rows=1797)
+    assert len(calls) == 2  # the ends disagreed: measured once more, decided on the best of both
+    assert plan.strategy in ("data_parallel", "hybrid") and plan.hinge and "kept exact" in plan.choice.reason
+    assert any("best of 2 probes" in note for note in plan.notes)
+    again = planning.make_plan(model, cfg, 64, spark=None, num_rows=1797)
+    assert len(calls) == 2 and again.strategy == plan.strategy  # the merged calibration is cached
+    assert planning.calibrate(None, 2, threads_per_worker=1).threads_option == 1 and len(calls) == 3

@@ -62,7 +62,7 @@ def test_json_round_trip_keeps_the_layout_and_the_candidates() -> None:
     assert "chosen:" in back.explain() and "2 stages x 1 replicas" in back.explain()
 
 
-@pytest.mark.filterwarnings("ignore:sparkdl: IST deals")
+@pytest.mark.filterwarnings("ignore:sparkdl. IST deals")
 def test_ist_and_data_parallel_plans_round_trip() -> None:
     cfg = config(strategy="ist")
     layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg, FEED)
@@ -98,7 +98,7 @@ def test_a_kept_plan_that_does_not_fit_the_run_is_refused(change: dict, message:
         reuse(hybrid_resolved(), mlp(), config(**change), FEED)
 
 
-@pytest.mark.filterwarnings("ignore:sparkdl: IST deals")
+@pytest.mark.filterwarnings("ignore:sparkdl. IST deals")
 def test_a_kept_plan_for_another_model_or_input_is_refused() -> None:
     kept = hybrid_resolved()
     with pytest.raises(ConfigError, match="nn.Sequential of 5 layers, the model has 3"):
