@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (check_types, choice, coerce, plain, positive_int, parse_bytes,
-                                   parse_literal, suggest)
+from sparkdl.config_values import (check_batch_size, check_types, choice, coerce, parse_bytes, parse_literal, plain,
+                                   positive_int, suggest)
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -62,7 +62,7 @@ class DataConfig:
         if self.label_col is not None and self.label_col in self.feature_cols:
             raise ConfigError(f"data.label_col {self.label_col!r} is also a feature column",
                               hint="remove the label from feature_cols")
-        positive_int("data.batch_size", self.batch_size)
+        check_batch_size(self.batch_size)
         choice("data.on_invalid", self.on_invalid, ("error", "skip"))
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction!r}",

@@ -65,6 +65,13 @@ def positive_int(key: str, value: Any) -> None:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
 
 
+def check_batch_size(batch_size: Any, key: str = "data.batch_size") -> None:
+    """The batch-size half of the epoch rule (data/epochs.py asks it too): at least one row per step."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"{key} must be at least 1, got {batch_size!r}",
+                          hint="set a positive per-worker batch_size in the training config")
+
+
 def choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
     if callable_ok and callable(value):
         return

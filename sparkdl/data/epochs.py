@@ -5,7 +5,8 @@ sized by the largest shard (smaller shards wrap around their rows); without drop
 shard sees each row once and the last step holds its remainder. With batches shared by rank speed
 (launch/balance.py) every step holds each rank's full share and the epoch covers all rows once over
 all ranks. Config validation, the planner, the worker's shard check, `WorkerContext.steps_per_epoch`
-and the spool's batches all ask `epoch_plan`. Standard library only (and sparkdl.errors).
+and the spool's batches all ask `epoch_plan`; config validation shares its batch-size check
+(config_values.check_batch_size). Standard library only (and sparkdl.errors, config_values).
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from sparkdl.errors import ConfigError, EmptyDataError
+from sparkdl.config_values import check_batch_size
+from sparkdl.errors import EmptyDataError
+
+__all__ = ["BatchOptions", "EpochPlan", "check_batch_size", "check_shards", "epoch_plan", "expected_row_counts"]
 
 if TYPE_CHECKING:
     from sparkdl.config import DataConfig
@@ -52,12 +56,6 @@ class EpochPlan:
     def rows_per_step(self) -> int:
         """Rows of one full step over all ranks (the global batch)."""
         return sum(self.batch_sizes)
-
-
-def check_batch_size(batch_size: int) -> None:
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError(f"batch_size must be at least 1, got {batch_size!r}",
-                          hint="set a positive per-worker batch_size in the training config")
 
 
 def expected_row_counts(num_rows: int, workers: int) -> tuple[int, ...]:

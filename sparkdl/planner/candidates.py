@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -132,11 +132,16 @@ def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: 
                 executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge)
 
 
-def run_steps(config: RunConfig, num_rows: int) -> int:
+def run_steps(config: RunConfig, num_rows: int, row_counts: Sequence[int] | None = None) -> int:
     """The run's optimizer steps over `num_rows` training rows, by the rule every rank follows
-    (data/epochs.py): equal shards of a round-robin repartition, steps sized by the largest."""
-    shards = expected_row_counts(num_rows, config.launch.num_workers)
-    return epoch_plan(shards, config.data).steps * config.train.epochs
+    (data/epochs.py): over `row_counts` when the shards are known, else the equal shards of a
+    round-robin repartition. With batches shared by speed only the global batch matters (every
+    row once over all ranks), so any split of it gives these steps."""
+    workers = config.launch.num_workers
+    shards = tuple(row_counts) if row_counts is not None else expected_row_counts(num_rows, workers)
+    by_speed = config.train.batch_balance == "speed" and workers > 1
+    shares = (config.data.batch_size,) * workers if by_speed else None
+    return epoch_plan(shards, config.data, shares).steps * config.train.epochs
 
 
 def calibration_ends(cluster: ClusterInfo, config: RunConfig) -> list[CalibrationEnd]:
