@@ -19,6 +19,10 @@ def __getattr__(name: str) -> Any:
         from sparkdl import api
 
         return getattr(api, name)
+    if name == "ResolvedPlan":
+        from sparkdl.resolved_plan import ResolvedPlan
+
+        return ResolvedPlan
     if name == "errors":
         import sparkdl.errors as errors
 
@@ -26,4 +30,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sparkdl' has no attribute {name!r}")
 
 
-__all__ = ["RunConfig", "SparkdlError", "TorchEstimator", "TorchModel", "run", "fit", "plan", "predict", "__version__"]
+__all__ = ["RunConfig", "ResolvedPlan", "SparkdlError", "TorchEstimator", "TorchModel", "run", "fit", "plan", "predict", "__version__"]

@@ -122,15 +122,20 @@ def _label_col(config: RunConfig) -> str:
 
 
 def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPlan | None:
-    """The plan to train with instead of planning: `plan=` (a ResolvedPlan or its JSON text), or
-    train.plan_from_run (the plan.json of that MLflow run); None to plan as usual."""
-    run_id = config.train.plan_from_run
-    if plan is not None and run_id:
-        raise ConfigError("both plan= and train.plan_from_run are set", hint="pass only one of them")
+    """The plan to train with instead of planning: `plan=` (a ResolvedPlan or its JSON text),
+    train.plan_from_run (the plan.json of that MLflow run) or train.plan_file; None to plan as usual."""
+    run_id, path = config.train.plan_from_run, config.train.plan_file
+    if plan is not None and (run_id or path):
+        raise ConfigError(f"both plan= and train.{'plan_from_run' if run_id else 'plan_file'} are set",
+                          hint="pass only one of them")
     if run_id:
         from sparkdl.tracking import read_run_artifact
 
         return ResolvedPlan.from_json(read_run_artifact(run_id, "plan.json", config.tracking.tracking_uri))
+    if path:
+        from sparkdl.storage import read_plan_file
+
+        return ResolvedPlan.from_json(read_plan_file(path))
     if plan is None or isinstance(plan, ResolvedPlan):
         return plan
     if isinstance(plan, (str, bytes)):

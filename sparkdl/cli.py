@@ -240,6 +240,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         factory, _, _ = model_factory(df, config)
         result = api.plan(factory, df, config=config.merged({"train": {"strategy": "auto"}}))
         print(result.explain())
+        if args.out:
+            Path(args.out).write_text(result.to_json(), encoding="utf-8")
+            print(f"plan written to {args.out}; train with it: --set train.plan_file={args.out}", file=sys.stderr)
         choice = result.choice
         print(json.dumps({"strategy": result.strategy, "options": result.options,
                           "predicted_step_s": choice.predicted_step_s if choice is not None else None,
@@ -266,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override one option (repeatable); train.strategy is treated as 'auto'")
     plan.add_argument("--master", help="Spark master (as for train)")
+    plan.add_argument("--out", metavar="PATH", help="also write the plan as JSON (train with --set train.plan_file=PATH)")
     plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="train on the bundled digits and print the test accuracy")
     demo.add_argument("--master", default="local-cluster[2,1,1024]", help="default: %(default)s")

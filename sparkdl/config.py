@@ -97,6 +97,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
     keep_checkpoints: int = 2  # complete checkpoints kept
     plan_from_run: str | None = None  # MLflow run id of an earlier fit: train with its plan.json, no planning
+    plan_file: str | None = None  # a plan's JSON (sparkdl plan --out, ResolvedPlan.to_json): train with it
 
     @property
     def implied_strategy(self) -> str:
@@ -172,9 +173,12 @@ class TrainConfig:
         if self.strategy == "hybrid" and self.stages == 1:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
-        if self.plan_from_run is not None and (not isinstance(self.plan_from_run, str) or not self.plan_from_run):
-            raise ConfigError(f"train.plan_from_run must be an MLflow run id, got {self.plan_from_run!r}",
-                              hint="model.run_id of an earlier fit, or leave it unset")
+        for key, what in (("plan_from_run", "an MLflow run id"), ("plan_file", "a path")):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"train.{key} must be {what}, got {value!r}", hint="or leave it unset")
+        if self.plan_from_run and self.plan_file:
+            raise ConfigError("train.plan_from_run and train.plan_file are both set", hint="set only one of them")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
 

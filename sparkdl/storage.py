@@ -1,4 +1,4 @@
-"""Read and write small binary files through Spark's Hadoop filesystem layer.
+"""Read and write small files: model files through Spark's Hadoop filesystem layer, kept plans through pyarrow.
 
 TorchModel.save writes Spark ML metadata through Hadoop; its model files must land on the same
 filesystem (HDFS, S3A, ABFS, DBFS, a local disk), so they go through Hadoop too, via py4j.
@@ -47,3 +47,20 @@ def read_bytes(spark: Any, uri: str) -> bytes:
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.strip().startswith("at ")]
     return lines[1] if len(lines) > 1 and lines[0].startswith("An error occurred") else (lines[0] if lines else "")
+
+
+def read_plan_file(path: str) -> str:
+    """A plan's JSON from a local path or a pyarrow filesystem URI (no Spark needed)."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    from sparkdl.errors import ConfigError
+
+    try:
+        fs, where = pafs.FileSystem.from_uri(path if "://" in path else os.path.abspath(path))
+        with fs.open_input_stream(where) as stream:
+            return stream.read().decode("utf-8")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read train.plan_file {path!r}: {_first_line(exc)}",
+                          hint="write one with `sparkdl plan --conf ... --out plan.json`, or pass plan= instead") from None

@@ -119,3 +119,21 @@ def test_the_default_grid_survives_json() -> None:
                           grid=default_grid(2, 2))
     plan = ResolvedPlan(strategy="hybrid", settings=(("strategy", "hybrid"), ("stages", 2)), world=4, layout=layout)
     assert ResolvedPlan.from_json(plan.to_json()).layout.grid == ((1, 0), (3, 2))
+
+
+def test_a_plan_file_and_its_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.api import kept_plan
+
+    plan = hybrid_resolved()
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert kept_plan(None, config(plan_file=str(path))) == plan
+    assert kept_plan(plan.to_json(), config()) == plan
+    with pytest.raises(ConfigError, match="cannot read train.plan_file"):
+        kept_plan(None, config(plan_file=str(tmp_path / "missing.json")))
+    with pytest.raises(ConfigError, match="both plan= and train.plan_file are set"):
+        kept_plan(plan, config(plan_file=str(path)))
+    with pytest.raises(ConfigError, match="plan_from_run and train.plan_file are both set"):
+        config(plan_file=str(path), plan_from_run="abc")
+    with pytest.raises(ConfigError, match="plan= must be the ResolvedPlan"):
+        kept_plan(42, config())  # type: ignore[arg-type]
