@@ -87,23 +87,23 @@ def make_train_fn(model_name: str, runs: list[dict[str, Any]], batch: int) -> An
         results = []
         for run in runs:
             options = run["options"]
+            x, y, weight = features, labels, 1.0
+            if options.get("batch_balance") == "speed":  # as the built-in loop does (launch/balance.py)
+                from sparkdl.launch.balance import agree_on_shares, loss_weight
+
+                shares = agree_on_shares(ctx.comm, ctx.rank, batch, None)
+                rows = torch.arange(shares[ctx.rank]) % batch
+                x, y, weight = features[rows], labels[rows], loss_weight(shares, ctx.rank)
             if run["strategy"] in ("data_parallel", "diloco"):
                 strategy: Any = DataParallel(ctx.comm, None, TrainConfig(sync=options.get("sync", "allreduce"),
-                                                                        sync_every=options.get("sync_every", 50)))
+                                                                        sync_every=options.get("sync_every", 50)),
+                                             loss_weight=weight)
             elif run["strategy"] == "hybrid":
                 strategy = Hybrid(ctx.comm, run["layout"], TrainConfig())
             else:
                 strategy = Ist(ctx.comm, run["layout"], TrainConfig())
             torch.manual_seed(0)
             strategy.setup(MODELS[model_name](), lambda p: torch.optim.Adam(p, lr=1e-3), F.cross_entropy)
-            x, y = features, labels
-            if options.get("batch_balance") == "speed":  # as the built-in loop does (launch/balance.py)
-                from sparkdl.launch.balance import agree_on_shares, loss_weight
-
-                shares = agree_on_shares(ctx.comm, ctx.rank, batch, None)
-                rows = torch.arange(shares[ctx.rank]) % batch
-                x, y = features[rows], labels[rows]
-                strategy.loss_weight = loss_weight(shares, ctx.rank)
             strategy.train_step(x, y)  # warm-up
             ctx.comm.barrier()
             started = time.perf_counter()

@@ -10,6 +10,7 @@ from sparkdl.config import RunConfig
 
 if TYPE_CHECKING:
     from sparkdl.data.layout import FeedLayout
+    from sparkdl.layouts import StrategyLayout
     from sparkdl.resolved_plan import ResolvedPlan
 
 
@@ -110,7 +111,7 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
         config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
     check_backend(config)
     links = auto.executor_links if auto is not None else measured_links(spark, config)
-    strategy_layout, params = plan_strategy(module, config, layout, links)
+    strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None)
     if auto is not None:
         params.update(auto.as_params())
     return ResolvedPlan.build(config, strategy_layout, params, auto)
@@ -134,7 +135,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     mismatch = _layout_mismatch(plan, module, config, layout)
     if mismatch:
         raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=_REPLAN)
-    if plan.strategy != "hybrid":
+    if plan.strategy in ("data_parallel", "diloco") or (plan.strategy == "ist" and plan.auto is None):
         from sparkdl.planner.stages import check_data_parallel_memory
 
         check_data_parallel_memory(module, config, layout.num_features)
@@ -188,16 +189,21 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
     return ""
 
 
-def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = ()) -> tuple[Any, dict[str, str]]:
-    """The strategy's driver-side plan (None for data parallel) and the MLflow params describing it;
-    configurations that cannot run (stage counts, micro-batches, memory budget) raise here."""
+def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
+                  priced: bool = False) -> tuple[StrategyLayout, dict[str, str]]:
+    """The strategy's driver-side layout (None for data parallel) and the MLflow params describing
+    it; configurations that cannot run (stage counts, micro-batches, memory budget) raise here.
+    `priced`: the planner chose this strategy and already priced its memory per rank against the
+    budget (an IST rank keeps optimizer state for its subnet only, which the whole-model check of
+    data parallel would overstate)."""
     from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
 
     if config.train.strategy == "hybrid":
         hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32",
                                               links)
         return hybrid, describe(hybrid, profile, memory)
-    check_data_parallel_memory(module, config, layout.num_features)
+    if not (priced and config.train.strategy == "ist"):
+        check_data_parallel_memory(module, config, layout.num_features)
     if config.train.strategy == "ist":
         return plan_ist(module, config)
     return None, {}
