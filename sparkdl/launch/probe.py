@@ -40,7 +40,8 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[
     ensure_training_slots(spark, workers, config.launch)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=None, train_fn=probe)
     # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
-    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec, RunTracker(enabled=False))
+    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec, RunTracker(enabled=False),
+                               slots_checked=True)
     return result
 
 
