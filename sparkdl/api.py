@@ -14,7 +14,6 @@ from sparkdl.checks import (check_backend, check_enough_rows, check_gpus_per_tas
                             check_inference_batch_size, check_output_width, check_picklable,
                             drop_labels_beyond_the_model, preflight, probe_model)
 from sparkdl.config import RunConfig
-from sparkdl.data.feed import label_is_integral  # noqa: F401 - public here
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.launch.attempts import tracked_submit
 from sparkdl.launch.shipping import ship_by_value
@@ -61,6 +60,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     config = RunConfig.from_kwargs(base=config, **options).validate()
     data = config.data
     check_columns(df, list(data.feature_cols) + ([data.label_col] if data.label_col else []))
+    preflight(_spark(df), config.launch.num_workers, config.launch.gpus_per_worker)
     prepared = prepare_run(df, config)
     module, _ = probe_model(model, config, prepared.layout.num_features)
     return resolve(module, config.merged({"tracking": {"progress": False}}), prepared.layout, _spark(df),
@@ -90,7 +90,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     config = resolved.config or config
     spec = _train_spec(model, config, prepared.layout, resolved)
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
-    state, history = tracked_submit(spark, prepared.df, spec, tracker, slots_checked=True)
+    state, history = tracked_submit(spark, prepared.df, spec, tracker)
     _log_prediction(tracker, resolved, history)
     module.load_state_dict(state)
     module.eval()
@@ -248,7 +248,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     check_backend(config)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),
     # but no MLflow run: what it trains and logs is its own business.
-    result, _ = tracked_submit(spark, job_df, spec, RunTracker(enabled=False), slots_checked=True)
+    result, _ = tracked_submit(spark, job_df, spec, RunTracker(enabled=False))
     return result
 
 

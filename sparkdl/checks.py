@@ -90,9 +90,10 @@ def check_enough_rows(config: RunConfig, num_rows: int) -> None:
     if num_rows < workers:
         raise ConfigError(f"the DataFrame has {num_rows} row(s), fewer than num_workers={workers}: "
                           "some workers would get no data", hint=f"use num_workers <= {num_rows}")
-    if epoch_plan(expected_row_counts(num_rows, workers), config.data).steps == 0:
+    shards = expected_row_counts(num_rows, workers)
+    if epoch_plan(shards, config.data).steps == 0:
         raise ConfigError(f"drop_last=True with batch_size={batch} drops everything: each of the {workers} "
-                          f"workers gets about {num_rows // workers} rows",
+                          f"workers gets at most {max(shards)} rows",
                           hint="lower batch_size or set drop_last=False")
 
 

@@ -267,7 +267,8 @@ def parser() -> argparse.ArgumentParser:
                                        "without training")
     plan.add_argument("--conf", required=True, metavar="PATH", help="TOML file (see conf/examples/)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                      help="override one option (repeatable); train.strategy is treated as 'auto'")
+                      help="override one option (repeatable); train.strategy is treated as 'auto' (options only one "
+                           "strategy has, or one worker, still decide it without the planner)")
     plan.add_argument("--master", help="Spark master (as for train)")
     plan.add_argument("--out", metavar="PATH", help="also write the plan as JSON (train with --set train.plan_file=PATH)")
     plan.set_defaults(func=cmd_plan)

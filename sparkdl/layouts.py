@@ -189,7 +189,7 @@ class HybridLayout:
     boundary_bytes: float = 0.0
 
     def placed(self, executors: tuple[str, ...]) -> "HybridLayout":
-        """This layout with its grid placed on the ranks' executors (DT-FM, planner/placement.py):
+        """This layout with its grid placed on the ranks' executors (DT-FM, place_on_executors above):
         each stage's data-parallel group on fast links, stage boundaries on slow ones. Every rank
         computes the same grid from the same inputs. Unchanged without measured links, or when an
         executor was not part of the measurement."""

@@ -59,9 +59,6 @@ def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num
     try:
         costs = profile_model(module, config, num_features, worker_threads(config, cluster))
         result = price_plan(module, config, costs, cluster, ops, num_rows)
-        if result.hinge and cluster.probes == 1:
-            cluster = remeasure(spark, cluster, launch.threads_per_worker)
-            result = price_plan(module, config, costs, cluster, ops, num_rows)
     except NoFeasibleLayout as exc:
         raise ResourceError(f"the planner found no layout that fits: {exc}",
                             hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
@@ -77,10 +74,30 @@ def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num
         warnings.warn(message, stacklevel=3)
         logging.getLogger("sparkdl").warning(message)
         return None
+    if result.hinge and cluster.probes == 1:
+        result = _decide_again(spark, module, config, costs, cluster, ops, num_rows, result)
     logging.getLogger("sparkdl").info("%s", result.explain())
     if config.tracking.progress:
         print(result.explain(), flush=True)
     return result
+
+
+def _decide_again(spark: Any, module: Any, config: RunConfig, costs: Any, cluster: Any, ops: frozenset[str],
+                  num_rows: int | None, first: Any) -> Any:
+    """The calibration's ends disagreed: measure once more and decide on the best of both. The
+    first plan stands (exact, with its hinge explained) when the second probe fails: a second
+    opinion is an improvement, not a new way to fail."""
+    import logging
+
+    from sparkdl.planner.candidates import price_plan
+
+    try:
+        cluster = remeasure(spark, cluster, config.launch.threads_per_worker)
+        return price_plan(module, config, costs, cluster, ops, num_rows)
+    except Exception as exc:  # noqa: BLE001 - any failure of the second probe keeps the first plan
+        logging.getLogger("sparkdl").warning("sparkdl: measuring the cluster again failed (%s: %s); keeping the "
+                                             "first plan", type(exc).__name__, str(exc).splitlines()[0][:200])
+        return first
 
 
 def measured_links(spark: Any, config: RunConfig) -> tuple[tuple[str, str, float, float], ...]:
@@ -126,11 +143,11 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     from sparkdl.resolved_plan import ResolvedPlan
 
     check_kept_world(plan, config)
-    named, kept = config.train.strategy, plan.options.get("strategy")
+    named, kept = config.train.strategy, dict(plan.settings).get("strategy")
     if named not in ("auto", kept):
         raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
                           hint=f"leave strategy unset (or 'auto') when passing a plan, or {_REPLAN}")
-    config = config.merged({"train": plan.options}).validate()
+    config = config.merged({"train": dict(plan.settings)}).validate()
     check_backend(config)
     mismatch = _layout_mismatch(plan, module, config, layout)
     if mismatch:

@@ -11,6 +11,7 @@ without torch or Spark.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
@@ -57,8 +58,17 @@ class ResolvedPlan:
 
     @property
     def options(self) -> dict[str, Any]:
-        """The train options that select this layout (`config.merged({"train": plan.options})`)."""
-        return dict(self.settings)
+        """The train options that name this choice, as the planner's candidates show them (e.g.
+        {"strategy": "ist", "ist_sync_every": 30}); `settings` holds every layout option."""
+        if self.auto is not None:
+            return self.auto.options
+        settings = dict(self.settings)
+        named = {"strategy": settings["strategy"]}
+        if self.strategy in ("data_parallel", "diloco"):
+            named["sync"] = settings.get("sync", "allreduce")
+        named.update({k: v for k, v in self.settings if _shown(self.strategy, k)
+                      and not (k == "batch_balance" and v == "equal")})
+        return named
 
     def as_params(self) -> dict[str, str]:
         return dict(self.params)
@@ -87,9 +97,10 @@ class ResolvedPlan:
         layout: dict[str, Any] | None = None
         if self.layout is not None:
             layout = {"kind": "hybrid" if isinstance(self.layout, HybridLayout) else "ist", **asdict(self.layout)}
-        return json.dumps({"format": PLAN_FORMAT, "strategy": self.strategy, "world": self.world,
-                           "options": dict(self.settings), "layout": layout, "params": dict(self.params),
-                           "auto": asdict(self.auto) if self.auto is not None else None}, indent=1, default=str)
+        return json.dumps(_finite({"format": PLAN_FORMAT, "strategy": self.strategy, "world": self.world,
+                                   "options": dict(self.settings), "layout": layout, "params": dict(self.params),
+                                   "auto": asdict(self.auto) if self.auto is not None else None}),
+                          indent=1, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ResolvedPlan":
@@ -116,6 +127,24 @@ def _shown(strategy: str, option: str) -> bool:
     return option in relevant.get(strategy, set())
 
 
+_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _finite(value: Any) -> Any:
+    """Strict JSON (jq, MLflow's viewer): an infeasible candidate's infinite cost becomes "inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _number(value: Any) -> Any:
+    return _NON_FINITE.get(value, value) if isinstance(value, str) else value
+
+
 def _tuples(value: Any) -> Any:
     """JSON lists back into the nested tuples the frozen layouts hold."""
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
@@ -133,7 +162,8 @@ def _layout_from(data: dict[str, Any] | None) -> StrategyLayout:
 def _plan_from(data: dict[str, Any] | None) -> Plan | None:
     if data is None:
         return None
-    candidates = tuple(Candidate(**{**c, "options": _tuples(c["options"])}) for c in data["candidates"])
+    candidates = tuple(Candidate(**{k: _tuples(v) if k == "options" else _number(v) for k, v in c.items()})
+                       for c in data["candidates"])
     names = {f.name for f in fields(Plan)}
-    rest = {k: _tuples(v) for k, v in data.items() if k in names and k != "candidates"}
+    rest = {k: _number(_tuples(v)) for k, v in data.items() if k in names and k != "candidates"}
     return Plan(candidates=candidates, **rest)

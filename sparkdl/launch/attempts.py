@@ -13,10 +13,8 @@ from sparkdl.config import RunConfig
 _log = logging.getLogger("sparkdl")
 
 
-def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any, slots_checked: bool = False
-                   ) -> tuple[Any, list[dict[str, Any]]]:
-    """Submit with the driver channel open: progress, metrics to MLflow, rank 0's output, errors.
-    `slots_checked`: the caller waited for the slots just now, so the first attempt does not again."""
+def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """Submit with the driver channel open: progress, metrics to MLflow, rank 0's output, errors."""
     from dataclasses import replace
 
     from sparkdl.errors import TrainingError
@@ -36,8 +34,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any, slots_check
             try:
                 for attempt in range(1, attempts + 1):
                     try:
-                        result = submit(spark, job_df, replace(spec, channel=channel.address),
-                                        slots_checked=slots_checked and attempt == 1)
+                        result = submit(spark, job_df, replace(spec, channel=channel.address))
                         break
                     except TrainingError as failure:
                         channel.drain()

@@ -12,10 +12,14 @@ before backward, so the averaged gradient is exactly the gradient of the mean ov
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from sparkdl.data.epochs import BatchOptions, epoch_plan
 from sparkdl.layouts import batch_shares
+
+if TYPE_CHECKING:
+    from sparkdl.comm.base import Communicator
+    from sparkdl.config import RunConfig
 
 
 def measured_speed(rank: int, emulated: Sequence[float] | None) -> float:
@@ -49,7 +53,7 @@ def agree_on_shares(comm: Any, rank: int, batch_size: int, emulated: Sequence[fl
     return shares_by_speed(speeds, batch_size)
 
 
-def agreed_shares(config: Any, comm: Any, rank: int, world_size: int, row_counts: Sequence[int],
+def agreed_shares(config: "RunConfig", comm: "Communicator", rank: int, world_size: int, row_counts: Sequence[int],
                   started_with: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """The batch shares of a data-parallel run with train.batch_balance="speed" (None otherwise):
     those the run started with when a retried attempt resumes, else measured now by every rank."""

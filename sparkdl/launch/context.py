@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sparkdl.comm.base import Communicator, WorldInfo
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_shards, epoch_plan
 from sparkdl.launch.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from sparkdl.data.batches import Spool
+    from sparkdl.launch.reporter import Reporter
 
 __all__ = ["WorkerContext", "EpochPlan", "epoch_plan", "check_shards", "rank_threads"]
 
@@ -35,9 +39,9 @@ class WorkerContext:
     comm: Communicator
     spec: TrainSpec
     row_counts: tuple[int, ...] = ()  # every rank's shard, in rank order (the same on every rank)
-    spool: Any = None  # this rank's training rows (data.batches.Spool), None without a DataFrame
-    validation: Any = None  # this rank's validation rows (a Spool), None without validation data
-    reporter: Any = None  # metrics and progress to the driver (rank 0); see launch.reporter
+    spool: "Spool | None" = None  # this rank's training rows, None without a DataFrame
+    validation: "Spool | None" = None  # this rank's validation rows, None without validation data
+    reporter: "Reporter | None" = None  # metrics and progress to the driver (rank 0)
     batch_shares: tuple[int, ...] | None = None  # rows per rank and step when shared by speed (launch.balance)
     spool_seconds: float = 0.0  # receiving this rank's partition from Spark and spooling it (epoch 1's extra)
 

@@ -104,14 +104,11 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
     return ResourceProfileBuilder().require(requests).build
 
 
-def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec, slots_checked: bool = False
-           ) -> tuple[Any, list[dict[str, Any]]]:
-    """Run the barrier job; returns (the trained state or train_fn's result, history).
-    `slots_checked`: the caller has just waited for the slots (ensure_training_slots); otherwise
-    (a retried attempt, after an executor was lost) they are waited for here."""
-    launch = spec.config.launch
-    profile = training_profile(spark, launch.gpus_per_worker) if slots_checked else \
-        ensure_training_slots(spark, spec.world_size, launch)
+def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the barrier job; returns (the trained state or train_fn's result, history). The slots are
+    checked again right before it (one py4j call when they are there): executors may have gone
+    since the entry point checked, and a barrier stage short of slots retries silently for minutes."""
+    profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
     job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
     sc = spark.sparkContext
     sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "

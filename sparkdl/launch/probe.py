@@ -27,7 +27,7 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[
     rank 0's result, the dict `probe` documents."""
     from sparkdl.config import RunConfig
     from sparkdl.launch.attempts import tracked_submit
-    from sparkdl.launch.driver import ensure_training_slots, new_run_id
+    from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
     from sparkdl.tracking import RunTracker
 
@@ -37,11 +37,9 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[
     config = RunConfig.from_kwargs(num_workers=workers, **options)
     config.train.validate()  # no DataFrame: the data section does not apply
     config.launch.validate()
-    ensure_training_slots(spark, workers, config.launch)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=None, train_fn=probe)
     # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
-    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec, RunTracker(enabled=False),
-                               slots_checked=True)
+    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec, RunTracker(enabled=False))
     return result
 
 

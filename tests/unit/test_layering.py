@@ -135,10 +135,29 @@ def _where(module: str, imp: Import) -> str:
     return f"{path}:{imp.lineno} imports {imp.target}"
 
 
-WORKER_SIDE = _modules("comm/*.py", "strategies/*.py", "data/batches.py", "launch/worker.py",
-                       "launch/rendezvous.py")
+WORKER_SIDE = _modules("comm/*.py", "strategies/*.py", "data/batches.py", "data/epochs.py", "layouts.py",
+                       "launch/worker.py", "launch/rendezvous.py", "launch/context.py", "launch/loop.py",
+                       "launch/wire.py", "launch/checkpoint.py")
 STRATEGIES = _modules("strategies/*.py")
 PURE_PLANNER = _modules("planner/cost.py", "planner/plan.py")
+
+
+# Standard library only (imports under TYPE_CHECKING aside), with the few stdlib-only sparkdl modules
+# each may use: they travel in the TrainSpec or a saved plan and must load without torch or Spark.
+STDLIB_ONLY = {
+    "sparkdl.layouts": set(),
+    "sparkdl.data.epochs": {"sparkdl.config_values", "sparkdl.errors"},
+    "sparkdl.data.layout": set(),
+    "sparkdl.planner.cluster": set(),
+    "sparkdl.resolved_plan": {"sparkdl.config", "sparkdl.errors", "sparkdl.layouts", "sparkdl.planner.plan"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(STDLIB_ONLY))
+def test_stdlib_only_modules(module: str) -> None:
+    bad = [_where(module, i) for i in SOURCES[module][1] if not i.type_checking
+           and i.target.split(".")[0] not in STDLIB and i.target not in STDLIB_ONLY[module]]
+    assert not bad, f"{module} must stay standard-library only: {bad}"
 
 
 def test_every_module_parses() -> None:
