@@ -176,6 +176,32 @@ def check_kept_world(plan: ResolvedPlan, config: RunConfig) -> None:
                           f"{config.launch.num_workers}", hint=f"pass num_workers={plan.world}, or {_REPLAN}")
 
 
+def _stage_mismatch(kept: Any, module: Any, config: RunConfig) -> str:
+    """What crosses the kept cuts must be what this model sends there (the receive buffers are
+    sized from the layout), and every stage must still fit the memory budget; one-row dry run."""
+    from sparkdl.config import parse_bytes
+    from sparkdl.planner.profile import profile_sequential
+    from sparkdl.planner.stages import stage_memory
+
+    profile = profile_sequential(module, tuple(kept.input_shape), rows=1)
+    for boundary, cut in enumerate(kept.cuts[1:-1]):
+        layer = profile.layers[cut - 1]
+        want = (tuple(kept.boundary_shapes[boundary]), kept.boundary_dtypes[boundary])
+        if (tuple(layer.out_shape), layer.out_dtype) != want:
+            return (f"after layer {cut - 1} its stages exchange {want[1]} rows of shape {list(want[0])}, this "
+                    f"model's layer {cut - 1} outputs {layer.out_dtype} of shape {list(layer.out_shape)}")
+    if config.launch.max_memory_per_rank is None:
+        return ""
+    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank")
+    for stage in range(kept.stages):
+        need = stage_memory(profile, config, kept.cuts[stage], kept.cuts[stage + 1], stage, kept.stages,
+                            kept.microbatches, kept.schedule).total
+        if need > budget:
+            return (f"its stage {stage} needs about {need / 2**20:.1f} MiB per rank at batch_size "
+                    f"{config.data.batch_size}, over launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}")
+    return ""
+
+
 def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout) -> str:
     """What about this run the kept layout was not made for ("" when it fits)."""
     from torch import nn
@@ -195,6 +221,7 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
         if kept.microbatches > kept.stages * config.data.batch_size:
             return (f"its {kept.microbatches} micro-batches exceed {kept.stages} stages x batch_size "
                     f"{config.data.batch_size} rows")
+        return _stage_mismatch(kept, module, config)
     elif isinstance(kept, IstLayout):
         from sparkdl.strategies.ist import ist_layout
 

@@ -138,3 +138,13 @@ def test_a_plan_file_and_its_errors(tmp_path) -> None:  # type: ignore[no-untype
         config(plan_file=str(path), plan_from_run="abc")
     with pytest.raises(ConfigError, match="plan= must be the ResolvedPlan"):
         kept_plan(42, config())  # type: ignore[arg-type]
+
+
+def test_a_kept_hybrid_plan_for_other_layer_widths_or_over_the_budget_is_refused() -> None:
+    kept = hybrid_resolved()  # cut after layer 2: 16 values per row cross the boundary
+    wider = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    with pytest.raises(ConfigError, match=r"exchange float32 rows of shape \[16\].*outputs float32 of shape \[32\]"):
+        reuse(kept, wider, config(), FEED)
+    with pytest.raises(ConfigError, match="needs about .* MiB per rank .* over launch.max_memory_per_rank='1KB'"):
+        reuse(kept, mlp(), config(max_memory_per_rank="1KB"), FEED)
+    assert reuse(kept, mlp(), config(max_memory_per_rank="1GB"), FEED).layout == kept.layout
