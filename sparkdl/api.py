@@ -226,7 +226,6 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     from sparkdl.data.feed import prepare_run
     from sparkdl.launch.driver import ensure_training_slots, new_run_id
     from sparkdl.launch.spec import TrainSpec
-    from sparkdl.tracking import RunTracker
 
     if not callable(train_fn):
         raise ConfigError(f"train_fn must be callable, got {type(train_fn).__name__}",
@@ -248,7 +247,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     check_backend(config)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),
     # but no MLflow run: what it trains and logs is its own business.
-    result, _ = tracked_submit(spark, job_df, spec, RunTracker(enabled=False))
+    result, _ = tracked_submit(spark, job_df, spec)
     return result
 
 

@@ -13,8 +13,30 @@ from sparkdl.config import RunConfig
 _log = logging.getLogger("sparkdl")
 
 
-def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any) -> tuple[Any, list[dict[str, Any]]]:
-    """Submit with the driver channel open: progress, metrics to MLflow, rank 0's output, errors."""
+class Untracked:
+    """The tracker of a job that is no MLflow run (a custom loop, the calibration probe): the driver
+    channel still carries progress, output and errors; nothing is logged."""
+
+    run_id: str | None = None
+    tracking_uri: str | None = None
+
+    def log_params(self, params: Any) -> None:
+        """Nothing to log."""
+
+    def log_metric_points(self, points: Any) -> None:
+        """Nothing to log."""
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Nothing to log."""
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """No run to end."""
+
+
+def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None) -> tuple[Any, list[dict[str, Any]]]:
+    """Submit with the driver channel open: progress, metrics to MLflow (through `tracker`, a
+    tracking.RunTracker; None for a job that is no MLflow run), rank 0's output, errors."""
+    tracker = tracker if tracker is not None else Untracked()
     from dataclasses import replace
 
     from sparkdl.errors import TrainingError

@@ -29,7 +29,6 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[
     from sparkdl.launch.attempts import tracked_submit
     from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
-    from sparkdl.tracking import RunTracker
 
     options: dict[str, Any] = {"progress": False, "backend": "torch"}
     if threads_per_worker:
@@ -39,7 +38,7 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[
     config.launch.validate()
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=None, train_fn=probe)
     # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
-    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec, RunTracker(enabled=False))
+    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec)
     return result
 
 
