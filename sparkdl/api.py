@@ -158,9 +158,8 @@ def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPl
 def _start_tracking(config: RunConfig, df: Any, prepared: Any, resolved: ResolvedPlan, run_id: str) -> Any:
     tracker = new_tracker(config)
     tracker.start(params={**run_params(config, df, prepared), **resolved.as_params()}, tags={"sparkdl.run_id": run_id})
-    if resolved.auto is not None:
-        tracker.log_text(resolved.auto.explain(), "plan.txt")
-    tracker.log_text(resolved.to_json(), "plan.json")
+    tracker.log_text(resolved.explain(), "plan.txt")  # the planner's table under "auto", then the layout
+    tracker.log_text(resolved.to_json(), "plan.json")  # the same plan as a value: TorchEstimator(plan_from_run=...)
     return tracker
 
 

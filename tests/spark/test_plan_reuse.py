@@ -61,6 +61,8 @@ def test_a_kept_plan_trains_with_its_layout_and_is_logged(digits, mlflow_server,
     with open(client.download_artifacts(fitted.run_id, "plan.json", str(tmp_path))) as stream:
         saved = json.load(stream)
     assert saved["strategy"] == "hybrid" and saved["layout"]["cuts"] == list(hybrid.layout.cuts)
+    with open(client.download_artifacts(fitted.run_id, "plan.txt", str(tmp_path))) as stream:
+        assert "2 stages x 1 replicas" in stream.read()
 
     # plan_from_run: the same layout from that run's plan.json, again without planning
     again = TorchEstimator(model=model, plan_from_run=fitted.run_id, tracking_uri=mlflow_server.uri,
