@@ -92,12 +92,17 @@ def test_cli_plan_prints_the_table(spark, repo_root: Path, tmp_path: Path, capsy
     digits_dataframe(spark).write.parquet(str(path))
     rc = cli.main(["plan", "--conf", str(repo_root / "conf" / "examples" / "digits.toml"),
                    "--set", f"input.path={path}", "--set", "tracking.progress=false",
-                   "--set", "launch.emulate_network={latency_ms = 1.0, gbps = 0.1}"])
+                   "--set", "launch.emulate_network={latency_ms = 1.0, gbps = 0.1}",
+                   "--out", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert rc == 0
     assert "chosen:" in out and "data_parallel" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["emulated"] is True and summary["strategy"]
+    from sparkdl.resolved_plan import ResolvedPlan
+
+    kept = ResolvedPlan.from_json((tmp_path / "plan.json").read_text())  # for --set train.plan_file=...
+    assert kept.strategy == summary["strategy"] and kept.options == summary["options"]
 
 
 def test_cluster_info_records_spark_resources(spark) -> None:  # type: ignore[no-untyped-def]
