@@ -208,14 +208,19 @@ def _source(df: Any) -> str:
 
 def input_example(df: Any, layout: Any, rows: int = 5) -> Any:
     """A few rows of features as the model sees them: a pandas frame of the scalar feature columns,
-    or a float32 array when array/vector columns are involved."""
+    or a float32 array when array/vector columns are involved. Decimal columns arrive as doubles:
+    MLflow stores the example as JSON, which has no Decimal."""
     import numpy as np
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
 
-    from sparkdl.data.feed import features_expression, feature_kind
+    from sparkdl.data.feed import features_expression, feature_kind, quoted
 
     cols = list(layout.source_feature_cols)
     if all(feature_kind(df, c) == "scalar" for c in cols):
-        return df.select(*cols).limit(rows).toPandas()
+        selected = [F.col(quoted(c)).cast("double").alias(c) if isinstance(df.schema[c].dataType, T.DecimalType)
+                    else F.col(quoted(c)) for c in cols]
+        return df.select(*selected).limit(rows).toPandas()
     values = [r[0] for r in df.select(features_expression(df, cols)).limit(rows).collect()]
     return np.asarray(values, dtype=np.float32)
 

@@ -100,15 +100,15 @@ def features_expression(df: DataFrame, feature_cols: Sequence[str]) -> Column:
     for name in feature_cols:
         kind = feature_kind(df, name)
         if kind == "scalar":
-            scalars.append(f"cast({_quoted(name)} as float)")  # SQL text: one py4j call for the run
+            scalars.append(f"cast({quoted(name)} as float)")  # SQL text: one py4j call for the run
             continue
         if scalars:
             parts.append(F.expr(f"array({', '.join(scalars)})"))
             scalars = []
         if kind == "array":
-            parts.append(F.col(_quoted(name)).cast(T.ArrayType(T.FloatType())))
+            parts.append(F.col(quoted(name)).cast(T.ArrayType(T.FloatType())))
         else:
-            parts.append(vector_to_array(F.col(_quoted(name)), "float32"))
+            parts.append(vector_to_array(F.col(quoted(name)), "float32"))
     if scalars:
         # concat of 64 one-element arrays made Spark copy each row's array 64 times: 1M rows x 64
         # float columns reached the Python workers in 2.0 s that way, 1.3 s as one array.
@@ -116,7 +116,7 @@ def features_expression(df: DataFrame, feature_cols: Sequence[str]) -> Column:
     return parts[0] if len(parts) == 1 else F.concat(*parts)
 
 
-def _quoted(name: str) -> str:
+def quoted(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
@@ -129,9 +129,9 @@ def feature_invalid_sql(df: DataFrame, name: str) -> str | None:
     per column: 1.6 s of driver time for 64 columns); None for vectors, which need Column API."""
     kind = feature_kind(df, name)
     if kind == "scalar":
-        return f"coalesce({_nonfinite_sql(_quoted(name))}, false)"
+        return f"coalesce({_nonfinite_sql(quoted(name))}, false)"
     if kind == "array":
-        return f"coalesce(exists({_quoted(name)}, x -> coalesce({_nonfinite_sql('x')}, false)), false)"
+        return f"coalesce(exists({quoted(name)}, x -> coalesce({_nonfinite_sql('x')}, false)), false)"
     return None
 
 
@@ -140,7 +140,7 @@ def feature_invalid(df: DataFrame, name: str) -> Column:
     text = feature_invalid_sql(df, name)
     if text is not None:
         return F.expr(text)
-    arr = vector_to_array(F.col(_quoted(name)))  # a Scala UDF with no SQL name
+    arr = vector_to_array(F.col(quoted(name)))  # a Scala UDF with no SQL name
 
     def nonfinite(x: Column) -> Column:
         return F.coalesce(F.isnan(x.cast("double")) | (F.abs(x.cast("double")) == float("inf")), F.lit(False))
@@ -150,7 +150,7 @@ def feature_invalid(df: DataFrame, name: str) -> Column:
 
 def label_invalid_sql(label_col: str, classification: bool) -> str:
     """True for a row whose label no built-in loss can use: NaN/Inf, or not a class index 0..C-1."""
-    label = f"cast({_quoted(label_col)} as double)"
+    label = f"cast({quoted(label_col)} as double)"
     bad = _nonfinite_sql(label)
     if classification:
         bad = f"({bad} OR {label} < 0 OR {label} != floor({label}))"
@@ -177,10 +177,10 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
            classification: bool) -> dict[str, int | None]:
     aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
     for i, name in enumerate(feature_cols):
-        aggs.append(F.expr(f"sum(cast({_quoted(name)} IS NULL as long)) AS null_{i}"))
+        aggs.append(F.expr(f"sum(cast({quoted(name)} IS NULL as long)) AS null_{i}"))
         kind = feature_kind(df, name)
         if kind in ("array", "vector"):
-            arr = F.col(_quoted(name)) if kind == "array" else vector_to_array(F.col(_quoted(name)))
+            arr = F.col(quoted(name)) if kind == "array" else vector_to_array(F.col(quoted(name)))
             aggs += [F.min(F.size(arr)).alias(f"min_{i}"), F.max(F.size(arr)).alias(f"max_{i}")]
             if kind == "array":
                 aggs.append(F.sum(F.exists(arr, lambda x: x.isNull()).cast("long")).alias(f"inner_{i}"))
@@ -189,15 +189,15 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
                     F.sum(feature_invalid(df, name).cast("long")).alias(f"nonfinite_{i}"))
     aggs.append(F.sum(row_invalid(df, feature_cols, label_col, classification).cast("long")).alias("invalid_rows"))
     if label_col is not None:
-        aggs.append(F.sum(F.col(_quoted(label_col)).isNull().cast("long")).alias("null_label"))
-        as_double = F.col(_quoted(label_col)).cast("double")
+        aggs.append(F.sum(F.col(quoted(label_col)).isNull().cast("long")).alias("null_label"))
+        as_double = F.col(quoted(label_col)).cast("double")
         aggs.append(F.sum((F.isnan(as_double) | (F.abs(as_double) == float("inf"))).cast("long"))
                     .alias("nonfinite_label"))
         invalid = label_invalid(label_col, classification)
         aggs.append(F.sum(invalid.cast("long")).alias("invalid_label"))
         if classification:
             # Spark ML labels are doubles: accepted for classification when they hold whole numbers.
-            label = F.col(_quoted(label_col)).cast("double")
+            label = F.col(quoted(label_col)).cast("double")
             aggs += [F.min(label).alias("label_min"), F.max(label).alias("label_max"),
                      F.sum((label != F.floor(label)).cast("long")).alias("label_fractional"),
                      F.max(F.when(~invalid, label)).alias("valid_label_max")]
@@ -320,7 +320,7 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     selected = [features_expression(df, feature_cols).alias(FEATURES_COLUMN)]
     if label_col is not None:
         cast = "long" if label_dtype == "int64" else "float"
-        selected.append(F.col(_quoted(label_col)).cast(cast).alias(LABEL_COLUMN))
+        selected.append(F.col(quoted(label_col)).cast(cast).alias(LABEL_COLUMN))
     prepared = df.select(*selected)
     layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
                         source_feature_cols=tuple(feature_cols), source_label_col=label_col,

@@ -193,3 +193,22 @@ def test_no_credentials_or_environment_reach_mlflow(spark, mlflow_server, monkey
     logged = " ".join(f"{k}={v}" for k, v in {**run.data.params, **run.data.tags}.items())
     assert "pw-s3cret" not in logged and "tok-98765" not in logged
     assert run.data.params["tracking.tracking_uri"] == mlflow_server.uri.replace("http://", "http://bob:***@")
+
+
+def test_a_decimal_feature_column_logs_a_model_that_serves(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    import mlflow.pyfunc
+    from pyspark.sql import functions as F
+
+    df = digits_dataframe(spark).select(*[F.col(c).cast("decimal(10,2)").alias(c) if c == "p10" else F.col(c)
+                                          for c in [*DIGITS_FEATURE_COLS, "label"]])
+    model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64, num_workers=2,
+                           tracking_uri=mlflow_server.uri, experiment="sparkdl-decimal", progress=False).fit(df)
+    assert model.model_uri is not None, "the model was not logged (the input example must serialise)"
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        loaded = mlflow.pyfunc.load_model(model.model_uri)
+        rows = df.limit(5).toPandas()[list(DIGITS_FEATURE_COLS)]
+        rows["p10"] = rows["p10"].astype(float)  # as the example was logged
+        assert np.asarray(loaded.predict(rows)).shape == (5, 10)
+    finally:
+        mlflow.set_tracking_uri(None)
