@@ -26,7 +26,7 @@ import torch
 
 from sparkdl.data.arrow_rows import Arrays, ChunkWriter, incoming_arrays, spool_schema
 from sparkdl.data.layout import FeedLayout
-from sparkdl.data.epochs import BatchOptions, check_batch_size, epoch_plan
+from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
 from sparkdl.errors import EmptyDataError
 
 Batch = tuple[torch.Tensor, torch.Tensor | None]
@@ -226,6 +226,11 @@ class Spool:
             raise ValueError(f"spool {self._path} is closed")
         return _iter_batches(_map_rows(self._file, self._layout), epoch, batch_size=batch_size, steps=steps, shuffle=shuffle,
                              seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)
+
+    def epoch_batches(self, epoch: int, plan: EpochPlan, *, rank: int, shuffle: bool, seed: int) -> Iterator[Batch]:
+        """The batches `plan` (data/epochs.py, over every rank's row counts) gives `rank` this epoch."""
+        return self.batches(epoch, batch_size=plan.batch_size(rank), steps=plan.steps, shuffle=shuffle, seed=seed,
+                            rank=rank, drop_last=plan.full_steps_only, last_batch_size=plan.last_batch_size(rank))
 
     def close(self) -> None:
         """Close and delete the file; batches handed out earlier stay readable. Idempotent."""

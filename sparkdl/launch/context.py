@@ -90,11 +90,8 @@ class WorkerContext:
 
             raise ConfigError("ctx.batches() needs data, but this run has no DataFrame",
                               hint="pass df= to sparkdl.run")
-        plan = self.epoch
-        return self.spool.batches(
-            epoch, batch_size=plan.batch_size(self.rank), steps=plan.steps, shuffle=self.spec.config.data.shuffle,
-            seed=self.spec.config.train.seed, rank=self.rank, drop_last=plan.full_steps_only,
-            last_batch_size=plan.last_batch_size(self.rank))
+        return self.spool.epoch_batches(epoch, self.epoch, rank=self.rank, shuffle=self.spec.config.data.shuffle,
+                                        seed=self.spec.config.train.seed)
 
     def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, Any]]:
         """This rank's validation rows, in order, once (empty without validation data). Ranks hold
@@ -102,7 +99,7 @@ class WorkerContext:
         spool = self.validation
         if spool is None or spool.num_rows == 0:
             return iter(())
-        plan = epoch_plan([spool.num_rows], BatchOptions(batch_size))
-        return spool.batches(0, batch_size=batch_size, steps=plan.steps, shuffle=False, seed=0, rank=self.rank,
-                             drop_last=False, last_batch_size=plan.last_batch_size(0))
+        # One in-order pass over this rank's rows alone: a plan of one shard, read as rank 0 of it.
+        return spool.epoch_batches(0, epoch_plan([spool.num_rows], BatchOptions(batch_size)), rank=0, shuffle=False,
+                                   seed=0)
 
