@@ -69,7 +69,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
 
 def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
         plan: ResolvedPlan | str | None = None) -> FitResult:
-    from sparkdl.data.feed import check_columns, is_classification, prepare_run
+    from sparkdl.data.feed import check_columns, prepare_run
     from sparkdl.launch.driver import ensure_training_slots
 
     config.validate()
@@ -94,7 +94,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     _log_prediction(tracker, resolved, history)
     module.load_state_dict(state)
     module.eval()
-    kind = output_kind(config, is_classification(df, config), out_width)
+    kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width)  # int64 labels: classes
     tracker.log_loss_curve(history)
     model_uri = tracker.log_model(module, input_example(df, prepared.layout)) if tracker.run_id else None
     tracker.finish("FINISHED")

@@ -173,14 +173,17 @@ class TrainConfig:
         if self.strategy == "hybrid" and self.stages == 1:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
+        self._validate_kept_plan()
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
+
+    def _validate_kept_plan(self) -> None:
         for key, what in (("plan_from_run", "an MLflow run id"), ("plan_file", "a path")):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"train.{key} must be {what}, got {value!r}", hint="or leave it unset")
         if self.plan_from_run and self.plan_file:
             raise ConfigError("train.plan_from_run and train.plan_file are both set", hint="set only one of them")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
 
 
 @dataclass(frozen=True)

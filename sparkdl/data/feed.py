@@ -250,7 +250,6 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
                  what: str = "the DataFrame", on_invalid: str = "error") -> PreparedData:
     used = list(feature_cols) + ([label_col] if label_col is not None else [])
     check_columns(df, used)
-    kinds = [feature_kind(df, name) for name in feature_cols]
     label_dtype = None
     if label_col is not None:
         label_type(df, label_col)
@@ -258,8 +257,33 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     stats = _stats(df, feature_cols, label_col, classification)
     if not stats["rows"]:
         raise EmptyDataError(f"{what} has no rows", hint="check the filters or the input path")
+    num_features = _checked_feature_width(df, feature_cols, stats, what, on_invalid)
+    num_classes = _checked_label(label_col, stats, classification, what, on_invalid) if label_col is not None else None
+    dropped = int(stats["invalid_rows"] or 0) if on_invalid == "skip" else 0
+    if dropped:
+        if dropped == stats["rows"]:
+            raise EmptyDataError(f"every row of {what} is invalid ({dropped} rows with NaN/Inf features or "
+                                 "unusable labels): none left to train on", hint="check the data and the filters")
+        _log.warning("sparkdl: on_invalid='skip' dropped %d of %d rows of %s (NaN/Inf features or unusable labels)",
+                     dropped, stats["rows"], what)
+        df = df.filter(~row_invalid(df, feature_cols, label_col, classification))
+    selected = [features_expression(df, feature_cols).alias(FEATURES_COLUMN)]
+    if label_col is not None:
+        cast = "long" if label_dtype == "int64" else "float"
+        selected.append(F.col(quoted(label_col)).cast(cast).alias(LABEL_COLUMN))
+    prepared = df.select(*selected)
+    layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
+                        source_feature_cols=tuple(feature_cols), source_label_col=label_col,
+                        num_classes=num_classes)
+    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]) - dropped, dropped_rows=dropped)
+
+
+def _checked_feature_width(df: DataFrame, feature_cols: Sequence[str], stats: dict, what: str, on_invalid: str) -> int:
+    """Feature values per row, from the stats job; the first column with nulls, NaN/Inf (unless
+    skipped), null elements or rows of unequal length raises, naming it."""
     num_features = 0
-    for i, (name, kind) in enumerate(zip(feature_cols, kinds)):
+    for i, name in enumerate(feature_cols):
+        kind = feature_kind(df, name)
         nulls = stats[f"null_{i}"] or 0
         if nulls:
             raise NullValuesError(f"feature column {name!r} has {nulls} null value(s) in {stats['rows']} rows",
@@ -285,44 +309,32 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     if num_features == 0:
         raise ArrayLengthError(f"feature columns {list(feature_cols)} hold no values (length 0)",
                                hint="pass non-empty array/vector columns")
-    num_classes = None
-    if label_col is not None:
-        nulls = stats["null_label"] or 0
-        if nulls:
-            raise NullValuesError(f"label column {label_col!r} has {nulls} null value(s) in {stats['rows']} rows",
-                                  hint=f"drop them first, e.g. df.na.drop(subset=[{label_col!r}])")
-        nonfinite = stats["nonfinite_label"] or 0
-        if nonfinite and on_invalid == "error":
-            raise NullValuesError(f"label column {label_col!r} has {nonfinite} NaN or infinite value(s)",
-                                  hint=f"drop them first, e.g. df.filter(~F.isnan({label_col!r})), or pass "
-                                       "on_invalid='skip' to drop such rows")
-        if classification:
-            low, high = stats["label_min"], stats["label_max"]
-            if on_invalid == "skip":
-                high = stats["valid_label_max"]
-                if high is None:
-                    raise EmptyDataError(f"label column {label_col!r} of {what} holds no class index 0..C-1",
-                                         hint="index the labels (StringIndexer) or use loss='mse' for regression")
-            elif low < 0 or stats["label_fractional"]:
-                raise ColumnTypeError(
-                    f"label column {label_col!r} must hold class indices 0..C-1 for a classification loss "
-                    f"(found values from {low} to {high})",
-                    hint="index the labels (StringIndexer) or use loss='mse' for regression")
-            num_classes = int(high) + 1
-    dropped = int(stats["invalid_rows"] or 0) if on_invalid == "skip" else 0
-    if dropped:
-        if dropped == stats["rows"]:
-            raise EmptyDataError(f"every row of {what} is invalid ({dropped} rows with NaN/Inf features or "
-                                 "unusable labels): none left to train on", hint="check the data and the filters")
-        _log.warning("sparkdl: on_invalid='skip' dropped %d of %d rows of %s (NaN/Inf features or unusable labels)",
-                     dropped, stats["rows"], what)
-        df = df.filter(~row_invalid(df, feature_cols, label_col, classification))
-    selected = [features_expression(df, feature_cols).alias(FEATURES_COLUMN)]
-    if label_col is not None:
-        cast = "long" if label_dtype == "int64" else "float"
-        selected.append(F.col(quoted(label_col)).cast(cast).alias(LABEL_COLUMN))
-    prepared = df.select(*selected)
-    layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
-                        source_feature_cols=tuple(feature_cols), source_label_col=label_col,
-                        num_classes=num_classes)
-    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]) - dropped, dropped_rows=dropped)
+    return num_features
+
+
+def _checked_label(label_col: str, stats: dict, classification: bool, what: str, on_invalid: str) -> int | None:
+    """The number of classes (None for regression), from the stats job; nulls, NaN/Inf (unless
+    skipped) or labels that are no class index raise, naming the column."""
+    nulls = stats["null_label"] or 0
+    if nulls:
+        raise NullValuesError(f"label column {label_col!r} has {nulls} null value(s) in {stats['rows']} rows",
+                              hint=f"drop them first, e.g. df.na.drop(subset=[{label_col!r}])")
+    nonfinite = stats["nonfinite_label"] or 0
+    if nonfinite and on_invalid == "error":
+        raise NullValuesError(f"label column {label_col!r} has {nonfinite} NaN or infinite value(s)",
+                              hint=f"drop them first, e.g. df.filter(~F.isnan({label_col!r})), or pass "
+                                   "on_invalid='skip' to drop such rows")
+    if not classification:
+        return None
+    low, high = stats["label_min"], stats["label_max"]
+    if on_invalid == "skip":
+        high = stats["valid_label_max"]
+        if high is None:
+            raise EmptyDataError(f"label column {label_col!r} of {what} holds no class index 0..C-1",
+                                 hint="index the labels (StringIndexer) or use loss='mse' for regression")
+    elif low < 0 or stats["label_fractional"]:
+        raise ColumnTypeError(
+            f"label column {label_col!r} must hold class indices 0..C-1 for a classification loss "
+            f"(found values from {low} to {high})",
+            hint="index the labels (StringIndexer) or use loss='mse' for regression")
+    return int(high) + 1

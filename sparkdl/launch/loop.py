@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sparkdl.launch.checkpoint import Position, Resume, RunCheckpoints, open_store
+from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume, RunCheckpoints
 from sparkdl.launch.context import WorkerContext
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
 from sparkdl.strategies import Strategy, strategy_class
@@ -30,14 +30,16 @@ class _EpochTotals:
     global_step: int
 
 
-def train(ctx: WorkerContext, resume: Resume | None = None) -> tuple[dict[str, torch.Tensor] | None, History]:
+def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointStore | None = None
+          ) -> tuple[dict[str, torch.Tensor] | None, History]:
+    """`store`: the run's checkpoint store (None: no checkpoints); `resume`: what it held when this
+    attempt started (both read by launch/worker.py before the context was built)."""
     config = ctx.spec.config
     torch.manual_seed(config.train.seed)
     strategy = build_strategy(ctx)
     loss_fn = loss_function(config.train)
     strategy.setup(build_model(ctx.spec.model, config.train.seed), lambda params: build_optimizer(config.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
-    store = open_store(ctx.spec, ctx.rank)
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every) if store else None
     start, progress, history = _resume(ctx, strategy, resume)
     _report_start(ctx)

@@ -121,7 +121,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         row_counts = tuple(int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0))
         if spool is not None:
             check_shards(row_counts, spec.config.data)  # same verdict on every rank: nobody waits in a collective
-        resume, shares = _agree_before_training(spec, comm, world, row_counts)
+        store, resume, shares = _agree_before_training(spec, comm, world, row_counts)
         from sparkdl.launch.reporter import Reporter
 
         ctx = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, spool=spool,
@@ -135,19 +135,19 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             from sparkdl.launch.loop import train
 
             # Several ranks may each return part of the model (pipeline stages); merged on the driver.
-            state, history = train(ctx, resume)
+            state, history = train(ctx, resume, store)
             payload = dumps_state(state) if state is not None else None
         comm.barrier()
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
 
 
 def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo, row_counts: tuple[int, ...]
-                           ) -> tuple[Any, tuple[int, ...] | None]:
+                           ) -> tuple[Any, Any, tuple[int, ...] | None]:
     """What every rank must agree on before the context exists (collectives, in the same order on
-    every rank): the checkpoint a retried attempt resumes from, and the batch shares by speed (the
-    shares the run started with when resuming, not a new measurement)."""
+    every rank): the run's checkpoint store, the checkpoint a retried attempt resumes from, and the
+    batch shares by speed (the shares the run started with when resuming, not a new measurement)."""
     if spec.train_fn is not None:
-        return None, None  # a custom loop keeps its own checkpoints and balance
+        return None, None, None  # a custom loop keeps its own checkpoints and balance
     from sparkdl.launch.balance import agreed_shares
     from sparkdl.launch.checkpoint import find_resume, open_store
 
@@ -155,7 +155,7 @@ def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo
     resume = find_resume(store, comm) if store is not None else None
     started_with = resume.progress.get("batch_shares") if resume is not None else None
     shares = agreed_shares(spec.config, comm, world.rank, world.size, row_counts, started_with)
-    return resume, shares
+    return store, resume, shares
 
 
 def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:

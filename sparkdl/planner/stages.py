@@ -95,30 +95,9 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dt
                 ) -> tuple[HybridLayout, ModelProfile, list[MemoryEstimate]]:
     """Stage cuts balancing measured per-layer time; every check that can fail happens here.
     `links`: measured links between executors, for placing the grid at run time."""
-    if not isinstance(model, nn.Sequential):
-        raise ModelError(f"strategy='hybrid' cuts an nn.Sequential at its top-level layers, but the model is a "
-                         f"{type(model).__name__}",
-                         hint="build the model as nn.Sequential(...), or pass model=[stage0, stage1, ...] "
-                              "(a list of stage modules)")
-    workers, batch = config.launch.num_workers, config.data.batch_size
-    layers = len(model)
-    candidates = [config.train.stages] if config.train.stages else \
-        [k for k in range(2, workers + 1) if workers % k == 0]
-    if config.train.stages > layers:
-        raise ConfigError(f"train.stages={config.train.stages} but the model has only {layers} top-level layer(s) "
-                          "to cut between stages",
-                          hint=f"use stages <= {layers}, or split the model into more nn.Sequential layers")
-    candidates = [k for k in candidates if k <= layers]
-    if not candidates:
-        raise ConfigError(f"strategy='hybrid' with num_workers={workers} needs a stage count K >= 2 dividing "
-                          f"{workers} and at most the model's {layers} top-level layer(s); there is none",
-                          hint="change num_workers, or split the model into more layers")
+    candidates = stage_counts(model, config)
+    workers, batch, layers = config.launch.num_workers, config.data.batch_size, len(model)
     microbatches = config.train.microbatches
-    if microbatches and microbatches > min(candidates) * batch:
-        k = min(candidates)
-        raise ConfigError(f"train.microbatches={microbatches} is larger than the per-replica batch "
-                          f"({k} stages x batch_size {batch} = {k * batch} rows): some micro-batches would be empty",
-                          hint=f"use microbatches <= {k * batch}, or raise batch_size")
     profile_rows = max(1, min(PROFILE_ROWS_MAX, math.ceil(min(candidates) * batch / max(microbatches, 1))))
     profile = profile_sequential(model, (num_features,), rows=profile_rows)
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
@@ -158,6 +137,33 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dt
                         f"the largest stage needs at least {listing} per rank",
                         hint="use more workers (more stages), a smaller batch_size or more micro-batches, "
                              "or raise max_memory_per_rank")
+
+
+def stage_counts(model: nn.Module, config: RunConfig) -> list[int]:
+    """The stage counts K a hybrid run may use (train.stages, or every K >= 2 dividing num_workers),
+    each at most the model's top-level layers; a model or option that allows none raises."""
+    if not isinstance(model, nn.Sequential):
+        raise ModelError(f"strategy='hybrid' cuts an nn.Sequential at its top-level layers, but the model is a "
+                         f"{type(model).__name__}",
+                         hint="build the model as nn.Sequential(...), or pass model=[stage0, stage1, ...] "
+                              "(a list of stage modules)")
+    workers, batch, layers = config.launch.num_workers, config.data.batch_size, len(model)
+    if config.train.stages > layers:
+        raise ConfigError(f"train.stages={config.train.stages} but the model has only {layers} top-level layer(s) "
+                          "to cut between stages",
+                          hint=f"use stages <= {layers}, or split the model into more nn.Sequential layers")
+    wanted = [config.train.stages] if config.train.stages else [k for k in range(2, workers + 1) if workers % k == 0]
+    candidates = [k for k in wanted if k <= layers]
+    if not candidates:
+        raise ConfigError(f"strategy='hybrid' with num_workers={workers} needs a stage count K >= 2 dividing "
+                          f"{workers} and at most the model's {layers} top-level layer(s); there is none",
+                          hint="change num_workers, or split the model into more layers")
+    microbatches, k = config.train.microbatches, min(candidates)
+    if microbatches and microbatches > k * batch:
+        raise ConfigError(f"train.microbatches={microbatches} is larger than the per-replica batch "
+                          f"({k} stages x batch_size {batch} = {k * batch} rows): some micro-batches would be empty",
+                          hint=f"use microbatches <= {k * batch}, or raise batch_size")
+    return candidates
 
 
 def _best_memory(profile: ModelProfile, config: RunConfig, stages: int, microbatches: int, schedule: str) -> int:
