@@ -8,6 +8,10 @@ image (integers 0..16) followed by the digit (0..9).
 
 Reading it needs numpy only; `digits_dataframe` additionally needs pyspark and pyarrow, which are
 imported when it is called, so `import sparkdl.datasets` stays cheap.
+
+Tensor columns (`images_text`): `digits_images_dataframe` (array<float> `pixels` and PNG `png` columns,
+with `decode_digit_png` as a transform_fn), `synthetic_tokens_dataframe` and `text_tokens_dataframe`
+(array<int> `tokens` / `targets` for language models; the text is this Python's own standard library).
 """
 from __future__ import annotations
 
@@ -18,12 +22,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sparkdl.datasets.images_text import (
+    decode_digit_png,
+    digits_images_dataframe,
+    synthetic_tokens_dataframe,
+    text_tokens_dataframe,
+)
 from sparkdl.errors import ConfigError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["DIGITS_FEATURE_COLS", "load_digits", "digits_dataframe", "train_test_split_digits"]
+__all__ = ["DIGITS_FEATURE_COLS", "load_digits", "digits_dataframe", "train_test_split_digits",
+           "digits_images_dataframe", "decode_digit_png", "synthetic_tokens_dataframe", "text_tokens_dataframe"]
 
 _DIGITS_FILE = "digits.csv.gz"
 _NUM_PIXELS = 64
