@@ -12,13 +12,14 @@ from typing import Any, Callable
 
 from sparkdl.checks import (check_backend, check_enough_rows, check_gpus_per_task,  # noqa: F401 - public here
                             check_inference_batch_size, check_output_width, check_picklable,
-                            drop_labels_beyond_the_model, preflight, probe_model)
+                            drop_labels_beyond_the_model, preflight, probe_model, probe_tensor_model)
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.launch.attempts import tracked_submit
 from sparkdl.launch.shipping import ship_by_value
 from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
+from sparkdl.serving import ServedModel
 
 _log = logging.getLogger("sparkdl")
 
@@ -43,33 +44,39 @@ def _spark(df: Any = None) -> Any:
     return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
 
 
-def output_kind(config: RunConfig, classification: bool, out_width: int) -> str:
+def output_kind(config: RunConfig, classification: bool, out_width: int, out_shape: tuple[int, ...] = ()) -> str:
+    """How predictions are written (inference.py): "class" (B, C) -> long, "classes" (B, T, C) ->
+    array<long> of length T, "binary", "value" (one number) or "values" (array<float>, flattened)."""
     if config.train.loss == "bce_with_logits":
-        return "binary"
+        return "binary" if int(__import__("math").prod(out_shape or (1,))) == 1 else "values"
+    if classification and len(out_shape) >= 2:
+        return "classes"
     if classification:
         return "class" if out_width > 1 else "binary"
-    return "value" if out_width == 1 else "values"
+    return "value" if out_width == 1 and len(out_shape) <= 1 else "values"
 
 
 def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -> ResolvedPlan:
     """The resolved plan a fit with these options would follow, without training: under
     strategy="auto" the planner's `candidates`, `choice` and `explain()`; `strategy`, `options`,
     the typed `layout`. Keep it and pass it to `TorchEstimator(plan=...)` to train with exactly it."""
-    from sparkdl.data.feed import check_columns, prepare_run
+    from sparkdl.data.feed import check_columns
+    from sparkdl.data.prepare import prepare_run
 
     config = RunConfig.from_kwargs(base=config, **options).validate()
     data = config.data
-    check_columns(df, list(data.feature_cols) + ([data.label_col] if data.label_col else []))
+    check_columns(df, _input_columns(config) + ([data.label_col] if data.label_col else []))
     preflight(_spark(df), config.launch.num_workers, config.launch.gpus_per_worker)
     prepared = prepare_run(df, config)
-    module, _ = probe_model(model, config, prepared.layout.num_features)
+    module, _, sample = _probe(model, config, prepared)
     return resolve(module, config.merged({"tracking": {"progress": False}}), prepared.layout, _spark(df),
-                   prepared.num_rows, fallback=False)
+                   prepared.num_rows, fallback=False, sample=sample)
 
 
 def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
         plan: ResolvedPlan | str | None = None) -> FitResult:
-    from sparkdl.data.feed import check_columns, prepare_run
+    from sparkdl.data.feed import check_columns
+    from sparkdl.data.prepare import prepare_run
     from sparkdl.launch.driver import ensure_training_slots
 
     config.validate()
@@ -77,16 +84,16 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     kept = kept_plan(plan, config)
     if kept is not None:
         check_kept_world(kept, config)
-    check_columns(df, list(config.data.feature_cols) + [_label_col(config)])
+    check_columns(df, _input_columns(config) + [_label_col(config)])
     spark = _spark(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
     preflight(spark, config.launch.num_workers, config.launch.gpus_per_worker)
     prepared = prepare_run(df, config, validation_df)
-    module, out_width = probe_model(model, config, prepared.layout.num_features)
+    module, out_width, sample = _probe(model, config, prepared)
     prepared = drop_labels_beyond_the_model(config, prepared, out_width)
-    check_output_width(config, out_width, prepared.layout.num_classes)
+    check_output_width(config, out_width, prepared.layout.num_classes, _label_shape(prepared.layout))
     check_enough_rows(config, prepared.num_rows)
-    resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept)
+    resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept, sample=sample)
     config = resolved.config or config
     spec = _train_spec(model, config, prepared.layout, resolved)
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
@@ -94,13 +101,47 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     _log_prediction(tracker, resolved, history)
     module.load_state_dict(state)
     module.eval()
-    kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width)  # int64 labels: classes
+    out_shape = _output_shape(module, sample)
+    kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
     tracker.log_loss_curve(history)
-    model_uri = tracker.log_model(module, input_example(df, prepared.layout)) if tracker.run_id else None
+    serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
+                          out_shape, config.data.prediction_col)
+    model_uri = tracker.log_model(serving, input_example(df, prepared.layout, sample=prepared.sample)) \
+        if tracker.run_id else None
     tracker.finish("FINISHED")
     return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
                      run_id=spec.run_id, plan=resolved, extra={"mlflow_run_id": tracker.run_id, "model_uri": model_uri,
-                                                                "tracking_uri": tracker.tracking_uri})
+                                                                "tracking_uri": tracker.tracking_uri,
+                                                                "output_shape": out_shape})
+
+
+def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any]:
+    """(module, output width the loss sees, probe batch): a zero batch of the feature width, or
+    (input_cols) a few real rows through the executors' conversion and transform_fn."""
+    if prepared.layout.tensor_inputs:
+        return probe_tensor_model(model, config, prepared.layout, prepared.sample)
+    module, out_width = probe_model(model, config, prepared.layout.num_features)
+    return module, out_width, None
+
+
+def _label_shape(layout: Any) -> tuple[int, ...]:
+    return tuple(layout.label.shape) if layout.label is not None else ()
+
+
+def _explicit_dtypes(config: RunConfig) -> frozenset[str]:
+    return frozenset(config.data.input_dtypes or {})
+
+
+def _output_shape(module: Any, sample: Any) -> tuple[int, ...]:
+    """Per-row shape of the model's output on the probe batch (() without one: feature_cols runs)."""
+    if sample is None:
+        return ()
+    import torch
+
+    from sparkdl.strategies.inputs import call_model
+
+    with torch.no_grad():
+        return tuple(call_model(module, sample[0]).shape[1:])
 
 
 def _the_model(model: Any, config: RunConfig) -> Any:
@@ -112,6 +153,15 @@ def _the_model(model: Any, config: RunConfig) -> Any:
         raise ModelError("no model was given", hint="pass model=nn.Module(...) or a zero-argument callable, "
                                                     "or set model.factory='package.module:function'")
     return model
+
+
+def _input_columns(config: RunConfig) -> list[str]:
+    """The DataFrame columns the model reads (input_cols, or feature_cols), plus weight_col."""
+    from sparkdl.config_values import input_columns
+
+    data = config.data
+    used = input_columns(data) if data.input_cols is not None else list(data.feature_cols)
+    return used + ([data.weight_col] if data.weight_col else [])
 
 
 def _label_col(config: RunConfig) -> str:
@@ -185,12 +235,15 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
     from sparkdl.tracking import redact, versions
 
     params: dict[str, Any] = dict(config.flat())
-    used = list(config.data.feature_cols) + ([config.data.label_col] if config.data.label_col else [])
+    data = config.data
+    used = list(prepared.layout.source_input_cols) + [c for c in (data.label_col, data.weight_col) if c]
     types = dict(df.dtypes)
     params.update({
         "dataset.rows": prepared.num_rows, "dataset.validation_rows": prepared.num_validation_rows,
         "dataset.columns": ", ".join(f"{c}:{types.get(c)}" for c in used),
         "dataset.num_features": prepared.layout.num_features, "dataset.source": _source(df),
+        "dataset.inputs": "; ".join(f"{c.source}: {c.dtype}{list(c.shape)} ({c.kind})" for c in prepared.layout.inputs)
+        or "-",
         "dataset.dropped_invalid_rows": prepared.dropped_rows,
         "world.workers": config.launch.num_workers, "world.master": df.sparkSession.sparkContext.master,
     })
@@ -206,11 +259,31 @@ def _source(df: Any) -> str:
     return ", ".join(files[:5]) + (f" (+{len(files) - 5} more)" if len(files) > 5 else "") if files else "in-memory/derived"
 
 
-def input_example(df: Any, layout: Any, rows: int = 5) -> Any:
+def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> Any:
     """A few rows of features as the model sees them: a pandas frame of the scalar feature columns,
     or a float32 array when array/vector columns are involved. Decimal columns arrive as doubles:
-    MLflow stores the example as JSON, which has no Decimal."""
+    MLflow stores the example as JSON, which has no Decimal. input_cols runs: the probe rows, as a
+    dict of numpy arrays per input column (tensor specs), or a pandas frame when binary, string or
+    variable-length columns are among them."""
     import numpy as np
+
+    if layout.tensor_inputs:
+        from sparkdl.data.layout import FIXED
+
+        columns = {}
+        for column in layout.inputs:
+            values = sample.column(column.column).combine_chunks()
+            if column.kind == FIXED and column.scalar:
+                columns[column.source] = values.to_numpy(zero_copy_only=False)
+            elif column.kind == FIXED:
+                columns[column.source] = np.stack([np.asarray(v) for v in values.to_pylist()])
+            else:
+                columns[column.source] = values.to_pylist()
+        if all(c.kind == FIXED for c in layout.inputs):
+            return columns
+        import pandas as pd
+
+        return pd.DataFrame(columns)
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
@@ -227,7 +300,7 @@ def input_example(df: Any, layout: Any, rows: int = 5) -> Any:
 
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
-    from sparkdl.data.feed import prepare_run
+    from sparkdl.data.prepare import prepare_run
     from sparkdl.launch.driver import ensure_training_slots, new_run_id
     from sparkdl.launch.spec import TrainSpec
 
@@ -264,17 +337,20 @@ def _run_config(df: Any, num_workers: int, options: dict[str, Any]) -> RunConfig
         config.launch.validate()
         return config
     label = config.data.label_col if config.data.label_col in df.columns else None
+    if config.data.input_cols is not None:
+        return config.merged({"data": {"label_col": label}}).validate()
     features = config.data.feature_cols or tuple(c for c in df.columns if c != label)
     return config.merged({"data": {"feature_cols": tuple(features), "label_col": label}}).validate()
 
 
 def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = "prediction",
-            batch_size: int = 1024, gpus_per_task: float = 0.0) -> Any:
+            batch_size: int = 1024, gpus_per_task: float = 0.0, served: Any = None) -> Any:
     """Append `prediction_col` computed on the executors through mapInArrow; every input column kept.
 
     `gpus_per_task` > 0 runs the scoring stage under a task ResourceProfile with that many GPUs, so a
     CPU-default application scores on GPUs; a fraction (0.25) lets 1/amount tasks share one GPU."""
     import uuid
+    from dataclasses import replace
 
     from pyspark.sql import types as T
 
@@ -287,18 +363,26 @@ def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = 
 
     check_gpus_per_task(gpus_per_task)
     check_inference_batch_size(batch_size)
-    cols = list(layout.source_feature_cols)
+    cols = list(layout.source_input_cols)
     check_columns(df, cols)
     if prediction_col in df.columns:
         raise SchemaError(f"the DataFrame already has a column named {prediction_col!r}",
                           hint="drop it first or pass another prediction column name")
     prediction_type = {"class": T.LongType(), "binary": T.LongType(), "value": T.DoubleType(),
-                       "values": T.ArrayType(T.FloatType())}[kind]
-    out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True)])
+                       "classes": T.ArrayType(T.LongType()), "values": T.ArrayType(T.FloatType())}[kind]
+    metadata = {"sparkdl.output_shape": list(served.output_shape)} if served is not None else {}
+    out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True, metadata)])
     spark = df.sparkSession
-    ship_by_value(module)
+    ship_by_value(module, served.transform_fn if served is not None else None)
     module_bytes = spark.sparkContext.broadcast(dumps_any(module))
+    carried = replace(served, module=None) if served is not None else None
     fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, prediction_col,
-                         batch_size)
+                         batch_size, carried)
     profile = gpu_task_profile(spark, gpus_per_task) if gpus_per_task else None
-    return df.withColumn(FEATURES_COLUMN, features_expression(df, cols)).mapInArrow(fn, out_schema, profile=profile)
+    if layout.tensor_inputs:
+        from sparkdl.data.tensor_feed import selected_inputs
+
+        prepared = df.withColumns({c.column: selected_inputs(df, c) for c in layout.inputs})
+    else:
+        prepared = df.withColumn(FEATURES_COLUMN, features_expression(df, cols))
+    return prepared.mapInArrow(fn, out_schema, profile=profile)

@@ -36,13 +36,88 @@ def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, 
     return module, int(out[0].numel())
 
 
-def check_output_width(config: RunConfig, out_width: int, num_classes: int | None) -> None:
-    """The model's output must fit the built-in loss, or every executor fails on its first step."""
+def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) -> tuple[Any, int, Any]:
+    """input_cols runs: build the model and run a few real prepared rows through the executors' own
+    conversion (and transform_fn) and the model, and the loss on its output: a wrong model, shape,
+    dtype or transform fails here, naming the columns. Returns (module, classes or values per row
+    the loss sees, the probe batch)."""
+    import torch
+
+    from sparkdl.data.assemble import sample_batch
+    from sparkdl.launch.objectives import build_model, loss_function
+    from sparkdl.strategies.inputs import call_model, takes_weight
+
+    data = config.data
+    batch = sample_batch(sample, layout, data.transform_fn, frozenset(data.input_dtypes or {}))
+    inputs, label, weight = batch
+    module = build_model(model, config.train.seed)
+    module.eval()
+    described = ", ".join(f"{c.source}: {_shape_text(inputs[c.key] if layout.keyword_inputs else inputs[i])}"
+                          for i, c in enumerate(layout.inputs))
+    try:
+        with torch.no_grad():
+            out = call_model(module, inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
+        how = "forward(**inputs)" if layout.keyword_inputs else "forward(*inputs)"
+        raise ModelError(f"the model cannot take a batch of input_cols {list(data.input_cols)} ({described}; "
+                         f"called as {how}): {type(exc).__name__}: {exc}",
+                         hint="match the model's forward() to the input columns, their input_shapes and "
+                              "input_dtypes") from None
+    rows = int(label.shape[0]) if label is not None else None
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or (rows is not None and out.shape[0] != rows):
+        raise ModelError("the model must return one tensor with the batch as its first dimension",
+                         hint="return logits/values of shape (batch, outputs) or (batch, positions, classes)")
+    if weight is not None and callable(config.train.loss) and not takes_weight(config.train.loss):
+        raise ConfigError(f"data.weight_col={data.weight_col!r} needs a loss that uses the weights, but the loss "
+                          "callable takes no weight= argument", hint="add a weight=None keyword to the loss, or "
+                                                                      "use a built-in loss")
+    if label is not None:
+        _check_loss_on_sample(config, out, label, weight, loss_function(config.train))
+    per_position = label is not None and out.dim() == label.dim() + 1 and out.dim() > 2
+    width = int(out.shape[-1]) if per_position else int(out[0].numel())
+    return module, width, batch
+
+
+def _shape_text(tensor: Any) -> str:
+    return f"{str(tensor.dtype).replace('torch.', '')} {list(tensor.shape)}"
+
+
+def _check_loss_on_sample(config: RunConfig, out: Any, label: Any, weight: Any, loss_fn: Any) -> None:
+    from sparkdl.strategies.inputs import loss_and_weight_sum
+
     loss = config.train.loss
+    try:
+        loss_and_weight_sum(loss_fn, out.float() if out.is_floating_point() else out, label, weight)
+    except Exception as exc:  # noqa: BLE001 - the loss cannot compare these shapes
+        name = loss if isinstance(loss, str) else getattr(loss, "__name__", "the loss")
+        raise ModelError(f"loss {name!r} cannot compare the model's output ({_shape_text(out)}) with label column "
+                         f"{config.data.label_col!r} ({_shape_text(label)}): {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                         hint="cross_entropy takes (B, C) logits with (B,) labels or (B, T, C) with (B, T); mse "
+                              "takes outputs shaped like the labels") from None
+
+
+def check_strategy_inputs(config: RunConfig, layout: Any) -> None:
+    """IST deals the neurons of an MLP on one feature vector: nothing else (planner/candidates.py
+    marks it infeasible under "auto")."""
+    if config.train.strategy == "ist" and layout is not None and layout.tensor_inputs:
+        raise ConfigError("strategy='ist' trains MLPs on one float feature vector (feature_cols); input_cols "
+                          "runs cannot use it", hint="use strategy='data_parallel' (or sync='diloco'), 'hybrid' or "
+                                                     "'auto'")
+
+
+def check_output_width(config: RunConfig, out_width: int, num_classes: int | None,
+                       label_shape: tuple[int, ...] = ()) -> None:
+    """The model's output must fit the built-in loss, or every executor fails on its first step.
+    (Array labels: the loss already ran on the probe batch; only the class count is left.)"""
+    loss = config.train.loss
+    if label_shape and loss != "cross_entropy":
+        return
     if loss == "cross_entropy":
         need = max(2, num_classes or 2)
         if out_width < need:
-            raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column "
+            where = " (largest class index in its arrays)" if label_shape else ""
+            raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column{where} "
                              f"{config.data.label_col!r} holds {num_classes} classes but the model outputs "
                              f"{out_width} value(s) per row",
                              hint=f"make the last layer output {need}, or use loss='bce_with_logits' "
@@ -67,7 +142,9 @@ def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: in
     if config.data.on_invalid != "skip" or config.train.loss != "cross_entropy" or not classes \
             or classes <= out_width or out_width < 2:
         return prepared
-    kept = prepared.df.filter(F.col(LABEL_COLUMN) < out_width)
+    label = prepared.layout.label
+    largest = F.array_max(F.col(LABEL_COLUMN)) if label is not None and label.shape else F.col(LABEL_COLUMN)
+    kept = prepared.df.filter(largest < out_width)
     split = prepared.layout.split_column
     rows = kept.filter(F.col(split) == 0).count() if split else kept.count()
     dropped = prepared.num_rows - rows

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (check_batch_size, check_types, choice, coerce, parse_bytes, parse_literal, plain,
-                                   positive_int, suggest)
+from sparkdl.config_values import (check_batch_size, check_input_spec, check_types, choice, coerce, parse_bytes,
+                                   parse_literal, plain, positive_int, suggest)
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -44,8 +44,25 @@ class DataConfig:
     spool_dir: str | None = None
     validation_fraction: float = 0.0  # rows held out (randomly, by seed) for per-epoch validation
     on_invalid: str = "error"  # rows with NaN/Inf features or unusable labels: "error", or "skip" (dropped, counted)
+    input_cols: tuple[str, ...] | dict | None = None  # tensor columns: list (positional) or {forward kwarg: column}
+    input_shapes: dict | None = None  # {column: per-row shape} for fixed-length arrays, one -1 allowed
+    input_dtypes: dict | None = None  # {column: "float32" | "int64" | "bfloat16" | ...} over the column's own
+    label_shapes: Any = None  # per-row shape of an array label ([T] or {label_col: [..]})
+    weight_col: str | None = None  # per-row weight: built-in losses become sum(w * l) / sum(w)
+    transform_fn: Callable[..., Any] | None = None  # executors: dict of input columns -> dict of model inputs
+    prefetch_batches: int = 2  # batches made ahead on a background thread when transform_fn is set (0 = off)
 
     def validate(self) -> None:
+        if self.input_cols is not None:
+            check_input_spec(self)
+            return
+        for key in ("input_shapes", "input_dtypes", "transform_fn"):
+            if getattr(self, key):
+                raise ConfigError(f"data.{key} applies to input_cols, but input_cols is not set",
+                                  hint="pass input_cols=[...] (one tensor per column) instead of feature_cols")
+        if self.weight_col is not None and self.weight_col in self.feature_cols:
+            raise ConfigError(f"data.weight_col {self.weight_col!r} is also a feature column",
+                              hint="remove it from feature_cols")
         if isinstance(self.feature_cols, str):
             raise ConfigError(f"data.feature_cols must be a list of column names, got the string "
                               f"{self.feature_cols!r}", hint=f"write feature_cols=[{self.feature_cols!r}]")

@@ -110,6 +110,8 @@ def check_types(section: str, part: Any) -> None:
 
 
 def coerce(part: Any, name: str, value: Any) -> Any:
+    if name == "input_cols" and isinstance(value, list):
+        return tuple(value)
     if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
             and not (value is None and name == "emulate_speed"):
         try:
@@ -120,3 +122,92 @@ def coerce(part: Any, name: str, value: Any) -> Any:
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+TENSOR_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _names(key: str, value: Any) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
+            or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{key} must be a non-empty list of column names (or a dict forward keyword -> column), "
+                          f"got {value!r}", hint='for example input_cols=["pixels"] or {"query": "q", "doc": "d"}')
+    return list(value)
+
+
+def input_columns(data: Any) -> list[str]:
+    """The DataFrame columns input_cols names, in forward() order."""
+    cols = data.input_cols
+    if isinstance(cols, dict):
+        for keyword in cols:
+            if not isinstance(keyword, str) or not keyword.isidentifier():
+                raise ConfigError(f"data.input_cols keyword {keyword!r} is not a Python argument name",
+                                  hint="the dict maps forward() argument names to columns")
+        return _names("data.input_cols", list(cols.values()))
+    return _names("data.input_cols", cols)
+
+
+def shape_option(key: str, shape: Any) -> tuple[int, ...]:
+    """A per-row shape: positive sizes, at most one -1 (inferred from the array length)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (list, tuple)) or not shape \
+            or not all(isinstance(v, int) and not isinstance(v, bool) and (v > 0 or v == -1) for v in shape) \
+            or list(shape).count(-1) > 1:
+        raise ConfigError(f"{key} must be a list of positive sizes with at most one -1, got {shape!r}",
+                          hint="for example input_shapes={'pixels': [1, 28, 28]}")
+    return tuple(shape)
+
+
+def label_shape(data: Any) -> tuple[int, ...] | None:
+    """label_shapes as one shape: a list, or {label_col: list}."""
+    value = data.label_shapes
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        unknown = set(value) - {data.label_col}
+        if unknown:
+            raise ConfigError(f"data.label_shapes names {sorted(unknown)}, which is not label_col {data.label_col!r}",
+                              hint=f"write label_shapes={{{data.label_col!r}: [...]}} or label_shapes=[...]")
+        value = value.get(data.label_col)
+        if value is None:
+            return None
+    return shape_option("data.label_shapes", value)
+
+
+def check_input_spec(data: Any) -> None:
+    """input_cols and the options that go with it (DataConfig.validate's tensor-column half)."""
+    if data.feature_cols:
+        raise ConfigError("data.feature_cols and data.input_cols are both set",
+                          hint="pass input_cols (one tensor per column) or feature_cols (numeric columns "
+                               "concatenated into one float vector), not both")
+    cols = input_columns(data)
+    if len(set(cols)) != len(cols):
+        raise ConfigError(f"data.input_cols lists a column twice: {cols}", hint="list each input column once")
+    for other, what in ((data.label_col, "label_col"), (data.weight_col, "weight_col")):
+        if other is not None and other in cols:
+            raise ConfigError(f"data.{what} {other!r} is also an input column", hint=f"remove it from input_cols")
+    if data.weight_col is not None and data.weight_col == data.label_col:
+        raise ConfigError(f"data.weight_col {data.weight_col!r} is the label column", hint="weight by another column")
+    for key in ("input_shapes", "input_dtypes"):
+        value = getattr(data, key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"data.{key} must be a dict column -> value, got {value!r}",
+                              hint="for example input_shapes={'pixels': [1, 28, 28]}")
+        unknown = sorted(set(value) - set(cols))
+        if unknown:
+            raise ConfigError(f"data.{key} names {unknown}, which are not input columns {cols}",
+                              hint=suggest(unknown[0], cols))
+    for name, shape in (data.input_shapes or {}).items():
+        shape_option(f"data.input_shapes[{name!r}]", shape)
+    for name, dtype in (data.input_dtypes or {}).items():
+        choice(f"data.input_dtypes[{name!r}]", dtype, TENSOR_DTYPES)
+    label_shape(data)
+    if data.transform_fn is not None and not callable(data.transform_fn):
+        raise ConfigError(f"data.transform_fn must be a callable batch -> dict, got {data.transform_fn!r}",
+                          hint="def decode(batch): return {'png': images}")
+    check_batch_size(data.batch_size)
+    choice("data.on_invalid", data.on_invalid, ("error", "skip"))
+    if not 0.0 <= data.validation_fraction < 1.0:
+        raise ConfigError(f"data.validation_fraction must be in [0, 1), got {data.validation_fraction!r}",
+                          hint="for example validation_fraction=0.2")

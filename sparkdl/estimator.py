@@ -4,7 +4,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-from dataclasses import asdict
 from typing import Any
 
 from pyspark.ml import Estimator, Model
@@ -42,6 +41,9 @@ class TorchEstimator(Estimator, MLWritable):
                            history=result.history, prediction_col=self.config.data.prediction_col,
                            run_id=result.extra.get("mlflow_run_id"), options=result.config.flat())
         model.model_uri = result.extra.get("model_uri")  # the MLflow model (pyfunc-loadable)
+        model.transform_fn = result.config.data.transform_fn
+        model.explicit_dtypes = sorted(result.config.data.input_dtypes or {})
+        model.output_shape = tuple(result.extra.get("output_shape", ()))
         model.plan = result.plan  # the layout it trained with: TorchEstimator(plan=model.plan) trains alike
         return model
 
@@ -68,6 +70,16 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.plan: Any = None  # the ResolvedPlan of the fit (None after load)
         self.inference_gpus = 0.0  # GPUs per scoring task; a fraction shares a GPU between tasks
         self.inference_batch_size = 1024
+        self.transform_fn: Any = None  # input_cols models: run on the scoring executors as in training
+        self.explicit_dtypes: list[str] = []  # input columns whose dtype input_dtypes set
+        self.output_shape: tuple[int, ...] = ()  # per row, of the module's output (input_cols models)
+
+    def served(self) -> Any:
+        """The module with what it scores with (serving.ServedModel): input layout, transform_fn, kind."""
+        from sparkdl.serving import ServedModel
+
+        return ServedModel(self._module, self.layout, self.output_kind, self.transform_fn,
+                           frozenset(self.explicit_dtypes), tuple(self.output_shape), self.prediction_col)
 
     def torch_module(self) -> Any:
         return self._module
@@ -89,7 +101,8 @@ class TorchModel(Model, MLWritable, MLReadable):
         if self._module is None or self.layout is None:
             raise SparkdlError("this TorchModel holds no trained module", hint="fit an estimator or TorchModel.load(path)")
         return api.predict(dataset, self._module, self.layout, self.output_kind, self.prediction_col,
-                           batch_size=self.inference_batch_size, gpus_per_task=self.inference_gpus)
+                           batch_size=self.inference_batch_size, gpus_per_task=self.inference_gpus,
+                           served=self.served() if self.layout.tensor_inputs else None)
 
     def write(self) -> MLWriter:
         return _TorchModelWriter(self)
@@ -119,12 +132,16 @@ class _TorchModelWriter(MLWriter):
                                          extraMetadata={"sparkdlFormat": FORMAT_VERSION})
         state = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.torch_module().state_dict().items()}, state)
-        info = {"format": FORMAT_VERSION, "layout": asdict(model.layout), "output_kind": model.output_kind,
+        info = {"format": FORMAT_VERSION, "layout": model.layout.to_dict(), "output_kind": model.output_kind,
+                "output_shape": list(model.output_shape), "explicit_dtypes": list(model.explicit_dtypes),
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
                 "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
                 "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
-        for name, payload in (("module.pkl", dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
-                              ("sparkdl.json", json.dumps(info, indent=1).encode())):
+        files = [("module.pkl", dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
+                 ("sparkdl.json", json.dumps(info, indent=1).encode())]
+        if model.transform_fn is not None:
+            files.append(("transform_fn.pkl", dumps_any(model.transform_fn)))
+        for name, payload in files:
             write_bytes(self.sparkSession, f"{path.rstrip('/')}/data/{name}", payload)
 
 
@@ -152,14 +169,16 @@ class _TorchModelReader(MLReader):
         module = pickle.loads(read("module.pkl"))
         module.load_state_dict(torch.load(io.BytesIO(read("state.pt")), weights_only=True))
         module.eval()
-        layout = info["layout"]
-        layout["source_feature_cols"] = tuple(layout["source_feature_cols"])
-        model = TorchModel(module=module, layout=FeedLayout(**layout), output_kind=info["output_kind"],
+        model = TorchModel(module=module, layout=FeedLayout.from_dict(info["layout"]), output_kind=info["output_kind"],
                            history=info["history"], prediction_col=info["prediction_col"],
                            run_id=info.get("run_id"), options=info.get("options"))
         inference = info.get("inference", {})
         model.inference_gpus = float(inference.get("gpus_per_task", 0.0))
         model.inference_batch_size = int(inference.get("batch_size", 1024))
+        model.output_shape = tuple(info.get("output_shape", ()))
+        model.explicit_dtypes = list(info.get("explicit_dtypes", []))
+        if model.layout.transformed:
+            model.transform_fn = pickle.loads(read("transform_fn.pkl"))
         model._resetUid(metadata["uid"])  # a reloaded PipelineModel must keep its stage uids
         return model
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-OUTPUT_KINDS = ("class", "binary", "value", "values")
+OUTPUT_KINDS = ("class", "classes", "binary", "value", "values")
 _MODULE_CACHE: dict[tuple[str, str], Any] = {}
 
 
@@ -50,6 +50,8 @@ def prediction_arrow_type(output_kind: str) -> pa.DataType:
         return pa.int64()
     if output_kind == "value":
         return pa.float64()
+    if output_kind == "classes":
+        return pa.list_(pa.int64())
     return pa.list_(pa.float32())
 
 
@@ -79,14 +81,38 @@ def to_predictions(output: Any, output_kind: str) -> pa.Array:
         return pa.array((out.reshape(-1) > 0).numpy().astype(np.int64))
     if output_kind == "value":
         return pa.array(out.reshape(-1).double().numpy())
+    if output_kind == "classes":  # (B, T, C) -> T class indices per row
+        classes = out.argmax(dim=-1).reshape(out.shape[0], -1).numpy().astype(np.int64)
+        offsets = pa.array(np.arange(0, classes.size + 1, max(1, classes.shape[1]), dtype=np.int32))
+        return pa.ListArray.from_arrays(offsets, pa.array(classes.reshape(-1)))
     values = out.reshape(out.shape[0], -1).numpy()
     offsets = pa.array(np.arange(0, values.size + 1, values.shape[1], dtype=np.int32))
     return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), pa.float32()))
 
 
+def _tensor_predictions(served: Any, module: Any, device: str, batches: Iterator[pa.RecordBatch],
+                        prediction_col: str, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """input_cols models: the prepared input columns through the training conversion (and
+    transform_fn), then the model; the prepared columns are dropped again."""
+    from dataclasses import replace
+
+    from sparkdl.data.arrow_rows import incoming_arrays
+
+    served = replace(served, module=module)
+    layout = served.input_layout
+    prepared = [c.column for c in layout.inputs]
+    for batch in batches:
+        kept = batch.select([n for n in batch.schema.names if n not in prepared])
+        if batch.num_rows == 0:
+            yield kept.append_column(prediction_col, pa.array([], prediction_arrow_type(served.output_kind)))
+            continue
+        out = served.scores(incoming_arrays(batch, layout), device, batch_size)
+        yield kept.append_column(prediction_col, to_predictions(out, served.output_kind))
+
+
 def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, num_features: int,
-                    output_kind: str, prediction_col: str,
-                    batch_size: int) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+                    output_kind: str, prediction_col: str, batch_size: int,
+                    served: Any = None) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """`model_key` is unique per transform call: a reused Python worker must never score with the
     module cached for an earlier model."""
 
@@ -105,6 +131,9 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
             module.eval()
             _MODULE_CACHE[key] = module.to(device)
         module = _MODULE_CACHE[key]
+        if served is not None:
+            yield from _tensor_predictions(served, module, device, batches, prediction_col, batch_size)
+            return
         for batch in batches:
             index = batch.schema.get_field_index(feature_column)
             matrix = features_matrix(batch.column(index), num_features)

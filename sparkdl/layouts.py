@@ -177,7 +177,7 @@ class HybridLayout:
     cuts: tuple[int, ...]  # K+1 boundaries over the Sequential's top-level layers
     boundary_shapes: tuple[tuple[int, ...], ...]  # per-row shape of stage k's output, k < K-1
     boundary_dtypes: tuple[str, ...]
-    input_shape: tuple[int, ...]  # per-row feature shape
+    input_shape: tuple[int, ...]  # per-row shape of the first stage's input
     label_dtype: str
     microbatches: int
     schedule: str
@@ -187,6 +187,8 @@ class HybridLayout:
     executor_links: tuple[tuple[str, str, float, float], ...] = ()
     stage_grad_bytes: tuple[float, ...] = ()
     boundary_bytes: float = 0.0
+    input_dtype: str = "float32"  # of the first stage's input (int64 for token ids)
+    label_shape: tuple[int, ...] = ()  # per row: () for one label, (T,) for per-position labels
 
     def placed(self, executors: tuple[str, ...]) -> "HybridLayout":
         """This layout with its grid placed on the ranks' executors (DT-FM, place_on_executors above):

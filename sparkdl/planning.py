@@ -35,7 +35,7 @@ def settle_without_planner(config: RunConfig) -> RunConfig:
     return config if implied == "auto" else config.merged({"train": {"strategy": implied}})
 
 
-def make_plan(module: Any, config: RunConfig, num_features: int, spark: Any, num_rows: int | None = None,
+def make_plan(module: Any, config: RunConfig, num_features: Any, spark: Any, num_rows: int | None = None,
               fallback: bool = False) -> Any:
     """Profile the model, measure (or recall) the cluster, price every layout, choose one.
 
@@ -111,30 +111,43 @@ def measured_links(spark: Any, config: RunConfig) -> tuple[tuple[str, str, float
     return cluster.executor_links() if cluster is not None else ()
 
 
+def model_input(layout: FeedLayout, sample: Any = None) -> Any:
+    """What the planner feeds the model: random rows of the feature width, or (input_cols runs) the
+    probe batch of real rows, `sample` = (inputs, label, weight) as data/assemble.py makes it."""
+    from sparkdl.planner.profile import ModelInput
+
+    if sample is None or not layout.tensor_inputs:
+        return ModelInput.of(layout.num_features)
+    return ModelInput.from_sample(sample[0], sample[1])
+
+
 def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_rows: int | None = None, *,
-            plan: ResolvedPlan | None = None, fallback: bool = True) -> ResolvedPlan:
+            plan: ResolvedPlan | None = None, fallback: bool = True, sample: Any = None) -> ResolvedPlan:
     """The one resolved plan of a run: a kept `plan` checked against this model and data, or the
     named strategy's layout, or (strategy="auto") the planner's choice and then its layout. Every
-    configuration that cannot run raises here, before any job. `fallback`: see make_plan."""
-    from sparkdl.checks import check_backend
+    configuration that cannot run raises here, before any job. `fallback`: see make_plan;
+    `sample`: the probe batch of an input_cols run (see model_input)."""
+    from sparkdl.checks import check_backend, check_strategy_inputs
     from sparkdl.resolved_plan import ResolvedPlan
 
+    inputs = model_input(layout, sample)
     if plan is not None:
-        return reuse(plan, module, config, layout)
+        return reuse(plan, module, config, layout, inputs)
     config = settle_without_planner(config)
+    check_strategy_inputs(config, layout)
     auto = None
     if config.train.strategy == "auto":
-        auto = make_plan(module, config, layout.num_features, spark, num_rows, fallback=fallback)
+        auto = make_plan(module, config, inputs, spark, num_rows, fallback=fallback)
         config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
     check_backend(config)
     links = auto.executor_links if auto is not None else measured_links(spark, config)
-    strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None)
+    strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None, inputs=inputs)
     if auto is not None:
         params.update(auto.as_params())
     return ResolvedPlan.build(config, strategy_layout, params, auto)
 
 
-def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout) -> ResolvedPlan:
+def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout, inputs: Any = None) -> ResolvedPlan:
     """A kept plan (sparkdl.plan's value, plan.json of an earlier run) applied to this run: its layout
     options replace the run's, and its layout must fit this model, input and world, else a
     ConfigError naming `plan` says what differs. Nothing is planned or measured again."""
@@ -149,13 +162,14 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
                           hint=f"leave strategy unset (or 'auto') when passing a plan, or {_REPLAN}")
     config = config.merged({"train": dict(plan.settings)}).validate()
     check_backend(config)
-    mismatch = _layout_mismatch(plan, module, config, layout)
+    inputs = inputs if inputs is not None else model_input(layout)
+    mismatch = _layout_mismatch(plan, module, config, layout, inputs)
     if mismatch:
         raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=_REPLAN)
     if plan.strategy in ("data_parallel", "diloco") or (plan.strategy == "ist" and plan.auto is None):
         from sparkdl.planner.stages import check_data_parallel_memory
 
-        check_data_parallel_memory(module, config, layout.num_features)
+        check_data_parallel_memory(module, config, inputs)
     if plan.strategy == "ist" and config.train.ist_scale == "batchnorm":
         from sparkdl.strategies.ist import use_batch_statistics
 
@@ -176,14 +190,14 @@ def check_kept_world(plan: ResolvedPlan, config: RunConfig) -> None:
                           f"{config.launch.num_workers}", hint=f"pass num_workers={plan.world}, or {_REPLAN}")
 
 
-def _stage_mismatch(kept: Any, module: Any, config: RunConfig) -> str:
+def _stage_mismatch(kept: Any, module: Any, config: RunConfig, inputs: Any) -> str:
     """What crosses the kept cuts must be what this model sends there (the receive buffers are
     sized from the layout), and every stage must still fit the memory budget; one-row dry run."""
     from sparkdl.config import parse_bytes
     from sparkdl.planner.profile import profile_sequential
     from sparkdl.planner.stages import stage_memory
 
-    profile = profile_sequential(module, tuple(kept.input_shape), rows=1)
+    profile = profile_sequential(module, inputs, rows=1)
     for boundary, cut in enumerate(kept.cuts[1:-1]):
         layer = profile.layers[cut - 1]
         want = (tuple(kept.boundary_shapes[boundary]), kept.boundary_dtypes[boundary])
@@ -202,7 +216,7 @@ def _stage_mismatch(kept: Any, module: Any, config: RunConfig) -> str:
     return ""
 
 
-def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout) -> str:
+def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout, inputs: Any) -> str:
     """What about this run the kept layout was not made for ("" when it fits)."""
     from torch import nn
 
@@ -214,14 +228,15 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
             layers = len(module) if isinstance(module, nn.Sequential) else f"a {type(module).__name__}"
             return (f"its hybrid cuts {list(kept.cuts)} are for an nn.Sequential of {kept.cuts[-1]} layers, "
                     f"the model has {layers}")
-        if tuple(kept.input_shape) != (layout.num_features,):
-            return f"it was planned for {kept.input_shape[0]} input features, this data has {layout.num_features}"
+        if (tuple(kept.input_shape), kept.input_dtype) != (tuple(inputs.shape), inputs.dtype):
+            return (f"it was planned for {kept.input_dtype} inputs of shape {list(kept.input_shape)} per row, this "
+                    f"data has {inputs.dtype} of shape {list(inputs.shape)}")
         if (layout.label_dtype or "float32") != kept.label_dtype:
             return f"it was planned for {kept.label_dtype} labels, this run has {layout.label_dtype}"
         if kept.microbatches > kept.stages * config.data.batch_size:
             return (f"its {kept.microbatches} micro-batches exceed {kept.stages} stages x batch_size "
                     f"{config.data.batch_size} rows")
-        return _stage_mismatch(kept, module, config)
+        return _stage_mismatch(kept, module, config, inputs)
     elif isinstance(kept, IstLayout):
         from sparkdl.strategies.ist import ist_layout
 
@@ -234,7 +249,7 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
 
 
 def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
-                  priced: bool = False) -> tuple[StrategyLayout, dict[str, str]]:
+                  priced: bool = False, inputs: Any = None) -> tuple[StrategyLayout, dict[str, str]]:
     """The strategy's driver-side layout (None for data parallel) and the MLflow params describing
     it; configurations that cannot run (stage counts, micro-batches, memory budget) raise here.
     `priced`: the planner chose this strategy and already priced its memory per rank against the
@@ -242,12 +257,12 @@ def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
     data parallel would overstate)."""
     from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
 
+    inputs = inputs if inputs is not None else model_input(layout)
     if config.train.strategy == "hybrid":
-        hybrid, profile, memory = plan_hybrid(module, config, layout.num_features, layout.label_dtype or "float32",
-                                              links)
+        hybrid, profile, memory = plan_hybrid(module, config, inputs, layout.label_dtype or "float32", links)
         return hybrid, describe(hybrid, profile, memory)
     if not (priced and config.train.strategy == "ist"):
-        check_data_parallel_memory(module, config, layout.num_features)
+        check_data_parallel_memory(module, config, inputs)
     if config.train.strategy == "ist":
         return plan_ist(module, config)
     return None, {}

@@ -131,32 +131,28 @@ class RunTracker:
             path.write_bytes(png)
             self._client.log_artifact(self.run_id, str(path))
 
-    def log_model(self, module: Any, input_example: Any) -> str | None:
-        """mlflow.pytorch flavor with signature and input example; returns the model URI."""
+    def log_model(self, served: Any, input_example: Any) -> str | None:
+        """The model as an MLflow pyfunc (serving.ServedModel inside): `predict` answers what
+        TorchModel.transform writes (class index, per-position classes, values), with class
+        probabilities beside it; signature and input example included. Returns the model URI."""
         if not self._active():
             return None
         result: list[str] = []
 
         def send() -> None:
             import mlflow
-            import mlflow.pytorch
-            import numpy as np
-            import torch
+            import pandas as pd
             from mlflow.models import infer_signature
 
-            features = np.asarray(input_example.values if hasattr(input_example, "values") else input_example,
-                                  dtype=np.float32)
-            with torch.no_grad():
-                output = module(torch.from_numpy(features)).detach().cpu().numpy()
+            python_model = pyfunc_model(served)
+            output = pd.DataFrame(served.predict_columns(input_example))
             signature = infer_signature(input_example, output)
             previous = mlflow.get_tracking_uri()
             mlflow.set_tracking_uri(self.tracking_uri)
             try:
                 with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
-                    # "pickle" keeps the whole nn.Module (mlflow.pytorch.load_model gives it back) and
-                    # accepts a named pandas input example; "pt2" would need a traced tensor example.
-                    info = mlflow.pytorch.log_model(module, name="model", signature=signature,
-                                                    input_example=input_example, serialization_format="pickle")
+                    info = mlflow.pyfunc.log_model(name="model", python_model=python_model, signature=signature,
+                                                   input_example=input_example)
                 result.append(info.model_uri)
             finally:
                 mlflow.set_tracking_uri(previous)
@@ -181,6 +177,22 @@ class RunTracker:
             log.warning(message)
             # MLflow reconfigures logging on import; a Python warning reaches notebooks and terminals.
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def pyfunc_model(served: Any) -> Any:
+    """An mlflow.pyfunc.PythonModel around a ServedModel (the class is made here: mlflow loads lazily)."""
+    import mlflow.pyfunc
+
+    class SparkdlModel(mlflow.pyfunc.PythonModel):
+        def __init__(self, served: Any) -> None:
+            self.served = served
+
+        def predict(self, context: Any, model_input: Any, params: Any = None) -> Any:
+            import pandas as pd
+
+            return pd.DataFrame(self.served.predict_columns(model_input))
+
+    return SparkdlModel(served)
 
 
 def _is_number(value: Any) -> bool:

@@ -13,7 +13,6 @@ import itertools
 import mmap
 import os
 import uuid
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -22,14 +21,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
-from sparkdl.data.arrow_rows import Arrays, ChunkWriter, incoming_arrays, spool_schema
-from sparkdl.data.layout import FeedLayout
+from sparkdl.data.arrow_rows import Arrays, Block, ChunkWriter, SpoolColumn, incoming_arrays, spool_columns, spool_schema
+from sparkdl.data.assemble import Assemble, assembler
+from sparkdl.data.layout import FIXED, FeedLayout
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
 from sparkdl.errors import EmptyDataError
 
-Batch = tuple[torch.Tensor, torch.Tensor | None]
 
 _GROUP_BYTES = 1 << 19  # shuffled rows gathered per numpy call, see _gathered
 
@@ -46,46 +44,63 @@ def last_batch_size(row_counts: Sequence[int], batch_size: int, drop_last: bool)
 
 
 class _Rows:
-    """A partition's rows as per-chunk numpy blocks: features (n_i, d) and labels (n_i,)."""
+    """A partition's rows as per-chunk blocks, one list per spool column: numpy `(n_i,)` or
+    `(n_i, width)` for fixed columns, Arrow arrays for binary and variable-length ones."""
 
-    def __init__(self, features: list[np.ndarray], labels: list[np.ndarray] | None, width: int):
-        self.features, self.labels, self.width = features, labels, width
+    def __init__(self, columns: list[list[Block]], specs: Sequence[SpoolColumn]):
+        self.columns, self.specs = columns, tuple(specs)
         # Chunk i holds global rows bounds[i]:bounds[i + 1].
-        self.bounds = np.cumsum([0, *(len(block) for block in features)], dtype=np.int64)
+        self.bounds = np.cumsum([0, *(len(block) for block in columns[0])], dtype=np.int64)
         self.num_rows = int(self.bounds[-1])
+        self.row_bytes = max(1, sum(spec.row_bytes for spec in self.specs))
         # The spool writes equal chunks and a smaller last one: then a division, far cheaper than a
         # search, finds a row's chunk. 0 for other layouts (say, a file written elsewhere).
         sizes = np.diff(self.bounds)
         equal = len(sizes) > 1 and np.all(sizes[:-1] == sizes[0]) and sizes[-1] <= sizes[0]
         self.chunk_rows = int(sizes[0]) if equal else 0
 
+    @property
+    def chunk_count(self) -> int:
+        return len(self.columns[0])
+
     def take_ranges(self, ranges: list[tuple[int, int]]) -> Arrays:
-        """Row ranges, in order: a zero-copy view when they are one range inside one chunk."""
+        """Row ranges, in order: zero-copy views when they are one range inside one chunk."""
         if len(ranges) == 1:
             start, stop = ranges[0]
             chunk = int(np.searchsorted(self.bounds, start, side="right")) - 1
             if stop <= self.bounds[chunk + 1]:
                 lo, hi = start - int(self.bounds[chunk]), stop - int(self.bounds[chunk])
-                return self.features[chunk][lo:hi], None if self.labels is None else self.labels[chunk][lo:hi]
+                return tuple(_slice(blocks[chunk], lo, hi) for blocks in self.columns)
         # Straddling chunks or wrapping around: a copy either way, so reuse the gather.
         return self.gather(np.concatenate([np.arange(start, stop) for start, stop in ranges]))
 
     def gather(self, index: np.ndarray) -> Arrays:
         """Rows at any global indices, in index order: one numpy take per chunk touched."""
-        if len(self.features) == 1:
-            labels = None if self.labels is None else np.take(self.labels[0], index)
-            return np.take(self.features[0], index, axis=0), labels
-        features = np.empty((len(index), self.width), np.float32)
-        labels = None if self.labels is None else np.empty(len(index), self.labels[0].dtype)
+        if self.chunk_count == 1:
+            return tuple(_take(blocks[0], index) for blocks in self.columns)
         chunk_of = (index // self.chunk_rows if self.chunk_rows
                     else np.searchsorted(self.bounds, index, side="right") - 1)
-        for chunk in np.flatnonzero(np.bincount(chunk_of)):  # loops over chunks touched, not rows
-            positions = np.flatnonzero(chunk_of == chunk)
-            local = index[positions] - self.bounds[chunk]
-            features[positions] = np.take(self.features[chunk], local, axis=0)
-            if labels is not None and self.labels is not None:
-                labels[positions] = np.take(self.labels[chunk], local)
-        return features, labels
+        touched = np.flatnonzero(np.bincount(chunk_of))  # loops over chunks touched, not rows
+        parts = [(chunk, np.flatnonzero(chunk_of == chunk)) for chunk in touched]
+        out = []
+        for spec, blocks in zip(self.specs, self.columns):
+            if spec.kind != FIXED:
+                out.append(pa.chunked_array(blocks, type=spec.arrow_type()).take(pa.array(index)).combine_chunks())
+                continue
+            first = blocks[0]
+            gathered = np.empty((len(index), *first.shape[1:]), first.dtype)
+            for chunk, positions in parts:
+                gathered[positions] = np.take(blocks[chunk], index[positions] - self.bounds[chunk], axis=0)
+            out.append(gathered)
+        return tuple(out)
+
+
+def _slice(block: Block, lo: int, hi: int) -> Block:
+    return block[lo:hi] if isinstance(block, np.ndarray) else block.slice(lo, hi - lo)
+
+
+def _take(block: Block, index: np.ndarray) -> Block:
+    return np.take(block, index, axis=0) if isinstance(block, np.ndarray) else block.take(pa.array(index))
 
 
 def _batch_sizes(batch_size: int, steps: int, drop_last: bool, last: int | None) -> Iterator[int]:
@@ -124,21 +139,8 @@ def _shuffled_indices(num_rows: int, sizes: Iterable[int], rng: np.random.Genera
         yield parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    if array.flags.writeable:
-        return torch.from_numpy(array)
-    # A view of the read-only mapping: sharing it is the point, so silence torch rather than copy.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        return torch.from_numpy(array)
-
-
-def _tensors(arrays: Arrays) -> Batch:
-    return _tensor(arrays[0]), None if arrays[1] is None else _tensor(arrays[1])
-
-
 def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int,
-                  rank: int, drop_last: bool, last_batch_size: int | None) -> Iterator[Batch]:
+                  rank: int, drop_last: bool, last_batch_size: int | None, assemble: Assemble) -> Iterator[Any]:
     # Checked now rather than at the first next(), so a bad rank fails before its training loop.
     sizes = _batch_sizes(batch_size, steps, drop_last, last_batch_size)
     if steps and rows.num_rows == 0:
@@ -148,19 +150,19 @@ def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuff
     if shuffle:
         rng = np.random.default_rng([seed, epoch, rank])
         indices = _shuffled_indices(rows.num_rows, sizes, rng)
-        per_group = max(1, _GROUP_BYTES // (batch_size * 4 * max(1, rows.width)))
-        return map(_tensors, _gathered(rows, indices, per_group))
-    return (_tensors(rows.take_ranges(ranges)) for ranges in _in_order_ranges(rows.num_rows, sizes))
+        per_group = max(1, _GROUP_BYTES // (batch_size * rows.row_bytes))
+        return map(assemble, _gathered(rows, indices, per_group))
+    return (assemble(rows.take_ranges(ranges)) for ranges in _in_order_ranges(rows.num_rows, sizes))
 
 
 def _gathered(rows: _Rows, indices: Iterator[np.ndarray], per_group: int) -> Iterator[Arrays]:
     """Gathers a few batches per call (about _GROUP_BYTES: small enough to stay in cache), so the
     per-call cost hardly counts for small batches. Each batch slices a fresh, never reused array."""
     while group := list(itertools.islice(indices, per_group)):
-        features, labels = rows.gather(np.concatenate(group))
+        gathered = rows.gather(np.concatenate(group))
         ends = np.cumsum([len(index) for index in group]).tolist()
         for start, stop in zip([0, *ends[:-1]], ends):
-            yield features[start:stop], None if labels is None else labels[start:stop]
+            yield tuple(_slice(block, start, stop) for block in gathered)
 
 
 class Spool:
@@ -174,7 +176,7 @@ class Spool:
         try:
             rows = _map_rows(self._file, layout)
             self._num_rows: int | None = rows.num_rows
-            self.chunk_count = len(rows.features)
+            self.chunk_count = rows.chunk_count
             self.chunk_rows = rows.chunk_rows  # 0 unless the chunks are equal (all but the last)
         except BaseException:
             self._file.close()
@@ -213,8 +215,11 @@ class Spool:
         return self._num_rows
 
     def batches(self, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int, rank: int,
-                drop_last: bool, last_batch_size: int | None = None) -> Iterator[Batch]:
-        """Exactly `steps` batches of (features float32 (b, d), labels (b,) or None). Take `steps` and
+                drop_last: bool, last_batch_size: int | None = None, assemble: Assemble | None = None
+                ) -> Iterator[Any]:
+        """Exactly `steps` batches: (features float32 (b, d), labels (b,) or None) for a feature_cols
+        layout, (inputs, label, weight) for input_cols (data/assemble.py; `assemble` replaces the
+        default conversion, e.g. with transform_fn). Take `steps` and
         `last_batch_size` from `steps_per_epoch` and `last_batch_size` over all ranks' `num_rows`.
         Each batch stays valid while later ones are produced, and after close().
 
@@ -224,13 +229,16 @@ class Spool:
         """
         if self._num_rows is None:
             raise ValueError(f"spool {self._path} is closed")
-        return _iter_batches(_map_rows(self._file, self._layout), epoch, batch_size=batch_size, steps=steps, shuffle=shuffle,
-                             seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)
+        return _iter_batches(_map_rows(self._file, self._layout), epoch, batch_size=batch_size, steps=steps,
+                             shuffle=shuffle, seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size,
+                             assemble=assemble or assembler(self._layout))
 
-    def epoch_batches(self, epoch: int, plan: EpochPlan, *, rank: int, shuffle: bool, seed: int) -> Iterator[Batch]:
+    def epoch_batches(self, epoch: int, plan: EpochPlan, *, rank: int, shuffle: bool, seed: int,
+                      assemble: Assemble | None = None) -> Iterator[Any]:
         """The batches `plan` (data/epochs.py, over every rank's row counts) gives `rank` this epoch."""
         return self.batches(epoch, batch_size=plan.batch_size(rank), steps=plan.steps, shuffle=shuffle, seed=seed,
-                            rank=rank, drop_last=plan.full_steps_only, last_batch_size=plan.last_batch_size(rank))
+                            rank=rank, drop_last=plan.full_steps_only, last_batch_size=plan.last_batch_size(rank),
+                            assemble=assemble)
 
     def close(self) -> None:
         """Close and delete the file; batches handed out earlier stay readable. Idempotent."""
@@ -247,13 +255,12 @@ class Spool:
 
 def _rows_of(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> _Rows:
     """Zero-copy numpy views of fixed_size_list batches (of a mapped file: read on use, not now)."""
-    features: list[np.ndarray] = []
-    labels: list[np.ndarray] | None = None if layout.label_dtype is None else []
-    for block, label_block in (incoming_arrays(batch, layout) for batch in batches if batch.num_rows):
-        features.append(block)
-        if labels is not None and label_block is not None:
-            labels.append(label_block)
-    return _Rows(features, labels, layout.num_features)
+    specs = spool_columns(layout)
+    columns: list[list[Block]] = [[] for _ in specs]
+    for blocks in (incoming_arrays(batch, layout) for batch in batches if batch.num_rows):
+        for column, block in zip(columns, blocks):
+            column.append(block)
+    return _Rows(columns, specs)
 
 
 def _map_rows(stream: Any, layout: FeedLayout) -> _Rows:
@@ -273,9 +280,10 @@ def _close_and_delete(stream: Any, path: Path) -> None:
 
 def table_batches(table: pa.Table, layout: FeedLayout, epoch: int, *, batch_size: int, steps: int,
                   shuffle: bool, seed: int, rank: int, drop_last: bool,
-                  last_batch_size: int | None = None) -> Iterator[Batch]:
+                  last_batch_size: int | None = None, assemble: Assemble | None = None) -> Iterator[Any]:
     """The batches `Spool.batches` yields, from a table already in memory (the in-memory limit).
     Its chunks are combined into one first (free when it has one); fixed_size_list is not copied."""
     rows = _rows_of(table.combine_chunks().to_batches(), layout)
     return _iter_batches(rows, epoch, batch_size=batch_size, steps=steps, shuffle=shuffle, seed=seed,
-                         rank=rank, drop_last=drop_last, last_batch_size=last_batch_size)
+                         rank=rank, drop_last=drop_last, last_batch_size=last_batch_size,
+                         assemble=assemble or assembler(layout))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
@@ -37,6 +37,7 @@ class PreparedData:
     num_rows: int  # training rows
     num_validation_rows: int = 0
     dropped_rows: int = 0  # invalid rows dropped under on_invalid="skip"
+    sample: Any = None  # input_cols runs: the first prepared rows (a pyarrow Table) to probe the model with
 
 
 def label_is_integral(df: DataFrame, label_col: str | None) -> bool:
@@ -48,16 +49,6 @@ def label_is_integral(df: DataFrame, label_col: str | None) -> bool:
 def is_classification(df: DataFrame, config: "RunConfig", custom_loop: bool = False) -> bool:
     """TrainConfig.is_classification (the one rule) for this DataFrame's label column."""
     return config.train.is_classification(label_is_integral(df, config.data.label_col), builtin_loss=not custom_loop)
-
-
-def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None = None,
-                custom_loop: bool = False) -> PreparedData:
-    """`prepare` with every option taken from the run's config: the one call site of fit, plan and
-    run, so they cannot drift apart (validation rows, seed, invalid rows, classification)."""
-    data = config.data
-    return prepare(df, data.feature_cols, data.label_col, classification=is_classification(df, config, custom_loop),
-                   num_workers=config.launch.num_workers, validation_df=validation_df,
-                   validation_fraction=data.validation_fraction, seed=config.train.seed, on_invalid=data.on_invalid)
 
 
 def check_columns(df: DataFrame, columns: Sequence[str]) -> None:
@@ -212,17 +203,28 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
     seed), validation rows travel in the same barrier job, marked by a split column, so every rank
     evaluates its share each epoch without a second Spark job."""
     prepared = _prepare_one(df, feature_cols, label_col, classification=classification, on_invalid=on_invalid)
-    layout, selected = prepared.layout, prepared.df
-    num_rows, num_val = prepared.num_rows, 0
+    val = None
     if validation_df is not None:
         val = _prepare_one(validation_df, feature_cols, label_col, classification=classification, what="validation_df",
                            on_invalid=on_invalid)
-        if val.layout.num_features != layout.num_features:
+        if val.layout.num_features != prepared.layout.num_features:
             raise ArrayLengthError(f"validation_df has {val.layout.num_features} feature values per row, the "
-                                   f"training DataFrame {layout.num_features}", hint="use the same feature columns")
-        selected = selected.withColumn(SPLIT_COLUMN, F.lit(0)).unionByName(val.df.withColumn(SPLIT_COLUMN, F.lit(1)))
-        num_val = val.num_rows
-        prepared = replace(prepared, dropped_rows=prepared.dropped_rows + val.dropped_rows)
+                                   f"training DataFrame {prepared.layout.num_features}",
+                                   hint="use the same feature columns")
+    return split_and_shard(prepared, val, num_workers=num_workers, validation_fraction=validation_fraction, seed=seed)
+
+
+def split_and_shard(prepared: PreparedData, validation: PreparedData | None, *, num_workers: int,
+                    validation_fraction: float = 0.0, seed: int = 0) -> PreparedData:
+    """Validation rows (a prepared validation_df, or a fraction held out by seed) marked by a split
+    column in the same DataFrame, and the rows spread over num_workers partitions (one per rank)."""
+    layout, selected = prepared.layout, prepared.df
+    num_rows, num_val = prepared.num_rows, 0
+    if validation is not None:
+        selected = selected.withColumn(SPLIT_COLUMN, F.lit(0)).unionByName(
+            validation.df.withColumn(SPLIT_COLUMN, F.lit(1)))
+        num_val = validation.num_rows
+        prepared = replace(prepared, dropped_rows=prepared.dropped_rows + validation.dropped_rows)
     elif validation_fraction > 0:
         held_out = (F.rand(seed) < F.lit(validation_fraction)).cast("int")
         selected = selected.withColumn(SPLIT_COLUMN, held_out)
@@ -236,8 +238,7 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
         # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
         # exactly num_workers non-empty partitions keeps its partitioning and row order.
         selected = selected.repartition(num_workers)
-    return PreparedData(df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val,
-                        dropped_rows=prepared.dropped_rows)
+    return replace(prepared, df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val)
 
 
 def _has_an_empty_partition(df: DataFrame, num_workers: int) -> bool:

@@ -1,20 +1,58 @@
 """FeedLayout: how the prepared Arrow batches are laid out; shared by the driver and the workers.
 
 Stdlib only, so both sides (and the picklable TrainSpec) can hold it without importing Spark.
+
+Two layouts exist. `feature_cols` (the MLP path): one `array<float>` features column of fixed width
+and one scalar label. `input_cols` (tensor columns): one prepared column per model input, each a
+`TensorColumn` saying how its rows become one tensor with the batch as dim 0, plus an optional label
+tensor column and a per-row weight.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
 
 FEATURES_COLUMN = "__sparkdl_features"
 LABEL_COLUMN = "__sparkdl_label"
+WEIGHT_COLUMN = "__sparkdl_weight"
 SPLIT_COLUMN = "__sparkdl_split"  # 0: training row, 1: validation row
+INPUT_PREFIX = "__sparkdl_in_"
+
+# How a column's rows are stored: "fixed" (a number or a fixed-length array per row: one contiguous
+# block), "binary" (bytes per row), "ragged" (arrays of varying length) or "text" (a string per row).
+# Only "fixed" becomes a tensor by itself; the others need transform_fn.
+FIXED, BINARY, RAGGED, TEXT = "fixed", "binary", "ragged", "text"
+
+
+
+@dataclass(frozen=True)
+class TensorColumn:
+    """One prepared column and the tensor its rows become: `(B, *shape)` of `dtype`."""
+
+    source: str  # the user's DataFrame column
+    column: str  # its name in the prepared DataFrame and the spool
+    kind: str  # FIXED, BINARY, RAGGED or TEXT
+    storage: str  # element type as delivered and spooled ("int32", "float32", "bool", ...); "" for bytes/text
+    dtype: str  # torch dtype of the batch tensor (one of TORCH_DTYPES)
+    shape: tuple[int, ...] = ()  # per row: () for a scalar column, (L,) or input_shapes[col] for arrays
+    key: str | None = None  # the forward() keyword when input_cols is a dict; None: positional
+
+    @property
+    def width(self) -> int:
+        """Values per row in the spool (fixed columns)."""
+        return math.prod(self.shape) if self.shape else 1
+
+    @property
+    def scalar(self) -> bool:
+        return self.kind == FIXED and not self.shape
 
 
 @dataclass(frozen=True)
 class FeedLayout:
-    """The prepared DataFrame has one `array<float>` features column of fixed width and, when
-    training, one scalar label column (int64 for classification, float32 for regression)."""
+    """The prepared DataFrame's columns. `feature_cols` runs: one `array<float>` features column of
+    `num_features` values and, when training, one scalar label column (int64 for classification,
+    float32 for regression). `input_cols` runs: `inputs`, `label` and `weight_column` instead."""
 
     num_features: int
     label_dtype: str | None  # "int64", "float32" or None (no label: inference or custom loops)
@@ -24,3 +62,35 @@ class FeedLayout:
     source_label_col: str | None = None
     num_classes: int | None = None  # classification only: max label + 1 seen on the driver
     split_column: str | None = None  # set when validation rows travel with the training rows
+    inputs: tuple[TensorColumn, ...] = ()  # input_cols runs: one per model input, in forward() order
+    keyword_inputs: bool = False  # input_cols was a dict: inputs are passed as forward(**{key: tensor})
+    label: TensorColumn | None = None  # input_cols runs: the label tensor (scalar or per-position)
+    weight_column: str | None = None  # prepared float32 per-row weight column (weight_col)
+    source_weight_col: str | None = None
+    transformed: bool = False  # transform_fn builds the model inputs from the columns on the executors
+
+    @property
+    def tensor_inputs(self) -> bool:
+        """An input_cols layout (tensors per column) rather than one concatenated feature vector."""
+        return bool(self.inputs)
+
+    @property
+    def source_input_cols(self) -> tuple[str, ...]:
+        return tuple(c.source for c in self.inputs) if self.inputs else self.source_feature_cols
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FeedLayout":
+        """The inverse of to_dict (JSON lists become tuples again); keys of older saves are optional."""
+        values = dict(data)
+        values["source_feature_cols"] = tuple(values.get("source_feature_cols", ()))
+        values["inputs"] = tuple(_column(c) for c in values.get("inputs", ()))
+        if values.get("label") is not None:
+            values["label"] = _column(values["label"])
+        return cls(**values)
+
+
+def _column(data: dict[str, Any]) -> TensorColumn:
+    return TensorColumn(**{**data, "shape": tuple(data.get("shape", ()))})

@@ -83,23 +83,44 @@ class WorkerContext:
     def has_validation(self) -> bool:
         return self.validation is not None
 
-    def batches(self, epoch: int = 0) -> Iterator[tuple[Any, Any]]:
-        """(features, labels) torch batches of this rank's shard; the same step count on every rank."""
+    @cached_property
+    def assemble(self) -> Any:
+        """Spool rows -> batches: transform_fn and the input_dtypes applied (data/assemble.py);
+        `assemble.transform_seconds` sums the time spent in transform_fn on this rank."""
+        from sparkdl.data.assemble import assembler
+
+        data = self.spec.config.data
+        return assembler(self.spec.layout, data.transform_fn, frozenset(data.input_dtypes or {}))
+
+    def batches(self, epoch: int = 0) -> Iterator[tuple[Any, ...]]:
+        """This rank's shard as torch batches, the same step count on every rank: (features, labels)
+        for feature_cols, (inputs, label, weight) for input_cols (inputs a tuple, or a dict when
+        input_cols is one). With transform_fn, batches are made data.prefetch_batches ahead on a
+        background thread, so decoding overlaps the step."""
         if self.spool is None:
             from sparkdl.errors import ConfigError
 
             raise ConfigError("ctx.batches() needs data, but this run has no DataFrame",
                               hint="pass df= to sparkdl.run")
-        return self.spool.epoch_batches(epoch, self.epoch, rank=self.rank, shuffle=self.spec.config.data.shuffle,
-                                        seed=self.spec.config.train.seed)
+        from sparkdl.data.assemble import prefetched
 
-    def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, Any]]:
-        """This rank's validation rows, in order, once (empty without validation data). Ranks hold
-        different numbers of rows: combine per-rank sums with one collective afterwards."""
+        data = self.spec.config.data
+        batches = self.spool.epoch_batches(epoch, self.epoch, rank=self.rank, shuffle=data.shuffle,
+                                           seed=self.spec.config.train.seed, assemble=self.assemble)
+        return prefetched(batches, data.prefetch_batches) if data.transform_fn is not None else batches
+
+    def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, ...]]:
+        """This rank's validation rows, in order, once (empty without validation data), shaped as
+        `batches` shapes them. Ranks hold different numbers of rows: combine per-rank sums with one
+        collective afterwards."""
         spool = self.validation
         if spool is None or spool.num_rows == 0:
             return iter(())
         # One in-order pass over this rank's rows alone: a plan of one shard, read as rank 0 of it.
         return spool.epoch_batches(0, epoch_plan([spool.num_rows], BatchOptions(batch_size)), rank=0, shuffle=False,
-                                   seed=0)
+                                   seed=0, assemble=self.assemble)
+
+    @property
+    def transform_seconds(self) -> float:
+        return float(getattr(self.assemble, "transform_seconds", 0.0))
 

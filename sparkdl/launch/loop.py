@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -16,6 +16,7 @@ from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume, RunChec
 from sparkdl.launch.context import WorkerContext
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
 from sparkdl.strategies import Strategy, strategy_class
+from sparkdl.strategies.inputs import batch_rows, to_device
 
 History = list[dict[str, Any]]
 
@@ -115,26 +116,34 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
     """Train the epoch's steps from `totals.step` on (earlier ones ran before the checkpoint; the
     batches of an epoch are deterministic), reporting and checkpointing as due."""
     device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
-    for index, (features, labels) in enumerate(ctx.batches(epoch)):
+    for index, (inputs, labels, weights) in enumerate(_triples(ctx, ctx.batches(epoch))):
         if index < totals.step:
             continue
         step_started = time.perf_counter()
-        features = features.to(device, non_blocking=True)
+        inputs, rows = to_device(inputs, device), batch_rows(inputs)
         labels = labels.to(device, non_blocking=True)
-        loss = strategy.train_step(features, labels)
-        totals.loss_sum += loss.double() * strategy.loss_rows(features.shape[0])
-        totals.samples += features.shape[0]
+        weights = None if weights is None else weights.to(device, non_blocking=True)
+        loss = strategy.train_step(inputs, labels, weights)
+        totals.loss_sum += loss.double() * strategy.loss_rows(rows)
+        totals.samples += rows
         totals.step += 1
         totals.global_step += 1
         if reporter is not None and reporter.due(totals.global_step, totals.step == steps):
             step_s = time.perf_counter() - step_started
             reporter.step(totals.global_step, {
                 "loss": float(loss), "lr": strategy.learning_rate(), "step_time_s": step_s,
-                "samples_per_sec": features.shape[0] * ctx.world_size / step_s if step_s > 0 else 0.0,
+                "samples_per_sec": rows * ctx.world_size / step_s if step_s > 0 else 0.0,
                 "epoch": epoch}, log=totals.global_step % reporter.log_every == 0 or totals.step == steps)
         if checkpoints is not None and totals.step < steps and checkpoints.due(totals.global_step):
             checkpoints.save(Position(epoch, totals.step, totals.global_step),
                              _progress(ctx, history, float(totals.loss_sum.cpu()), totals.samples))
+
+
+def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, Any, Any]]:
+    """(inputs, labels, weights) whatever the layout: feature_cols batches have no weights."""
+    if ctx.spec.layout is not None and ctx.spec.layout.tensor_inputs:
+        return iter(batches)  # type: ignore[arg-type]
+    return ((features, labels, None) for features, labels in batches)
 
 
 def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,
@@ -156,6 +165,9 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent))
+    if ctx.spec.config.data.transform_fn is not None:
+        local["transform_seconds"] = ctx.transform_seconds  # since the start: per epoch below
+        record["transform_seconds"] = ctx.transform_seconds
     for name, values in _gather_metrics(ctx, local).items():
         if name == "bytes_sent":
             record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
@@ -180,11 +192,12 @@ def validate(ctx: WorkerContext, strategy: Strategy, loss_fn: Any) -> dict[str, 
     if not ctx.has_validation:
         return {}
     classification = ctx.spec.layout is not None and ctx.spec.layout.label_dtype == "int64"
-    sums = strategy.evaluate(ctx.validation_batches(), loss_fn, classification)  # loss * rows, correct, rows
+    # (loss sum, correct, loss denominator, labels counted): see Strategy.evaluate
+    sums = strategy.evaluate(_triples(ctx, ctx.validation_batches()), loss_fn, classification)
     ctx.comm.allreduce(sums, op="sum")
     if sums[2] == 0:
         return {}
     result = {"val_loss": float(sums[0] / sums[2])}
-    if classification:
-        result["val_accuracy"] = float(sums[1] / sums[2])
+    if classification and sums[3] > 0:
+        result["val_accuracy"] = float(sums[1] / sums[3])
     return result

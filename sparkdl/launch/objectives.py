@@ -5,11 +5,11 @@ import copy
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ModelError
+from sparkdl.losses import BuiltinLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,16 +62,7 @@ def import_factory(path: str) -> Callable[[], nn.Module]:
     return target
 
 
-def _mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output.reshape(label.shape) if output.numel() == label.numel() else output, label)
-
-
-def _bce(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(output.reshape(label.shape) if output.numel() == label.numel()
-                                              else output, label)
-
-
-LOSSES: dict[str, LossFn] = {"cross_entropy": F.cross_entropy, "mse": _mse, "bce_with_logits": _bce}
+LOSSES: dict[str, LossFn] = {name: BuiltinLoss(name) for name in ("cross_entropy", "mse", "bce_with_logits")}
 
 
 def loss_function(train: TrainConfig) -> LossFn:

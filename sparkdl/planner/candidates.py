@@ -29,7 +29,7 @@ from sparkdl.planner.cluster import ClusterInfo
 from sparkdl.planner.speed import matmul_flops
 from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import Candidate, Decision, Plan, decide
-from sparkdl.planner.profile import ModelProfile, profile_sequential
+from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
@@ -37,15 +37,15 @@ HETEROGENEOUS = 1.5  # fastest / slowest rank speed (at both calibration ends) a
 IST_R = 30
 
 
-def layer_costs(model: nn.Module, num_features: int, rows: int, driver_flops: float, speed_ratio: float
-                ) -> tuple[ModelProfile, tuple[cost.LayerCost, ...]]:
+def layer_costs(model: nn.Module, num_features: "ModelInput | int", rows: int, driver_flops: float,
+                speed_ratio: float) -> tuple[ModelProfile, tuple[cost.LayerCost, ...]]:
     """Per-layer cost from two timed batch sizes: time(n) = overhead + n x per-row time, the per-row
     time expressed in FLOPs at the driver's matrix-product rate, the overhead scaled by the rank's
     speed relative to the driver (speed_ratio = driver FLOP/s / rank FLOP/s)."""
     small = max(1, rows // 8)
     seq = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
-    large_profile = profile_sequential(seq, (num_features,), rows=rows)
-    small_profile = profile_sequential(seq, (num_features,), rows=small)
+    large_profile = profile_sequential(seq, ModelInput.of(num_features), rows=rows)
+    small_profile = profile_sequential(seq, ModelInput.of(num_features), rows=small)
     layers = []
     for big, little in zip(large_profile.layers, small_profile.layers):
         per_row = max((big.seconds - little.seconds) / (rows - small), 0.0) if rows > small else big.seconds / rows
@@ -70,7 +70,8 @@ class ModelCosts:
     step_overhead_s: float  # loss, optimizer update, zero_grad
     driver_flops: float
     threads: int
-    num_features: int
+    num_features: int  # feature_cols runs; 0 when input_bytes says what a row weighs
+    input_bytes: float = 0.0  # per row, of an input_cols run's inputs as delivered
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class CalibrationEnd:
     net: cost.Network
 
 
-def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: ClusterInfo,
+def build_plan(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", cluster: ClusterInfo,
                backend_ops: frozenset[str], threads: int = 1, num_rows: int | None = None) -> Plan:
     """Price every candidate layout and choose; `num_rows` (the training rows, when known) lets the
     choice weigh the whole run, not only one step."""
@@ -92,8 +93,11 @@ def build_plan(model: nn.Module, config: RunConfig, num_features: int, cluster: 
                       num_rows)
 
 
-def profile_model(model: nn.Module, config: RunConfig, num_features: int, threads: int = 1) -> ModelCosts:
-    """Time the model's layers, its IST subnet and one full step on the driver with a rank's threads."""
+def profile_model(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", threads: int = 1
+                  ) -> ModelCosts:
+    """Time the model's layers, its IST subnet and one full step on the driver with a rank's threads,
+    on random feature rows or (input_cols runs, a ModelInput) the run's own sample rows."""
+    model_input = ModelInput.of(num_features)
     rows = config.data.batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
@@ -108,7 +112,9 @@ def profile_model(model: nn.Module, config: RunConfig, num_features: int, thread
         overhead = max(full_step - sum(layer.seconds for layer in profile.layers), 0.0)
     finally:
         torch.set_num_threads(previous)
-    return ModelCosts(profile, layers, subnet, overhead, driver_flops, threads, num_features)
+    width = model_input.shape[0] if model_input.sample is None and len(model_input.shape) == 1 else 0
+    return ModelCosts(profile, layers, subnet, overhead, driver_flops, threads, width,
+                      0.0 if width else model_input.bytes_per_row)
 
 
 def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: ClusterInfo,
@@ -185,7 +191,7 @@ def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: Cali
     per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
     work = cost.Workload(layers=layers, world=config.launch.num_workers, rows=config.data.batch_size,
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
-                         input_bytes_per_row=4.0 * costs.num_features,
+                         input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
                          step_overhead_s=costs.step_overhead_s * ratio)
     candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet)
     if unequal:
@@ -257,7 +263,8 @@ def rank_speeds(cluster: ClusterInfo, config: RunConfig) -> list[float]:
     return list(cluster.flops_per_s)
 
 
-def _full_step_s(model: nn.Module, config: RunConfig, num_features: int, rows: int, repeats: int = 3) -> float:
+def _full_step_s(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", rows: int,
+                 repeats: int = 3) -> float:
     """One local training step on a copy (zero_grad, forward, loss, backward, optimizer update)."""
     import copy
     import statistics
@@ -268,26 +275,33 @@ def _full_step_s(model: nn.Module, config: RunConfig, num_features: int, rows: i
     local = copy.deepcopy(model)
     optimizer = build_optimizer(config.train, local.parameters())
     loss_fn = loss_function(config.train)
-    x = torch.randn(rows, num_features)
-    out_shape = local(x[:1]).shape[1:]
-    target = torch.zeros(rows, dtype=torch.long) if config.train.loss == "cross_entropy" else torch.zeros(rows, *out_shape)
+    from sparkdl.strategies.inputs import call_model
+
+    model_input = ModelInput.of(num_features)
+    x = model_input.rows(rows)
+    target = model_input.labels(rows)
+    if target is None:
+        out_shape = call_model(local, x).shape[1:]
+        target = torch.zeros(rows, dtype=torch.long) if config.train.loss == "cross_entropy" else \
+            torch.zeros(rows, *out_shape)
     times = []
     for attempt in range(repeats + 1):
         started = time.perf_counter()
         optimizer.zero_grad()
-        loss_fn(local(x), target).backward()
+        loss_fn(call_model(local, x), target).backward()
         optimizer.step()
         if attempt:
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def _ist_subnet_costs(model: nn.Module, workers: int, num_features: int, rows: int, driver_flops: float,
-                      ratio: float) -> tuple[cost.LayerCost, ...] | None:
-    """The measured cost of one rank's IST subnet (round 0), or None when IST does not apply."""
+def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput | int", rows: int,
+                      driver_flops: float, ratio: float) -> tuple[cost.LayerCost, ...] | None:
+    """The measured cost of one rank's IST subnet (round 0), or None when IST does not apply (it
+    trains MLPs on one float feature vector: never tensor columns)."""
     from sparkdl.strategies.ist import extract_subnet, ist_layout, partition
 
-    if workers < 2:
+    if workers < 2 or ModelInput.of(num_features).sample is not None:
         return None
     try:
         layout = ist_layout(model, workers, IST_R, "scale", 0)

@@ -7,9 +7,11 @@ balance these measured times, not layer counts.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,11 +51,93 @@ class ModelProfile:
         return sum(layer.saved_bytes for layer in self.layers)
 
 
-def profile_sequential(model: nn.Sequential, input_shape: tuple[int, ...], rows: int = 64,
+@dataclass(frozen=True)
+class ModelInput:
+    """What the planner feeds the model: zero-mean random float rows of `shape` (feature_cols runs),
+    or a real sample batch of the run tiled to any number of rows (input_cols runs: token ids stay
+    valid ids, images stay images), with its labels for timing a whole step."""
+
+    shape: tuple[int, ...] = ()  # per row, of a single input tensor (() for several inputs)
+    dtype: str = "float32"
+    sample: Any = None  # a few rows of real inputs: a tensor, a tuple or a dict of tensors
+    label: Any = None  # their labels, or None
+    label_shape: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, value: "ModelInput | int | tuple[int, ...]") -> "ModelInput":
+        if isinstance(value, ModelInput):
+            return value
+        return cls(shape=(value,) if isinstance(value, int) else tuple(value))
+
+    @classmethod
+    def from_sample(cls, inputs: Any, label: Any = None) -> "ModelInput":
+        single = inputs if isinstance(inputs, torch.Tensor) else None
+        if single is None and len(inputs) == 1:
+            single = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs[0]
+        shape = tuple(single.shape[1:]) if single is not None else ()
+        dtype = str(single.dtype).replace("torch.", "") if single is not None else "float32"
+        label_shape = tuple(label.shape[1:]) if isinstance(label, torch.Tensor) else ()
+        return cls(shape=shape, dtype=dtype, sample=inputs, label=label, label_shape=label_shape)
+
+    @property
+    def single(self) -> bool:
+        """One input tensor (what a pipeline's first stage can receive)."""
+        return self.sample is None or isinstance(self.sample, torch.Tensor) or len(self.sample) == 1
+
+    def rows(self, count: int, generator: torch.Generator | None = None) -> Any:
+        if self.sample is None:
+            return torch.randn((count, *self.shape), generator=generator)
+        return _tiled(self.sample, count)
+
+    def labels(self, count: int) -> Any:
+        return None if self.label is None else _tiled(self.label, count)
+
+    @property
+    def bytes_per_row(self) -> float:
+        if self.sample is None:
+            return 4.0 * math.prod(self.shape)
+        tensors = _tensors(self.sample)
+        rows = max(1, int(tensors[0].shape[0]))
+        return float(sum(t.numel() * t.element_size() for t in tensors)) / rows
+
+
+def _tensors(inputs: Any) -> list[torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def _tiled(inputs: Any, count: int) -> Any:
+    """`count` rows cycling over the sample's rows."""
+    if isinstance(inputs, dict):
+        return {k: _tiled(v, count) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return tuple(_tiled(v, count) for v in inputs)
+    return inputs[torch.arange(count) % max(1, inputs.shape[0])]
+
+
+def _fresh(x: Any) -> Any:
+    """Inputs detached, floats requiring grad (what a pipeline stage receives)."""
+    if isinstance(x, dict):
+        return {k: _fresh(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return tuple(_fresh(v) for v in x)
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def _call(layer: nn.Module, x: Any) -> Any:
+    if isinstance(x, dict):
+        return layer(**x)
+    return layer(*x) if isinstance(x, tuple) else layer(x)
+
+
+def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[int, ...] | int", rows: int = 64,
                        repeats: int = 3) -> ModelProfile:
-    """Run each layer on `rows` zero-mean random rows; the model's weights are left untouched."""
+    """Run each layer on `rows` rows (random, or the run's sample tiled: ModelInput); the model's
+    weights are left untouched."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn((rows, *input_shape), generator=generator)
+    model_input = ModelInput.of(input_shape)
+    x = model_input.rows(rows, generator)
     was_training = model.training
     model.train()
     layers = []
@@ -76,10 +160,10 @@ def profile_sequential(model: nn.Sequential, input_shape: tuple[int, ...], rows:
         model.train(was_training)
         for param in model.parameters():
             param.grad = None
-    return ModelProfile(layers=tuple(layers), input_shape=tuple(input_shape), rows=rows)
+    return ModelProfile(layers=tuple(layers), input_shape=model_input.shape, rows=rows)
 
 
-def _measure(layer: nn.Module, x: torch.Tensor, repeats: int) -> tuple[object, float, float]:
+def _measure(layer: nn.Module, x: Any, repeats: int) -> tuple[object, float, float]:
     param_ptrs = {p.data_ptr() for p in layer.parameters()}
     saved = [0]
 
@@ -92,10 +176,10 @@ def _measure(layer: nn.Module, x: torch.Tensor, repeats: int) -> tuple[object, f
     out: object = None
     for attempt in range(repeats + 1):  # the first run warms up allocators and kernels
         saved[0] = 0
-        inputs = x.detach().requires_grad_(x.is_floating_point())
+        inputs = _fresh(x)
         started = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(inputs)
+            out = _call(layer, inputs)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.backward(torch.ones_like(out))
         if attempt:

@@ -13,7 +13,7 @@ from torch import nn
 from sparkdl.config import RunConfig, parse_bytes
 from sparkdl.errors import ConfigError, ModelError, ResourceError
 from sparkdl.planner.partition import balanced_cuts, stage_costs
-from sparkdl.planner.profile import ModelProfile, profile_sequential
+from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.layouts import HybridLayout, default_grid
 from sparkdl.strategies.schedules import SCHEDULES, max_in_flight
 
@@ -66,7 +66,8 @@ def hybrid_memory(profile: ModelProfile, config: RunConfig, cuts: list[int], mic
             for k in range(stages)]
 
 
-def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features: int) -> MemoryEstimate | None:
+def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features: "ModelInput | int"
+                               ) -> MemoryEstimate | None:
     """With a memory budget set, refuse a data-parallel run whose model state does not fit one rank."""
     if config.launch.max_memory_per_rank is None:
         return None
@@ -76,7 +77,7 @@ def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features
         params = sum(p.numel() for p in model.parameters())
         estimate = MemoryEstimate(params * optimizer_bytes_per_param(config), 0)
     else:
-        estimate = data_parallel_memory(profile_sequential(model, (num_features,),
+        estimate = data_parallel_memory(profile_sequential(model, ModelInput.of(num_features),
                                                            rows=min(config.data.batch_size, PROFILE_ROWS_MAX)),
                                         config)
     if estimate.total > budget:
@@ -90,7 +91,7 @@ def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features
     return estimate
 
 
-def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dtype: str,
+def plan_hybrid(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", label_dtype: str,
                 links: tuple[tuple[str, str, float, float], ...] = ()
                 ) -> tuple[HybridLayout, ModelProfile, list[MemoryEstimate]]:
     """Stage cuts balancing measured per-layer time; every check that can fail happens here.
@@ -99,7 +100,13 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dt
     workers, batch, layers = config.launch.num_workers, config.data.batch_size, len(model)
     microbatches = config.train.microbatches
     profile_rows = max(1, min(PROFILE_ROWS_MAX, math.ceil(min(candidates) * batch / max(microbatches, 1))))
-    profile = profile_sequential(model, (num_features,), rows=profile_rows)
+    model_input = ModelInput.of(num_features)
+    if not model_input.single:
+        raise ConfigError("strategy='hybrid' feeds one input tensor to the pipeline's first stage, but input_cols "
+                          f"gives the model {len(model_input.sample)} inputs",
+                          hint="use one input column (or build the inputs into one tensor with transform_fn), "
+                               "or strategy='data_parallel'")
+    profile = profile_sequential(model, model_input, rows=profile_rows)
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
     costs = [layer.seconds for layer in profile.layers]
@@ -126,7 +133,8 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: int, label_dt
             stages=stages, replicas=workers // stages, cuts=tuple(cuts),
             boundary_shapes=tuple(profile.layers[c - 1].out_shape for c in cuts[1:-1]),
             boundary_dtypes=tuple(profile.layers[c - 1].out_dtype for c in cuts[1:-1]),
-            input_shape=(num_features,), label_dtype=label_dtype, microbatches=m,
+            input_shape=model_input.shape, input_dtype=model_input.dtype, label_shape=model_input.label_shape,
+            label_dtype=label_dtype, microbatches=m,
             schedule=schedule, grid=default_grid(stages, workers // stages), executor_links=tuple(links or ()),
             stage_grad_bytes=tuple(4.0 * sum(layer.params for layer in profile.layers[a:b])
                                    for a, b in zip(cuts, cuts[1:])),

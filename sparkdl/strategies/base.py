@@ -10,6 +10,7 @@ from torch import nn
 from sparkdl.comm.base import Communicator
 from sparkdl.config import TrainConfig
 from sparkdl.layouts import StrategyLayout
+from sparkdl.strategies.inputs import Inputs, call_model, to_device, weighted_terms
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -64,8 +65,10 @@ class Strategy(abc.ABC):
         """Place the model, make every rank start from identical weights, build the optimizer."""
 
     @abc.abstractmethod
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One optimisation step on this rank's batch; returns the local loss (a detached scalar)."""
+    def train_step(self, inputs: Inputs, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """One optimisation step on this rank's batch; returns the local loss (a detached scalar).
+        `inputs`: one tensor, a tuple or a dict of tensors (strategies/inputs.py); `weights`: per-row
+        weights (weight_col) or None."""
 
     def learning_rate(self) -> float:
         """The current learning rate of the (first) optimizer, for metrics."""
@@ -84,23 +87,23 @@ class Strategy(abc.ABC):
         """Per-rank figures the loop reports as their maximum over ranks (`max_<name>_per_rank`)."""
         return {"param_bytes": float(sum(p.numel() * p.element_size() for p in self.module().parameters()))}
 
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn,
+    def evaluate(self, batches: Iterable[tuple[Inputs, torch.Tensor, torch.Tensor | None]], loss_fn: LossFn,
                  classification: bool) -> torch.Tensor:
-        """(loss x rows, correct predictions, rows) over this rank's validation batches, float64.
+        """(loss sum, correct predictions, loss denominator, labels counted) over this rank's
+        validation batches of (inputs, labels, weights), float64: the denominator is rows (or the
+        weight sum); labels counted are rows (or positions not ignored, for per-position labels).
         Every rank calls it (strategies may run collectives inside); the loop sums over ranks."""
         device = self.comm.device
         module = self.module()
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64)
         was_training = module.training
         module.eval()
         with torch.no_grad():
-            for features, labels in batches:
-                features, labels = features.to(device), labels.to(device)
-                output = module(features)
-                sums[0] += float(loss_fn(output, labels)) * len(labels)
-                if classification and output.dim() == 2 and output.shape[1] > 1:
-                    sums[1] += float((output.argmax(dim=1) == labels).sum())
-                sums[2] += len(labels)
+            for inputs, labels, weights in batches:
+                labels = labels.to(device)
+                output = call_model(module, to_device(inputs, device))
+                sums += evaluation_sums(output, labels, None if weights is None else weights.to(device), loss_fn,
+                                        classification)
         module.train(was_training)
         return sums
 
@@ -132,3 +135,26 @@ class Strategy(abc.ABC):
         """What this rank contributes to the trained model the driver assembles (None: nothing).
         State dicts of several ranks are merged by key."""
         return self.state_dict() if self.comm.rank == 0 else None
+
+
+def evaluation_sums(output: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, loss_fn: LossFn,
+                    classification: bool) -> torch.Tensor:
+    """One validation batch's (loss sum, correct, denominator, counted) as Strategy.evaluate sums them."""
+    from sparkdl.losses import IGNORE_INDEX
+
+    sums = torch.zeros(4, dtype=torch.float64)
+    rows = labels.shape[0]
+    if weights is None:
+        sums[0], sums[2] = float(loss_fn(output, labels)) * rows, rows
+    else:
+        numerator, denominator = weighted_terms(loss_fn, output, labels, weights)
+        sums[0], sums[2] = float(numerator), float(denominator)
+    if not classification or output.dim() < 2:
+        return sums
+    if output.dim() == labels.dim() + 1 and output.shape[:-1] == labels.shape and output.dim() > 2:
+        counted = labels != IGNORE_INDEX  # per-position classes, class dim last
+        sums[1] = float(((output.argmax(dim=-1) == labels) & counted).sum())
+        sums[3] = float(counted.sum())
+    elif output.dim() == 2 and output.shape[1] > 1:
+        sums[1], sums[3] = float((output.argmax(dim=1) == labels).sum()), rows
+    return sums

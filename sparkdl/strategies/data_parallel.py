@@ -14,6 +14,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
+from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 
 BUCKET_BYTES = 25 << 20
 
@@ -83,12 +84,15 @@ class DataParallel(Strategy):
                                           nesterov=momentum > 0)
             self._inner_steps = 0
 
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         started = time.perf_counter()
         self._model.train()
         self._optimizer.zero_grad()  # torch 2 defaults to set_to_none; Horovod's wrapper takes no argument
-        loss = self._loss_fn(self._model(features), labels)
-        if self.loss_weight != 1.0 and not self._diloco:
+        output = call_model(self._model, inputs)
+        loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, output, labels, weights)
+        if numerator is not None:
+            self._weighted_backward(numerator, denominator)
+        elif self.loss_weight != 1.0 and not self._diloco:
             # Unequal shares: weighted so that the average over ranks is the mean over all rows.
             (loss * self.loss_weight).backward()
         else:
@@ -114,6 +118,15 @@ class DataParallel(Strategy):
         self.clip_gradients(self._params)
         self._optimizer.step()
         return loss.detach()
+
+    def _weighted_backward(self, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
+        """sum(w * l) / sum(w) over the global batch (DiLoCo's ranks step alone: over their own)."""
+        if self._diloco or self.comm.size == 1:
+            (numerator / denominator.clamp_min(torch.finfo(torch.float32).tiny)).backward()
+            return
+        total = denominator.detach().reshape(1).clone()
+        self.comm.allreduce(total, op="sum")
+        global_share(numerator, denominator, total[0], self.comm.size).backward()
 
     def _outer_step(self) -> None:
         with torch.no_grad():

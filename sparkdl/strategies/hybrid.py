@@ -22,11 +22,12 @@ from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
 from sparkdl.layouts import HybridLayout
-from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
+from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, evaluation_sums
+from sparkdl.strategies.inputs import single_input, weighted_terms
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
 
-_TAG_FEATURES, _TAG_LABELS, _TAG_ACTIVATION, _TAG_GRADIENT = 1, 2, 3, 4
+_TAG_FEATURES, _TAG_LABELS, _TAG_ACTIVATION, _TAG_GRADIENT, _TAG_WEIGHTS = 1, 2, 3, 4, 5
 _EVAL_ROWS = 1024
 
 
@@ -166,18 +167,25 @@ class Hybrid(Strategy):
                 group.broadcast(tensor.data, src=src)
 
     # -- one step ------------------------------------------------------------------------------
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """One pipelined step. With weights, each micro-batch's loss is its weighted sum over the
+        weight total of all replicas (times D, as gradients are averaged over D replicas): the
+        update is data parallel's sum(w * l) / sum(w) over the same rows."""
+        features = single_input(inputs, "hybrid")
         self._module.train()
         self._optimizer.zero_grad()
-        inputs, targets, keep_alive, pending = self._gather_batch(features, labels)
+        inputs, targets, target_weights, keep_alive, pending = self._gather_batch(features, labels, weights)
         sizes = microbatch_sizes(features.shape[0] * self.layout.stages, self.layout.microbatches)
         total = sum(sizes)
         input_chunks = torch.split(inputs, sizes) if inputs is not None else None
         target_chunks = torch.split(targets, sizes) if targets is not None else None
+        weight_chunks = torch.split(target_weights, sizes) if target_weights is not None else None
+        weight_total = self._replicas_weight_total(target_weights)
         ops = self._ops(self.stage, self.layout.stages, len(sizes))
         receives = _Receives(self, ops, sizes)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         loss = torch.zeros((), device=self.comm.device)
+        local_weight = torch.zeros((), device=self.comm.device)
         for position, (kind, i) in enumerate(ops):
             incoming = receives.take(position)
             if kind == "F":
@@ -187,9 +195,14 @@ class Hybrid(Strategy):
                     sent = y.detach()
                     keep_alive.append(sent)
                     pending.append(self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, i)))
-                else:
+                elif weight_chunks is None:
                     y = self._loss_fn(y, target_chunks[i]) * (sizes[i] / total)
                     loss += y.detach()
+                else:
+                    numerator, counted = weighted_terms(self._loss_fn, y, target_chunks[i], weight_chunks[i])
+                    y = numerator * (self.layout.replicas / weight_total)
+                    loss += numerator.detach()
+                    local_weight += counted
                 saved[i] = (x, y, nbytes)
                 self._meter.add(nbytes)
             else:
@@ -207,7 +220,18 @@ class Hybrid(Strategy):
         if self._stage_group is not None and self._stage_group.size > 1:
             average_gradients(self._stage_group, self._params)
         self._optimizer.step()
+        if weight_chunks is not None:
+            loss = loss / local_weight.clamp_min(torch.finfo(torch.float32).tiny)
         return loss
+
+    def _replicas_weight_total(self, weights: torch.Tensor | None) -> torch.Tensor:
+        """The last stages' weight total over every replica's rows (one scalar allreduce among them)."""
+        if weights is None:
+            return torch.ones(())
+        total = weights.sum().reshape(1).to(torch.float32)
+        if self._stage_group is not None and self._stage_group.size > 1:
+            self._stage_group.allreduce(total, op="sum")
+        return total[0].clamp_min(torch.finfo(torch.float32).tiny)
 
     def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         self._meter.started()
@@ -227,30 +251,33 @@ class Hybrid(Strategy):
         return torch.empty((rows, *self.layout.boundary_shapes[boundary]),
                            dtype=_dtype(self.layout.boundary_dtypes[boundary]), device=self.comm.device)
 
-    def _gather_batch(self, features: torch.Tensor, labels: torch.Tensor
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor], list[Any]]:
-        """Features of the replica's K batches on its first stage, labels on its last (stage order)."""
+    def _gather_batch(self, features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor],
+                                 list[Any]]:
+        """Features of the replica's K batches on its first stage, labels (and weights) on its last,
+        in stage order."""
         keep_alive: list[torch.Tensor] = []
         pending: list[Any] = []
-        if self.stage != 0:
-            features = features.contiguous()
-            keep_alive.append(features)
-            pending.append(self.comm.send(features, self._first_rank, _tag(_TAG_FEATURES)))
-        if self.stage != self.last:
-            labels = labels.contiguous()
-            keep_alive.append(labels)
-            pending.append(self.comm.send(labels, self._last_rank, _tag(_TAG_LABELS)))
+        outgoing = [(features, self._first_rank, _TAG_FEATURES, self.stage != 0)]
+        outgoing += [(labels, self._last_rank, _TAG_LABELS, self.stage != self.last)]
+        if weights is not None:
+            outgoing.append((weights, self._last_rank, _TAG_WEIGHTS, self.stage != self.last))
+        for tensor, dst, tag, send in outgoing:
+            if send:
+                tensor = tensor.contiguous()
+                keep_alive.append(tensor)
+                pending.append(self.comm.send(tensor, dst, _tag(tag)))
         ranks = self.layout.grid[self.replica]
-        inputs = targets = None
-        if self.stage == 0:
-            inputs = torch.cat([features if k == 0 else self.comm.recv(torch.empty_like(features), ranks[k],
-                                                                        _tag(_TAG_FEATURES))
-                                for k in range(self.layout.stages)])
-        if self.stage == self.last:
-            targets = torch.cat([labels if k == self.last else self.comm.recv(torch.empty_like(labels), ranks[k],
-                                                                               _tag(_TAG_LABELS))
-                                 for k in range(self.layout.stages)])
-        return inputs, targets, keep_alive, pending
+
+        def collect(mine: torch.Tensor, own_stage: int, tag: int) -> torch.Tensor:
+            return torch.cat([mine if k == own_stage else self.comm.recv(torch.empty_like(mine), ranks[k], _tag(tag))
+                              for k in range(self.layout.stages)])
+
+        inputs = collect(features, 0, _TAG_FEATURES) if self.stage == 0 else None
+        targets = collect(labels, self.last, _TAG_LABELS) if self.stage == self.last else None
+        target_weights = collect(weights, self.last, _TAG_WEIGHTS) if self.stage == self.last and weights is not None \
+            else None
+        return inputs, targets, target_weights, keep_alive, pending
 
     # -- reporting, validation, results -------------------------------------------------------
     def loss_rows(self, rows: int) -> int:
@@ -265,32 +292,43 @@ class Hybrid(Strategy):
         # BatchNorm running statistics: replica 0's copy is the one kept.
         self._broadcast_from_replica_zero(list(self._module.buffers()))
 
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn,
+    def evaluate(self, batches: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None]], loss_fn: LossFn,
                  classification: bool) -> torch.Tensor:
         """Each rank's validation rows go through its replica's pipeline (forward only)."""
         device = self.comm.device
-        parts = [(f.to(device), l.to(device)) for f, l in batches]
-        features = torch.cat([f for f, _ in parts]) if parts else \
-            torch.empty((0, *self.layout.input_shape), device=device)
-        labels = torch.cat([l for _, l in parts]) if parts else \
-            torch.empty((0,), dtype=_dtype(self.layout.label_dtype), device=device)
-        counts = [int(c) for c in self.comm.allgather_object(int(features.shape[0]))]
+        parts = [(single_input(x, "hybrid").to(device), y.to(device), None if w is None else w.to(device))
+                 for x, y, w in batches]
+        features = torch.cat([f for f, _, _ in parts]) if parts else \
+            torch.empty((0, *self.layout.input_shape), dtype=_dtype(self.layout.input_dtype), device=device)
+        labels = torch.cat([l for _, l, _ in parts]) if parts else \
+            torch.empty((0, *self.layout.label_shape), dtype=_dtype(self.layout.label_dtype), device=device)
+        weighted = bool(parts) and parts[0][2] is not None
+        facts = self.comm.allgather_object((int(features.shape[0]), weighted))
+        weighted = any(w for _, w in facts)
+        weights = torch.cat([w for _, _, w in parts]) if parts and weighted else \
+            torch.empty((features.shape[0],), dtype=torch.float32, device=device) if weighted else None
         ranks = self.layout.grid[self.replica]
-        rows = [counts[r] for r in ranks]
+        rows = [int(facts[r][0]) for r in ranks]
         pending: list[Any] = []
-        outgoing = [features.contiguous(), labels.contiguous()]  # alive until the sends complete
-        if self.stage != 0 and features.shape[0]:
-            pending.append(self.comm.send(outgoing[0], self._first_rank, _tag(_TAG_FEATURES)))
-        if self.stage != self.last and labels.shape[0]:
-            pending.append(self.comm.send(outgoing[1], self._last_rank, _tag(_TAG_LABELS)))
+        outgoing = [(features.contiguous(), self._first_rank, _TAG_FEATURES, self.stage != 0),
+                    (labels.contiguous(), self._last_rank, _TAG_LABELS, self.stage != self.last)]
+        if weights is not None:
+            outgoing.append((weights.contiguous(), self._last_rank, _TAG_WEIGHTS, self.stage != self.last))
+        for tensor, dst, tag, send in outgoing:  # `outgoing` keeps the tensors alive until the sends complete
+            if send and tensor.shape[0]:
+                pending.append(self.comm.send(tensor, dst, _tag(tag)))
         if self.stage == 0:
             features = torch.cat([features if k == 0 else self._recv_rows(ranks[k], rows[k], features, _TAG_FEATURES)
                                   for k in range(self.layout.stages)])
         if self.stage == self.last:
             labels = torch.cat([labels if k == self.last else self._recv_rows(ranks[k], rows[k], labels, _TAG_LABELS)
                                 for k in range(self.layout.stages)])
+            if weights is not None:
+                weights = torch.cat([weights if k == self.last else
+                                     self._recv_rows(ranks[k], rows[k], weights, _TAG_WEIGHTS)
+                                     for k in range(self.layout.stages)])
         total = sum(rows)
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(4, dtype=torch.float64)
         was_training = self._module.training
         self._module.eval()
         with torch.no_grad():
@@ -302,11 +340,8 @@ class Hybrid(Strategy):
                 if self._next is not None:
                     self.comm.send(y.contiguous(), self._next, _tag(_TAG_ACTIVATION, index)).wait()
                     continue
-                target = labels[start: start + count]
-                sums[0] += float(loss_fn(y, target)) * count
-                if classification and y.dim() == 2 and y.shape[1] > 1:
-                    sums[1] += float((y.argmax(dim=1) == target).sum())
-                sums[2] += count
+                window = None if weights is None else weights[start: start + count]
+                sums += evaluation_sums(y, labels[start: start + count], window, loss_fn, classification)
         self._module.train(was_training)
         for work in pending:
             work.wait()

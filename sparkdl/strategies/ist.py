@@ -248,7 +248,10 @@ class Ist(Strategy):
         self._optimizer = self._make_optimizer(self._subnet.parameters())  # fresh state per subnet
         self._steps_in_round = 0
 
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def train_step(self, features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        if weights is not None or not isinstance(features, torch.Tensor):
+            raise TypeError("IST trains MLPs on one float feature tensor without weights")
         self._subnet.train()
         self._optimizer.zero_grad()
         loss = self._loss_fn(self._subnet(features), labels)

@@ -1,0 +1,33 @@
+"""The one preparation call of fit, plan and run: every option taken from the run's config, so the
+three cannot drift apart (validation rows, seed, invalid rows, classification), whichever layout
+the run uses (feature_cols: data/feed.py; input_cols: data/tensor_feed.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pyspark.sql import DataFrame
+
+from sparkdl.data.feed import PreparedData, is_classification, prepare
+from sparkdl.data.tensor_feed import prepare_tensors
+
+if TYPE_CHECKING:
+    from sparkdl.config import RunConfig
+
+
+def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None = None,
+                custom_loop: bool = False) -> PreparedData:
+    data = config.data
+    classification = is_classification(df, config, custom_loop)
+    if data.input_cols is not None:
+        return prepare_tensors(df, data, classification=classification, num_workers=config.launch.num_workers,
+                               validation_df=validation_df, seed=config.train.seed)
+    prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
+                       num_workers=config.launch.num_workers, validation_df=validation_df,
+                       validation_fraction=data.validation_fraction, seed=config.train.seed,
+                       on_invalid=data.on_invalid)
+    if data.weight_col is None:
+        return prepared
+    from sparkdl.errors import ConfigError
+
+    raise ConfigError("data.weight_col needs input_cols (tensor columns)",
+                      hint="pass input_cols=[...] instead of feature_cols to train with per-row weights")

@@ -1,0 +1,65 @@
+"""The built-in losses, each usable as mean (`loss(output, label)`) and per element
+(`loss.per_element`), so that per-row weights sum exactly across ranks (strategies/inputs.py).
+
+cross_entropy takes logits (B, C) with labels (B,), and (B, T, C) with (B, T) (class dim last, as
+language models emit), ignoring label positions equal to IGNORE_INDEX; mse and bce compare equal shapes.
+Torch only: workers and the driver use it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def _class_last(output: torch.Tensor, label: torch.Tensor) -> bool:
+    return output.dim() > 2 and label.dim() == output.dim() - 1 and output.shape[:-1] == label.shape
+
+
+def _cross_entropy(output: torch.Tensor, label: torch.Tensor, reduction: str) -> torch.Tensor:
+    if _class_last(output, label):
+        loss = F.cross_entropy(output.reshape(-1, output.shape[-1]), label.reshape(-1), ignore_index=IGNORE_INDEX,
+                               reduction=reduction)
+        return loss.view(label.shape) if reduction == "none" else loss
+    return F.cross_entropy(output, label, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def _like_label(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return output.reshape(label.shape) if output.numel() == label.numel() else output
+
+
+def _mse(output: torch.Tensor, label: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.mse_loss(_like_label(output, label), label, reduction=reduction)
+
+
+def _bce(output: torch.Tensor, label: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(_like_label(output, label), label, reduction=reduction)
+
+
+class BuiltinLoss:
+    """A built-in loss by name: picklable, mean by default, per element for weighted sums."""
+
+    def __init__(self, name: str) -> None:
+        if name not in _IMPLEMENTATIONS:
+            raise ValueError(f"no built-in loss {name!r}")
+        self.name = name
+
+    def __call__(self, output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return _IMPLEMENTATIONS[self.name](output, label, "mean")
+
+    def per_element(self, output: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(losses, counted): per-element losses shaped like the label, and 1/0 for positions that
+        count (cross_entropy's ignored positions count 0)."""
+        losses = _IMPLEMENTATIONS[self.name](output, label, "none")
+        counted = (label != IGNORE_INDEX).to(losses.dtype) if self.name == "cross_entropy" else torch.ones_like(losses)
+        return losses, counted
+
+    def __repr__(self) -> str:
+        return f"BuiltinLoss({self.name!r})"
+
+
+_IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = {
+    "cross_entropy": _cross_entropy, "mse": _mse, "bce_with_logits": _bce}

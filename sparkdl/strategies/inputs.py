@@ -1,0 +1,91 @@
+"""What every strategy does with a batch: move it, call the model on it, and weigh its loss.
+
+A batch's inputs are one tensor (feature_cols runs), a tuple of tensors (positional forward
+arguments) or a dict (keyword arguments), each with the batch as dim 0 (data/assemble.py).
+
+Per-row weights (weight_col) make the built-in losses sum(w * l) / sum(w) over the *global* batch:
+each rank's share is its weighted sum over the global weight total (one scalar allreduce), times
+the number of ranks its gradients are averaged over, so averaging stays exact with weights.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+Inputs = Any  # torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+
+
+def call_model(module: nn.Module, inputs: Inputs) -> Any:
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
+
+
+def to_device(inputs: Inputs, device: Any) -> Inputs:
+    if isinstance(inputs, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return tuple(v.to(device, non_blocking=True) for v in inputs)
+    return inputs.to(device, non_blocking=True) if inputs is not None else None
+
+
+def batch_rows(inputs: Inputs) -> int:
+    if isinstance(inputs, dict):
+        inputs = next(iter(inputs.values()))
+    elif isinstance(inputs, (tuple, list)):
+        inputs = inputs[0]
+    return int(inputs.shape[0])
+
+
+def single_input(inputs: Inputs, what: str) -> torch.Tensor:
+    """The one tensor a pipeline's first stage receives."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    if len(values) != 1:
+        raise ValueError(f"{what} takes one input tensor per row (a pipeline's first stage receives it); "
+                         f"this batch has {len(values)} inputs")
+    return values[0]
+
+
+def takes_weight(loss_fn: Callable[..., Any]) -> bool:
+    """A custom loss accepting `weight=` gets the per-row weights and normalises them itself."""
+    try:
+        return "weight" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def weighted_terms(loss_fn: Any, output: Any, label: torch.Tensor, weight: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over rows of w * loss, sum of w over what counts) of a batch; a custom loss taking
+    `weight=` gives (its own value, 1)."""
+    per_element = getattr(loss_fn, "per_element", None)
+    if per_element is None:
+        return loss_fn(output, label, weight=weight), torch.ones((), dtype=torch.float32, device=label.device)
+    losses, counted = per_element(output, label)
+    shape = (weight.shape[0],) + (1,) * (losses.dim() - 1)
+    w = weight.to(losses.dtype).reshape(shape)
+    return (losses * w).sum(), (counted * w).sum().detach()
+
+
+def global_share(numerator: torch.Tensor, denominator: torch.Tensor, total: torch.Tensor, ranks: int) -> torch.Tensor:
+    """This rank's part of the global weighted mean, scaled so that averaging gradients over
+    `ranks` gives the gradient of sum(w * l) / sum(w) over all of them (0 when no weight counts)."""
+    return numerator * (ranks / total.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def loss_and_weight_sum(loss_fn: Any, output: Any, label: torch.Tensor, weight: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss of this batch for reporting, weighted numerator, local weight sum); the last two
+    None without weights."""
+    if weight is None:
+        return loss_fn(output, label), None, None
+    numerator, denominator = weighted_terms(loss_fn, output, label, weight)
+    mean = numerator.detach() / denominator.clamp_min(torch.finfo(torch.float32).tiny)
+    return mean, numerator, denominator
