@@ -71,10 +71,11 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) 
         raise ConfigError(f"data.weight_col={data.weight_col!r} needs a loss that uses the weights, but the loss "
                           "callable takes no weight= argument", hint="add a weight=None keyword to the loss, or "
                                                                       "use a built-in loss")
-    if label is not None:
-        _check_loss_on_sample(config, out, label, weight, loss_function(config.train))
     per_position = label is not None and out.dim() == label.dim() + 1 and out.dim() > 2
     width = int(out.shape[-1]) if per_position else int(out[0].numel())
+    beyond = config.train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
+    if label is not None and not beyond:  # classes beyond the outputs: check_output_width says so better
+        _check_loss_on_sample(config, out, label, weight, loss_function(config.train))
     return module, width, batch
 
 
@@ -116,10 +117,10 @@ def check_output_width(config: RunConfig, out_width: int, num_classes: int | Non
     if loss == "cross_entropy":
         need = max(2, num_classes or 2)
         if out_width < need:
-            where = " (largest class index in its arrays)" if label_shape else ""
-            raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column{where} "
+            where = "per position" if label_shape else "per row"
+            raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column "
                              f"{config.data.label_col!r} holds {num_classes} classes but the model outputs "
-                             f"{out_width} value(s) per row",
+                             f"{out_width} value(s) {where}",
                              hint=f"make the last layer output {need}, or use loss='bce_with_logits' "
                                   "with one output for two classes")
     elif loss in ("mse", "bce_with_logits") and out_width != 1:

@@ -29,6 +29,7 @@ class _EpochTotals:
     samples: int
     step: int
     global_step: int
+    transform_started: float = 0.0  # ctx.transform_seconds when the epoch began
 
 
 def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointStore | None = None
@@ -51,7 +52,7 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
         totals = _EpochTotals(torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0,
                                            dtype=torch.float64, device=ctx.comm.device),
                               int(progress.get("samples", 0)) if resuming else 0,
-                              start.step if resuming else 0, global_step)
+                              start.step if resuming else 0, global_step, ctx.transform_seconds)
         run_epoch(ctx, strategy, epoch, totals, checkpoints, history)
         global_step = totals.global_step
         if epoch == config.train.epochs - 1:
@@ -165,9 +166,8 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent))
-    if ctx.spec.config.data.transform_fn is not None:
-        local["transform_seconds"] = ctx.transform_seconds  # since the start: per epoch below
-        record["transform_seconds"] = ctx.transform_seconds
+    if ctx.spec.config.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
+        local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     for name, values in _gather_metrics(ctx, local).items():
         if name == "bytes_sent":
             record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own

@@ -68,11 +68,15 @@ def test_the_logged_model_predicts_like_transform(tracked) -> None:  # type: ign
         assert loaded.metadata.signature is not None
         sample = df.limit(20)
         rows = sample.toPandas()
-        logits = np.asarray(loaded.predict(rows[list(DIGITS_FEATURE_COLS)]))
+        served = loaded.predict(rows[list(DIGITS_FEATURE_COLS)])
     finally:
         mlflow.set_tracking_uri(None)
     predicted = [r["prediction"] for r in model.transform(sample).collect()]
-    assert logits.argmax(axis=1).tolist() == predicted
+    # The served model answers what transform writes (the class index), probabilities beside it.
+    assert served["prediction"].tolist() == predicted
+    probabilities = np.asarray(served["probabilities"].tolist())
+    assert probabilities.shape == (20, 10) and np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    assert (probabilities.argmax(axis=1) == np.asarray(predicted)).all()
 
 
 def test_the_loss_curve_png_is_an_artifact(tracked, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -209,6 +213,64 @@ def test_a_decimal_feature_column_logs_a_model_that_serves(spark, mlflow_server)
         loaded = mlflow.pyfunc.load_model(model.model_uri)
         rows = df.limit(5).toPandas()[list(DIGITS_FEATURE_COLS)]
         rows["p10"] = rows["p10"].astype(float)  # as the example was logged
-        assert np.asarray(loaded.predict(rows)).shape == (5, 10)
+        served = loaded.predict(rows)
+        assert len(served) == 5 and set(served["prediction"]) <= set(range(10))
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_a_token_model_logged_to_mlflow_serves_per_position_predictions(spark, mlflow_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Tensor specs in the signature; pyfunc predict on a frame with array columns and MLflow's own
+    scoring server (REST /invocations) both answer what transform writes."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import mlflow.pyfunc
+
+    from sparkdl.datasets import synthetic_tokens_dataframe
+    from sparkdl_test_models import TOKEN_LEN as T, tiny_gpt as gpt  # noqa: N811
+
+    df = synthetic_tokens_dataframe(spark, rows=256, seq_len=T, vocab=16, seed=0).repartition(2)
+    model = TorchEstimator(model=gpt, input_cols=["tokens"], label_col="targets", epochs=1, batch_size=32,
+                           num_workers=2, tracking_uri=mlflow_server.uri, experiment="sparkdl-tokens",
+                           progress=False).fit(df)
+    assert model.model_uri is not None
+    sample = df.limit(3)
+    expected = [r["prediction"] for r in model.transform(sample).collect()]
+    frame = sample.select("tokens").toPandas()
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        loaded = mlflow.pyfunc.load_model(model.model_uri)
+        inputs = loaded.metadata.signature.inputs
+        assert not inputs.is_tensor_spec() or inputs.inputs[0].type == np.dtype("int32")
+        assert [list(p) for p in loaded.predict(frame)["prediction"]] == expected
+        local = mlflow.artifacts.download_artifacts(model.model_uri, dst_path=str(tmp_path / "served"))
+    finally:
+        mlflow.set_tracking_uri(None)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", local, "-h", "127.0.0.1",
+                               "-p", str(port), "--env-manager", "local", "-w", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = json.dumps({"dataframe_split": {"columns": ["tokens"], "data": [[r] for r in frame["tokens"].map(list)]}},
+                          default=int).encode()
+        deadline, answer = time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(request, timeout=10).read())
+            except OSError:
+                assert server.poll() is None, "mlflow models serve exited"
+                time.sleep(1)
+        assert answer is not None, "the scoring server did not answer within 120 s"
+        assert [row["prediction"] for row in answer["predictions"]] == expected
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
