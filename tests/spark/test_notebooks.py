@@ -12,7 +12,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 
 def test_the_notebooks_exist() -> None:
     assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "planner.ipynb", "hybrid.ipynb", "ist.ipynb",
-                                           "diloco.ipynb"}
+                                           "diloco.ipynb", "cnn_images.ipynb", "language_model.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
