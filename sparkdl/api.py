@@ -275,8 +275,9 @@ def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> An
             values = sample.column(column.column).combine_chunks()
             if column.kind == FIXED and column.scalar:
                 columns[column.source] = values.to_numpy(zero_copy_only=False)
-            elif column.kind == FIXED:
-                columns[column.source] = np.stack([np.asarray(v) for v in values.to_pylist()])
+            elif column.kind == FIXED:  # in the column's own element type (int32 tokens stay int32)
+                flat = values.flatten().to_numpy(zero_copy_only=False).astype(column.storage, copy=False)
+                columns[column.source] = flat.reshape(len(values), column.width)
             else:
                 columns[column.source] = values.to_pylist()
         if all(c.kind == FIXED for c in layout.inputs):

@@ -187,7 +187,8 @@ def pyfunc_model(served: Any) -> Any:
         def __init__(self, served: Any) -> None:
             self.served = served
 
-        def predict(self, context: Any, model_input: Any, params: Any = None) -> Any:
+        # Unannotated on purpose: MLflow reads predict()'s type hints as a signature and warns on Any.
+        def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
             import pandas as pd
 
             return pd.DataFrame(self.served.predict_columns(model_input))

@@ -99,7 +99,7 @@ class Strategy(abc.ABC):
         was_training = module.training
         module.eval()
         with torch.no_grad():
-            for inputs, labels, weights in batches:
+            for inputs, labels, weights in map(as_triple, batches):
                 labels = labels.to(device)
                 output = call_model(module, to_device(inputs, device))
                 sums += evaluation_sums(output, labels, None if weights is None else weights.to(device), loss_fn,
@@ -135,6 +135,11 @@ class Strategy(abc.ABC):
         """What this rank contributes to the trained model the driver assembles (None: nothing).
         State dicts of several ranks are merged by key."""
         return self.state_dict() if self.comm.rank == 0 else None
+
+
+def as_triple(batch: tuple) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    """(inputs, labels, weights) from a batch of either shape: feature_cols' pairs carry no weights."""
+    return batch if len(batch) == 3 else (batch[0], batch[1], None)
 
 
 def evaluation_sums(output: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, loss_fn: LossFn,

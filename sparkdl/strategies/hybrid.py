@@ -22,7 +22,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
 from sparkdl.layouts import HybridLayout
-from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, evaluation_sums
+from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_triple, evaluation_sums
 from sparkdl.strategies.inputs import single_input, weighted_terms
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
@@ -297,7 +297,7 @@ class Hybrid(Strategy):
         """Each rank's validation rows go through its replica's pipeline (forward only)."""
         device = self.comm.device
         parts = [(single_input(x, "hybrid").to(device), y.to(device), None if w is None else w.to(device))
-                 for x, y, w in batches]
+                 for x, y, w in map(as_triple, batches)]
         features = torch.cat([f for f, _, _ in parts]) if parts else \
             torch.empty((0, *self.layout.input_shape), dtype=_dtype(self.layout.input_dtype), device=device)
         labels = torch.cat([l for _, l, _ in parts]) if parts else \

@@ -105,7 +105,7 @@ def test_a_kept_plan_for_another_model_or_input_is_refused() -> None:
     with pytest.raises(ConfigError, match="nn.Sequential of 5 layers, the model has 3"):
         reuse(kept, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), config(), FEED)
     wider = FeedLayout(num_features=9, label_dtype="int64")
-    with pytest.raises(ConfigError, match="planned for 8 input features, this data has 9"):
+    with pytest.raises(ConfigError, match=r"planned for float32 inputs of shape \[8\] per row, this data has float32 of shape \[9\]"):
         reuse(kept, mlp(), config(), wider)
     cfg = config(strategy="ist")
     ist_layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg, FEED)
