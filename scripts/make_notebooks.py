@@ -176,6 +176,124 @@ dp = TorchEstimator(model=mlp, strategy="data_parallel", optimizer="adamw", lr=2
 assert sum(h["bytes_sent_all_ranks"] for h in diloco.history) < sum(h["bytes_sent_all_ranks"] for h in dp.history) / 5''')
 
 
+CNN_IMAGES = [
+    ("markdown", "# Images in a DataFrame: a CNN on PNG bytes\n\nThe 8x8 digits as a binary `png` column, decoded "
+                 "on the executors batch by batch with `transform_fn`, and as an array<float> `pixels` column "
+                 "reshaped per row with `input_shapes`. Either way the CNN sees float32 (B, 1, 8, 8) batches."),
+    ("code", SESSION),
+    ("code", '''from sparkdl.datasets import decode_digit_png, digits_images_dataframe, train_test_split_digits
+
+train_idx, test_idx = train_test_split_digits(seed=0)
+train = digits_images_dataframe(spark, indices=train_idx).cache()
+test = digits_images_dataframe(spark, indices=test_idx).cache()
+train.printSchema()
+print(f"{train.count()} training images, {test.count()} test images; one PNG is {len(train.first()['png'])} bytes")'''),
+    ("markdown", "`decode_digit_png` is a module-level function of an importable module, so it pickles by "
+                 "reference; it gets the input columns of a batch (binary as a list of bytes) and returns the "
+                 "model inputs under the same names."),
+    ("code", '''from torch import nn
+
+from sparkdl import TorchEstimator
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+common = dict(model=cnn, label_col="label", optimizer="adam", lr=3e-3, batch_size=32, epochs=2 if SMALL else 8,
+              num_workers=2, validation_fraction=0.2, seed=0, progress=False, tracking=False)
+from_png = TorchEstimator(input_cols=["png"], transform_fn=decode_digit_png, **common).fit(train)
+from_pixels = TorchEstimator(input_cols=["pixels"], input_shapes={"pixels": [1, 8, 8]}, **common).fit(train)'''),
+    ("code", '''accuracy = {}
+for name, m in (("png + transform_fn", from_png), ("pixels + input_shapes", from_pixels)):
+    rows = m.transform(test).select("label", "prediction").collect()
+    accuracy[name] = sum(r["label"] == r["prediction"] for r in rows) / len(rows)
+    print(f"{name:22s} val accuracy {m.history[-1]['val_accuracy']:.3f}  test accuracy {accuracy[name]:.3f}")
+assert min(accuracy.values()) > (0.5 if SMALL else 0.9)'''),
+    ("code", '''import matplotlib
+
+matplotlib.use("Agg") if SMALL else None
+import matplotlib.pyplot as plt
+
+sample = from_png.transform(test.limit(8)).select("png", "label", "prediction").collect()
+images = decode_digit_png({"png": [r["png"] for r in sample]})["png"]
+fig, axes = plt.subplots(1, len(sample), figsize=(2 * len(sample), 2.4))
+for ax, image, r in zip(axes, images, sample):
+    ax.imshow(image[0], cmap="gray_r"); ax.axis("off"); ax.set_title(f"{r['label']} -> {r['prediction']}")
+plt.show()'''),
+]
+
+LANGUAGE_MODEL = [
+    ("markdown", "# A small GPT on token columns\n\nByte-level windows of the Python standard library's own "
+                 "sources as array<int> `tokens` and `targets` (shifted by one). The model maps (B, T) int64 "
+                 "ids to (B, T, 256) logits; the built-in `cross_entropy` scores every position. Trained data "
+                 "parallel and with DiLoCo; perplexity = exp(validation loss)."),
+    ("code", SESSION),
+    ("code", '''from sparkdl.datasets import text_tokens_dataframe
+
+SEQ_LEN = 64
+tokens = text_tokens_dataframe(spark, seq_len=SEQ_LEN, max_rows=512 if SMALL else 4096)
+train, test = tokens.randomSplit([0.9, 0.1], seed=0)
+train = train.cache()
+print(train.count(), "training windows; one of them:")
+print(bytes(train.first()["tokens"]).decode("utf-8", "replace"))'''),
+    ("markdown", 'The GPT is an `nn.Sequential` whose top-level layers each take and return one tensor '
+                 '(`strategy="hybrid"` could cut it between blocks).'),
+    ("code", '''import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Embed(nn.Module):  # (B, T) int64 -> (B, T, d)
+    def __init__(self, d, seq_len):
+        super().__init__()
+        self.token, self.position = nn.Embedding(256, d), nn.Embedding(seq_len, d)
+
+    def forward(self, ids):
+        return self.token(ids) + self.position.weight[: ids.shape[1]]
+
+class Block(nn.Module):  # pre-LN causal self-attention + MLP
+    def __init__(self, d, heads=4):
+        super().__init__()
+        self.heads, self.ln1, self.ln2 = heads, nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+def gpt(d=64, layers=2):
+    head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 256))  # -> (B, T, 256) logits
+    return nn.Sequential(Embed(d, SEQ_LEN), *[Block(d) for _ in range(layers)], head)'''),
+    ("code", '''import math
+
+from sparkdl import TorchEstimator
+
+common = dict(model=gpt, input_cols=["tokens"], label_col="targets", loss="cross_entropy", optimizer="adamw",
+              lr=3e-3, batch_size=32, epochs=1 if SMALL else 4, num_workers=2, validation_fraction=0.1, seed=0,
+              progress=False, tracking=False)
+dp = TorchEstimator(strategy="data_parallel", **common).fit(train)
+diloco = TorchEstimator(strategy="data_parallel", sync="diloco", sync_every=10, **common).fit(train)
+for name, m in (("data parallel", dp), ("DiLoCo H=10", diloco)):
+    sent = sum(h["bytes_sent_all_ranks"] for h in m.history)
+    print(f"{name:14s} validation perplexity {math.exp(m.history[-1]['val_loss']):7.2f}  sent {sent / 1e6:7.2f} MB")
+assert math.exp(dp.history[-1]["val_loss"]) < 256, "better than a uniform guess over bytes"'''),
+    ("markdown", "`transform` predicts the next byte at every position (array<long>); the trained module "
+                 "also generates text greedily."),
+    ("code", '''rows = dp.transform(test).select("targets", "prediction").collect()
+hits = sum(p == t for r in rows for p, t in zip(r["prediction"], r["targets"]))
+print(f"test next-byte accuracy {hits / sum(len(r['targets']) for r in rows):.3f}")
+
+module = dp.torch_module().eval()
+ids = list(b"def ")
+with torch.no_grad():
+    for _ in range(48):
+        ids.append(int(module(torch.tensor([ids[-SEQ_LEN:]]))[0, -1].argmax()))
+print(bytes(ids).decode("utf-8", "replace"))'''),
+]
+
+
 def write(name: str, cells: list[tuple[str, str]]) -> None:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_markdown_cell(text) if kind == "markdown" else nbformat.v4.new_code_cell(text)
@@ -187,6 +305,7 @@ def write(name: str, cells: list[tuple[str, str]]) -> None:
 
 if __name__ == "__main__":
     for filename, cells in (("quickstart.ipynb", QUICKSTART), ("planner.ipynb", PLANNER), ("hybrid.ipynb", HYBRID),
-                            ("ist.ipynb", IST), ("diloco.ipynb", DILOCO)):
+                            ("ist.ipynb", IST), ("diloco.ipynb", DILOCO), ("cnn_images.ipynb", CNN_IMAGES),
+                            ("language_model.ipynb", LANGUAGE_MODEL)):
         write(filename, cells)
         print("wrote", NOTEBOOKS / filename)
