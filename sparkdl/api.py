@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from sparkdl.checks import (check_backend, check_enough_rows, check_gpus_per_task,  # noqa: F401 - public here
                             check_inference_batch_size, check_output_width, check_picklable,
-                            drop_labels_beyond_the_model, preflight, probe_model, probe_tensor_model)
+                            check_weighted_loss, drop_labels_beyond_the_model, preflight, probe_model,
+                            probe_tensor_model)
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.launch.attempts import tracked_submit
@@ -80,6 +81,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     from sparkdl.launch.driver import ensure_training_slots
 
     config.validate()
+    check_weighted_loss(config)
     model = _the_model(model, config)
     kept = kept_plan(plan, config)
     if kept is not None:
@@ -340,7 +342,7 @@ def _run_config(df: Any, num_workers: int, options: dict[str, Any]) -> RunConfig
     label = config.data.label_col if config.data.label_col in df.columns else None
     if config.data.input_cols is not None:
         return config.merged({"data": {"label_col": label}}).validate()
-    features = config.data.feature_cols or tuple(c for c in df.columns if c != label)
+    features = config.data.feature_cols or tuple(c for c in df.columns if c not in (label, config.data.weight_col))
     return config.merged({"data": {"feature_cols": tuple(features), "label_col": label}}).validate()
 
 

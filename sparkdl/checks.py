@@ -45,7 +45,7 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) 
 
     from sparkdl.data.assemble import sample_batch
     from sparkdl.launch.objectives import build_model, loss_function
-    from sparkdl.strategies.inputs import call_model, takes_weight
+    from sparkdl.strategies.inputs import call_model
 
     data = config.data
     batch = sample_batch(sample, layout, data.transform_fn, frozenset(data.input_dtypes or {}))
@@ -67,10 +67,6 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) 
     if not isinstance(out, torch.Tensor) or out.dim() < 1 or (rows is not None and out.shape[0] != rows):
         raise ModelError("the model must return one tensor with the batch as its first dimension",
                          hint="return logits/values of shape (batch, outputs) or (batch, positions, classes)")
-    if weight is not None and callable(config.train.loss) and not takes_weight(config.train.loss):
-        raise ConfigError(f"data.weight_col={data.weight_col!r} needs a loss that uses the weights, but the loss "
-                          "callable takes no weight= argument", hint="add a weight=None keyword to the loss, or "
-                                                                      "use a built-in loss")
     per_position = label is not None and out.dim() == label.dim() + 1 and out.dim() > 2
     width = int(out.shape[-1]) if per_position else int(out[0].numel())
     beyond = config.train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
@@ -98,9 +94,23 @@ def _check_loss_on_sample(config: RunConfig, out: Any, label: Any, weight: Any, 
                               "takes outputs shaped like the labels") from None
 
 
+def check_weighted_loss(config: RunConfig) -> None:
+    """weight_col with a callable loss: the callable must take the weights (weight=)."""
+    from sparkdl.strategies.inputs import takes_weight
+
+    loss = config.train.loss
+    if config.data.weight_col is not None and callable(loss) and not takes_weight(loss):
+        raise ConfigError(f"data.weight_col={config.data.weight_col!r} needs a loss that uses the weights, but the "
+                          "loss callable takes no weight= argument",
+                          hint="add a weight=None keyword to the loss, or use a built-in loss")
+
+
 def check_strategy_inputs(config: RunConfig, layout: Any) -> None:
     """IST deals the neurons of an MLP on one feature vector: nothing else (planner/candidates.py
     marks it infeasible under "auto")."""
+    if config.train.strategy == "ist" and layout is not None and layout.weight_column:
+        raise ConfigError("strategy='ist' trains without per-row weights (its subnets average plain losses)",
+                          hint="drop weight_col, or use strategy='data_parallel' or 'hybrid'")
     if config.train.strategy == "ist" and layout is not None and layout.tensor_inputs:
         raise ConfigError("strategy='ist' trains MLPs on one float feature vector (feature_cols); input_cols "
                           "runs cannot use it", hint="use strategy='data_parallel' (or sync='diloco'), 'hybrid' or "

@@ -65,6 +65,8 @@ def spool_columns(layout: FeedLayout) -> tuple[SpoolColumn, ...]:
         raise ConfigError(f"label_dtype must be one of {sorted(_LABEL_DTYPES)}, got {layout.label_dtype!r}")
     if layout.label_dtype is not None:
         columns.append(SpoolColumn(layout.label_column, FIXED, layout.label_dtype, 1, True, "label"))
+    if layout.weight_column is not None:
+        columns.append(SpoolColumn(layout.weight_column, FIXED, "float32", 1, True, "weight"))
     return tuple(columns)
 
 

@@ -125,9 +125,22 @@ def feature_batch(arrays: Arrays) -> tuple[torch.Tensor, torch.Tensor | None]:
     return as_tensor(arrays[0]), as_tensor(arrays[1]) if len(arrays) > 1 and arrays[1] is not None else None
 
 
+class WeightedFeatureBatch:
+    """(features, labels, weights) of a feature_cols layout with weight_col (labels None without one)."""
+
+    def __init__(self, has_label: bool) -> None:
+        self.has_label = has_label
+
+    def __call__(self, arrays: Arrays) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        label = as_tensor(arrays[1]) if self.has_label else None
+        return as_tensor(arrays[0]), label, as_tensor(arrays[-1])
+
+
 def assembler(layout: FeedLayout, transform_fn: Callable[[dict], dict] | None = None,
               explicit_dtypes: frozenset[str] = frozenset()) -> Assemble:
-    return TensorAssembler(layout, transform_fn, explicit_dtypes) if layout.tensor_inputs else feature_batch
+    if layout.tensor_inputs:
+        return TensorAssembler(layout, transform_fn, explicit_dtypes)
+    return WeightedFeatureBatch(layout.label_dtype is not None) if layout.weight_column else feature_batch
 
 
 def prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:

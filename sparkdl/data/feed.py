@@ -15,7 +15,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparkdl.data.layout import FEATURES_COLUMN, LABEL_COLUMN, SPLIT_COLUMN, FeedLayout
+from sparkdl.data.layout import FEATURES_COLUMN, LABEL_COLUMN, SPLIT_COLUMN, WEIGHT_COLUMN, FeedLayout
 from sparkdl.errors import (
     ArrayLengthError,
     ColumnTypeError,
@@ -164,9 +164,31 @@ def row_invalid(df: DataFrame, feature_cols: Sequence[str], label_col: str | Non
     return bad
 
 
+def weight_aggregates(weight_col: str | None) -> list[Column]:
+    """The stats job's terms for a weight column: nulls, and negative or non-finite weights."""
+    if weight_col is None:
+        return []
+    col = F.col(quoted(weight_col)).cast("double")
+    return [F.sum(col.isNull().cast("long")).alias("null_weight"),
+            F.sum(F.coalesce(F.isnan(col) | (F.abs(col) == float("inf")) | (col < 0), F.lit(False)).cast("long"))
+            .alias("bad_weight")]
+
+
+def check_weight(df: DataFrame, name: str, stats: dict) -> None:
+    if not isinstance(df.schema[name].dataType, T.NumericType):
+        raise ColumnTypeError(f"weight column {name!r} has type {df.schema[name].dataType.simpleString()}, not numeric",
+                              hint="pass a numeric per-row weight >= 0")
+    if stats.get("null_weight"):
+        raise NullValuesError(f"weight column {name!r} has {stats['null_weight']} null value(s)",
+                              hint=f"fill them, e.g. df.na.fill({{{name!r}: 1.0}})")
+    if stats.get("bad_weight"):
+        raise ColumnTypeError(f"weight column {name!r} has {stats['bad_weight']} negative, NaN or infinite value(s)",
+                              hint="weights must be finite and >= 0 (0 = the row counts for nothing)")
+
+
 def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
-           classification: bool) -> dict[str, int | None]:
-    aggs: list[Column] = [F.count(F.lit(1)).alias("rows")]
+           classification: bool, weight_col: str | None = None) -> dict[str, int | None]:
+    aggs: list[Column] = [F.count(F.lit(1)).alias("rows"), *weight_aggregates(weight_col)]
     for i, name in enumerate(feature_cols):
         aggs.append(F.expr(f"sum(cast({quoted(name)} IS NULL as long)) AS null_{i}"))
         kind = feature_kind(df, name)
@@ -198,15 +220,17 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
 
 def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
             num_workers: int, validation_df: DataFrame | None = None, validation_fraction: float = 0.0,
-            seed: int = 0, on_invalid: str = "error") -> PreparedData:
+            seed: int = 0, on_invalid: str = "error", weight_col: str | None = None) -> PreparedData:
     """Checked, selected and sharded data. With validation (a DataFrame, or a fraction held out by
     seed), validation rows travel in the same barrier job, marked by a split column, so every rank
-    evaluates its share each epoch without a second Spark job."""
-    prepared = _prepare_one(df, feature_cols, label_col, classification=classification, on_invalid=on_invalid)
+    evaluates its share each epoch without a second Spark job. `weight_col`: per-row weights, a
+    third prepared column."""
+    prepared = _prepare_one(df, feature_cols, label_col, classification=classification, on_invalid=on_invalid,
+                            weight_col=weight_col)
     val = None
     if validation_df is not None:
         val = _prepare_one(validation_df, feature_cols, label_col, classification=classification, what="validation_df",
-                           on_invalid=on_invalid)
+                           on_invalid=on_invalid, weight_col=weight_col)
         if val.layout.num_features != prepared.layout.num_features:
             raise ArrayLengthError(f"validation_df has {val.layout.num_features} feature values per row, the "
                                    f"training DataFrame {prepared.layout.num_features}",
@@ -248,16 +272,18 @@ def _has_an_empty_partition(df: DataFrame, num_workers: int) -> bool:
 
 
 def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
-                 what: str = "the DataFrame", on_invalid: str = "error") -> PreparedData:
-    used = list(feature_cols) + ([label_col] if label_col is not None else [])
+                 what: str = "the DataFrame", on_invalid: str = "error", weight_col: str | None = None) -> PreparedData:
+    used = list(feature_cols) + [c for c in (label_col, weight_col) if c is not None]
     check_columns(df, used)
     label_dtype = None
     if label_col is not None:
         label_type(df, label_col)
         label_dtype = "int64" if classification else "float32"
-    stats = _stats(df, feature_cols, label_col, classification)
+    stats = _stats(df, feature_cols, label_col, classification, weight_col)
     if not stats["rows"]:
         raise EmptyDataError(f"{what} has no rows", hint="check the filters or the input path")
+    if weight_col is not None:
+        check_weight(df, weight_col, stats)
     num_features = _checked_feature_width(df, feature_cols, stats, what, on_invalid)
     num_classes = _checked_label(label_col, stats, classification, what, on_invalid) if label_col is not None else None
     dropped = int(stats["invalid_rows"] or 0) if on_invalid == "skip" else 0
@@ -272,10 +298,13 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     if label_col is not None:
         cast = "long" if label_dtype == "int64" else "float"
         selected.append(F.col(quoted(label_col)).cast(cast).alias(LABEL_COLUMN))
+    if weight_col is not None:
+        selected.append(F.col(quoted(weight_col)).cast("float").alias(WEIGHT_COLUMN))
     prepared = df.select(*selected)
     layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
                         source_feature_cols=tuple(feature_cols), source_label_col=label_col,
-                        num_classes=num_classes)
+                        num_classes=num_classes, weight_column=WEIGHT_COLUMN if weight_col else None,
+                        source_weight_col=weight_col)
     return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]) - dropped, dropped_rows=dropped)
 
 

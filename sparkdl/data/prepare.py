@@ -21,13 +21,7 @@ def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | N
     if data.input_cols is not None:
         return prepare_tensors(df, data, classification=classification, num_workers=config.launch.num_workers,
                                validation_df=validation_df, seed=config.train.seed)
-    prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
-                       num_workers=config.launch.num_workers, validation_df=validation_df,
-                       validation_fraction=data.validation_fraction, seed=config.train.seed,
-                       on_invalid=data.on_invalid)
-    if data.weight_col is None:
-        return prepared
-    from sparkdl.errors import ConfigError
-
-    raise ConfigError("data.weight_col needs input_cols (tensor columns)",
-                      hint="pass input_cols=[...] instead of feature_cols to train with per-row weights")
+    return prepare(df, data.feature_cols, data.label_col, classification=classification,
+                   num_workers=config.launch.num_workers, validation_df=validation_df,
+                   validation_fraction=data.validation_fraction, seed=config.train.seed,
+                   on_invalid=data.on_invalid, weight_col=data.weight_col)

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl.config_values import input_columns, label_shape
-from sparkdl.data.feed import PreparedData, check_columns, quoted, split_and_shard
+from sparkdl.data.feed import PreparedData, check_columns, check_weight, quoted, split_and_shard, weight_aggregates
 from sparkdl.data.layout import (BINARY, FIXED, INPUT_PREFIX, LABEL_COLUMN, RAGGED, TEXT, WEIGHT_COLUMN,
                                  FeedLayout, TensorColumn)
 from sparkdl.errors import ArrayLengthError, ColumnTypeError, EmptyDataError, NullValuesError
@@ -150,10 +150,7 @@ def _stats(df: DataFrame, inputs: list[str], label: str | None, weight: str | No
                                      F.array_max(F.filter(_array_of(df, label), lambda x: x != IGNORE_INDEX))
                                      if _is_array(df, label) else col).otherwise(None)).cast("double")
                         .alias("valid_label_max"))
-    if weight is not None:
-        col = F.col(quoted(weight)).cast("double")
-        aggs += [F.sum(col.isNull().cast("long")).alias("null_weight"),
-                 F.sum((F.isnan(col) | (F.abs(col) == float("inf")) | (col < 0)).cast("long")).alias("bad_weight")]
+    aggs += weight_aggregates(weight)
     aggs.append(F.sum(invalid.cast("long")).alias("invalid_rows"))
     return df.agg(*aggs).collect()[0].asDict()
 
@@ -246,18 +243,6 @@ def _label_column(df: DataFrame, data: "DataConfig", classification: bool, stats
     return TensorColumn(name, LABEL_COLUMN, FIXED, "float32", "float32", shape)
 
 
-def _check_weight(name: str, stats: dict[str, Any], df: DataFrame) -> None:
-    if not isinstance(df.schema[name].dataType, T.NumericType):
-        raise ColumnTypeError(f"weight column {name!r} has type {df.schema[name].dataType.simpleString()}, not numeric",
-                              hint="pass a numeric per-row weight >= 0")
-    if stats.get("null_weight"):
-        raise NullValuesError(f"weight column {name!r} has {stats['null_weight']} null value(s)",
-                              hint=f"fill them, e.g. df.na.fill({{{name!r}: 1.0}})")
-    if stats.get("bad_weight"):
-        raise ColumnTypeError(f"weight column {name!r} has {stats['bad_weight']} negative, NaN or infinite value(s)",
-                              hint="weights must be finite and >= 0 (0 = the row counts for nothing)")
-
-
 _SPARK_TYPES = {"int8": T.ByteType(), "int16": T.ShortType(), "int32": T.IntegerType(), "int64": T.LongType(),
                 "float32": T.FloatType(), "bool": T.BooleanType()}
 
@@ -294,7 +279,7 @@ def _prepare_one(df: DataFrame, data: "DataConfig", classification: bool, what: 
     columns = tuple(_input_column(df, data, i, name, key, stats) for i, (name, key) in enumerate(zip(inputs, keys)))
     label = _label_column(df, data, classification, stats) if data.label_col is not None else None
     if data.weight_col is not None:
-        _check_weight(data.weight_col, stats, df)
+        check_weight(df, data.weight_col, stats)
     dropped = int(stats["invalid_rows"] or 0) if data.on_invalid == "skip" else 0
     if dropped == stats["rows"]:
         raise EmptyDataError(f"every row of {what} is invalid ({dropped} rows with NaN/Inf inputs or unusable "

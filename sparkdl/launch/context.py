@@ -94,9 +94,9 @@ class WorkerContext:
 
     def batches(self, epoch: int = 0) -> Iterator[tuple[Any, ...]]:
         """This rank's shard as torch batches, the same step count on every rank: (features, labels)
-        for feature_cols, (inputs, label, weight) for input_cols (inputs a tuple, or a dict when
-        input_cols is one). With transform_fn, batches are made data.prefetch_batches ahead on a
-        background thread, so decoding overlaps the step."""
+        for feature_cols ((features, labels, weights) with weight_col), (inputs, label, weight) for
+        input_cols (inputs a tuple, or a dict when input_cols is one). With transform_fn, batches
+        are made data.prefetch_batches ahead on a background thread, so decoding overlaps the step."""
         if self.spool is None:
             from sparkdl.errors import ConfigError
 

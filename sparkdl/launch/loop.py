@@ -142,7 +142,8 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
 
 def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, Any, Any]]:
     """(inputs, labels, weights) whatever the layout: feature_cols batches have no weights."""
-    if ctx.spec.layout is not None and ctx.spec.layout.tensor_inputs:
+    layout = ctx.spec.layout
+    if layout is not None and (layout.tensor_inputs or layout.weight_column):
         return iter(batches)  # type: ignore[arg-type]
     return ((features, labels, None) for features, labels in batches)
 

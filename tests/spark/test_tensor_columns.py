@@ -168,3 +168,26 @@ def test_custom_loop_batches_carry_the_input_structure(spark, towers) -> None:  
     keys, shape, dtype, weights = sparkdl.run(train_fn, df=towers, input_cols={"query": "q_vec", "doc": "d_vec"},
                                               label_col="y", weight_col="w", batch_size=8, progress=False)
     assert keys == ["doc", "query"] and shape == (8, 4) and dtype == "torch.int64" and weights == (8,)
+
+
+def test_feature_cols_take_weights_too_and_stay_exact(spark) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.sql import functions as F
+
+    from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe
+
+    one = digits_dataframe(spark).limit(64).withColumn("w", (F.col("label") % 3).cast("double")).repartition(2).cache()
+    torch.manual_seed(0)
+    start = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    trained = TorchEstimator(model=start, feature_cols=DIGITS_FEATURE_COLS, label_col="label", weight_col="w",
+                             strategy="data_parallel", epochs=1, batch_size=32, optimizer="sgd", lr=0.5, shuffle=False,
+                             seed=0, **COMMON).fit(one)
+    rows = one.toPandas()
+    x = torch.tensor(rows[list(DIGITS_FEATURE_COLS)].to_numpy(), dtype=torch.float32)
+    y, w = torch.tensor(rows["label"].to_numpy()), torch.tensor(rows["w"].to_numpy(), dtype=torch.float32)
+    reference = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    reference.load_state_dict(start.state_dict())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ((torch.nn.functional.cross_entropy(reference(x), y, reduction="none") * w).sum() / w.sum()).backward()
+    optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=1e-5, rtol=1e-5)
