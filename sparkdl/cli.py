@@ -108,6 +108,10 @@ def mlp_factory(df: Any, config: RunConfig) -> tuple[Any, int, int]:
 
     from sparkdl.data.feed import check_columns, feature_kind, features_expression, is_classification
 
+    if config.data.input_cols is not None:
+        raise ConfigError("data.input_cols needs model.factory: the built-in MLP reads one feature vector "
+                          "(feature_cols)", hint="--set model.factory='package.module:function' returning the model "
+                                                 "for these tensor columns, or use feature_cols")
     cols, label = list(config.data.feature_cols), config.data.label_col
     check_columns(df, cols + ([label] if label else []))
     inputs = len(cols)

@@ -147,3 +147,71 @@ def test_hybrid_refuses_two_inputs(frame) -> None:  # type: ignore[no-untyped-de
 
     with pytest.raises(SparkdlError, match="hybrid"):
         fit(frame, model=Two, input_cols=["vec", "ids"], strategy="hybrid")
+
+
+# --- what each column type becomes (positive cases, one custom-loop job each) -----------------------
+
+def test_every_column_type_becomes_its_tensor(spark) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+    from pyspark.ml.functions import array_to_vector
+
+    df = spark.createDataFrame(
+        [(i, float(i), i % 2 == 0, [i, i + 1, i + 2, i + 3, i + 4, i + 5], [0.5] * 3, i % 3) for i in range(16)],
+        "n int, x double, flag boolean, ids array<int>, v array<double>, label long")
+    df = df.withColumn("dec", F.col("x").cast("decimal(8,2)")).withColumn("vec", array_to_vector("v"))
+
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        inputs, label, weight = next(iter(ctx.batches(0)))
+        return [(str(t.dtype).replace("torch.", ""), tuple(t.shape)) for t in inputs], str(label.dtype), weight
+
+    got, label, weight = sparkdl.run(train_fn, df=df.withColumn("ids2", F.col("ids")),
+                                     input_cols=["n", "x", "flag", "ids", "vec", "dec", "ids2"],
+                                     input_shapes={"ids2": [2, -1]}, input_dtypes={"x": "bfloat16"},
+                                     batch_size=4, progress=False)
+    assert got == [("int64", (4,)), ("bfloat16", (4,)), ("bool", (4,)), ("int64", (4, 6)), ("float32", (4, 3)),
+                   ("float32", (4,)), ("int64", (4, 2, 3))]
+    assert label == "torch.int64" and weight is None
+
+
+def _pad(batch: dict) -> dict:
+    import numpy as np
+
+    return {"ragged": np.stack([np.pad(r, (0, 2 - len(r))) for r in batch["ragged"]]).astype(np.float32),
+            "text": np.array([[len(s), 1.0] for s in batch["text"]], np.float32)}
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, ragged: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([ragged, text], dim=1))
+
+
+def test_variable_length_arrays_and_strings_train_through_transform_fn(frame) -> None:  # type: ignore[no-untyped-def]
+    model = fit(frame, model=TwoInputs, input_cols=["ragged", "text"], transform_fn=_pad, epochs=2)
+    assert model.history[-1]["transform_seconds"] > 0
+    rows = model.transform(frame.limit(5)).select("prediction").collect()
+    assert all(r["prediction"] in (0, 1, 2) for r in rows)
+
+
+class PerRowMatrix(nn.Module):
+    """(B, 4) -> (B, 2, 3) regression outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).view(-1, 2, 3)
+
+
+def test_multi_target_regression_writes_flat_arrays_with_their_shape(frame) -> None:  # type: ignore[no-untyped-def]
+    targets = frame.withColumn("t", F.array(*[F.col("vec")[i % 4] * (i + 1) for i in range(6)]))
+    model = fit(targets, model=PerRowMatrix, input_cols=["vec"], label_col="t", label_shapes=[2, 3], loss="mse",
+                epochs=2)
+    scored = model.transform(targets.limit(3))
+    field = scored.schema["prediction"]
+    assert field.dataType.simpleString() == "array<float>" and field.metadata["sparkdl.output_shape"] == [2, 3]
+    assert all(len(r["prediction"]) == 6 for r in scored.collect())
