@@ -75,3 +75,26 @@ def test_a_failing_rank_is_a_clear_error_not_a_hang(rows_df) -> None:  # type: i
     with pytest.raises(TrainingError, match="rank 0: RuntimeError: rank zero gave up"):
         sparkdl.run(train_fn, df=rows_df, num_workers=2, backend="horovod", timeout_s=20,
                     peer_failure_delay_s=0.5)
+
+
+def test_horovod_trains_token_sequences_with_weights_like_torch(spark) -> None:  # type: ignore[no-untyped-def]
+    """Tensor columns on Horovod: int64 token ids in, per-position classes out, per-row weights,
+    the same weights as torch.distributed after one epoch."""
+    from pyspark.sql import functions as F
+
+    from sparkdl.datasets import synthetic_tokens_dataframe
+    from sparkdl_test_models import TOKEN_LEN, TOKEN_VOCAB, tiny_gpt
+
+    df = synthetic_tokens_dataframe(spark, rows=128, seq_len=TOKEN_LEN, vocab=TOKEN_VOCAB, seed=2) \
+        .withColumn("w", (F.element_at("tokens", 1) % 3).cast("double")).repartition(2).cache()
+
+    def train(backend: str) -> dict[str, torch.Tensor]:
+        model = TorchEstimator(model=tiny_gpt, input_cols=["tokens"], label_col="targets", weight_col="w",
+                               optimizer="sgd", lr=0.3, batch_size=16, epochs=1, num_workers=2, shuffle=False, seed=3,
+                               backend=backend, tracking=False, progress=False, strategy="data_parallel").fit(df)
+        assert model.history[0]["steps"] == 4
+        return model.torch_module().state_dict()
+
+    with_torch, with_horovod = train("torch"), train("horovod")
+    for name in with_torch:
+        torch.testing.assert_close(with_torch[name], with_horovod[name], atol=1e-5, rtol=1e-5)
