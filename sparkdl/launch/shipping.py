@@ -34,6 +34,14 @@ def ship_by_value(*objects: Any) -> list[str]:
     value when they are not installed packages; returns the module names registered."""
     from pyspark import cloudpickle
 
+    picklers = [cloudpickle]
+    try:  # MLflow pickles pyfunc models with the standalone cloudpickle, which keeps its own registry
+        import cloudpickle as standalone
+
+        if standalone is not cloudpickle:
+            picklers.append(standalone)
+    except ImportError:
+        pass
     registered = []
     for obj in objects:
         for candidate in (obj, type(obj)):
@@ -41,6 +49,7 @@ def ship_by_value(*objects: Any) -> list[str]:
             module = sys.modules.get(name) if name else None
             if module is None or _is_installed(module):
                 continue
-            cloudpickle.register_pickle_by_value(module)
+            for pickler in picklers:
+                pickler.register_pickle_by_value(module)
             registered.append(name)
     return registered

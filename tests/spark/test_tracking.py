@@ -223,6 +223,7 @@ def test_a_token_model_logged_to_mlflow_serves_per_position_predictions(spark, m
     """Tensor specs in the signature; pyfunc predict on a frame with array columns and MLflow's own
     scoring server (REST /invocations) both answer what transform writes."""
     import json
+    import os
     import socket
     import subprocess
     import sys
@@ -255,8 +256,11 @@ def test_a_token_model_logged_to_mlflow_serves_per_position_predictions(spark, m
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    # The server execs `uvicorn` by name: the venv's bin must be on PATH (it is not when pytest runs
+    # as .venv/bin/python without an activated venv).
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", local, "-h", "127.0.0.1",
-                               "-p", str(port), "--env-manager", "local", "-w", "1"],
+                               "-p", str(port), "--env-manager", "local", "-w", "1"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         body = json.dumps({"dataframe_split": {"columns": ["tokens"], "data": [[r] for r in frame["tokens"].map(list)]}},
@@ -275,3 +279,32 @@ def test_a_token_model_logged_to_mlflow_serves_per_position_predictions(spark, m
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_png_model_serves_bytes_through_its_transform_fn(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    """Binary inputs: a column-based signature, and the logged pyfunc decodes with the fit's transform_fn."""
+    import mlflow.pyfunc
+    import torch
+
+    from sparkdl.datasets import decode_digit_png, digits_images_dataframe
+
+    def cnn() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(512, 10))
+
+    df = digits_images_dataframe(spark).repartition(2)
+    model = TorchEstimator(model=cnn, input_cols=["png"], transform_fn=decode_digit_png, label_col="label", epochs=1,
+                           batch_size=64, num_workers=2, tracking_uri=mlflow_server.uri, experiment="sparkdl-png",
+                           progress=False).fit(df)
+    assert model.model_uri is not None
+    rows = df.limit(6).collect()
+    sample = spark.createDataFrame(rows, df.schema)
+    expected = [r["prediction"] for r in model.transform(sample).collect()]
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        loaded = mlflow.pyfunc.load_model(model.model_uri)
+        assert not loaded.metadata.signature.inputs.is_tensor_spec()
+        served = loaded.predict(sample.select("png").toPandas())
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert served["prediction"].tolist() == expected
+    assert torch.tensor(served["probabilities"].tolist()).shape == (6, 10)
