@@ -193,7 +193,8 @@ def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: Cali
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
                          step_overhead_s=costs.step_overhead_s * ratio)
-    candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet)
+    candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet,
+                             tensor_inputs=costs.input_bytes > 0)
     if unequal:
         # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
         balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(end.speeds) / len(end.speeds)),
@@ -319,7 +320,7 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 
 def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
                 backend_ops: frozenset[str], profile: ModelProfile,
-                subnet: tuple[cost.LayerCost, ...] | None) -> list[Candidate]:
+                subnet: tuple[cost.LayerCost, ...] | None, tensor_inputs: bool = False) -> list[Candidate]:
     from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
 
     out: list[Candidate] = []
@@ -354,7 +355,10 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
             cuts = balanced_cuts([layer.seconds for layer in profile.layers], stages)
             add("hybrid", options, cost.hybrid(work, net, cuts, micro, config.train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
-    if workers >= 2:
+    if workers >= 2 and tensor_inputs:
+        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, cost.Estimate(math.inf, 0, 0, math.inf, math.inf),
+            False, "IST trains MLPs on one float feature vector, not input_cols tensors")
+    elif workers >= 2:
         try:
             narrow = narrow_layers(ist_layout(model, workers, IST_R, "scale", 0))
             # Too few neurons per worker cost accuracy (IST/GIST papers); the step time would not show it.

@@ -71,6 +71,8 @@ class ModelInput:
 
     @classmethod
     def from_sample(cls, inputs: Any, label: Any = None) -> "ModelInput":
+        if isinstance(inputs, (tuple, list)) and len(inputs) == 1:
+            inputs = inputs[0]  # one positional input: forward(x), as a pipeline's first stage gets it
         single = inputs if isinstance(inputs, torch.Tensor) else None
         if single is None and len(inputs) == 1:
             single = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs[0]
