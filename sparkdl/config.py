@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (check_batch_size, check_input_spec, check_types, choice, coerce, parse_bytes,
-                                   parse_literal, plain, positive_int, suggest)
+from sparkdl.config_values import (check_batch_size, check_feature_spec, check_input_spec, check_types, choice, coerce,
+                                   parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -55,35 +55,9 @@ class DataConfig:
     def validate(self) -> None:
         if self.input_cols is not None:
             check_input_spec(self)
-            return
-        for key in ("input_shapes", "input_dtypes", "transform_fn"):
-            if getattr(self, key):
-                raise ConfigError(f"data.{key} applies to input_cols, but input_cols is not set",
-                                  hint="pass input_cols=[...] (one tensor per column) instead of feature_cols")
-        if self.weight_col is not None and self.weight_col in self.feature_cols:
-            raise ConfigError(f"data.weight_col {self.weight_col!r} is also a feature column",
-                              hint="remove it from feature_cols")
-        if isinstance(self.feature_cols, str):
-            raise ConfigError(f"data.feature_cols must be a list of column names, got the string "
-                              f"{self.feature_cols!r}", hint=f"write feature_cols=[{self.feature_cols!r}]")
-        if not self.feature_cols:
-            raise ConfigError("data.feature_cols is empty",
-                              hint="pass feature_cols=['f0', 'f1', ...] or one array/vector column")
-        for name in self.feature_cols:
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"data.feature_cols holds {name!r}, not a column name",
-                                  hint="every entry must be a non-empty string")
-        if len(set(self.feature_cols)) != len(self.feature_cols):
-            raise ConfigError(f"data.feature_cols lists a column twice: {list(self.feature_cols)}",
-                              hint="list each feature column once")
-        if self.label_col is not None and self.label_col in self.feature_cols:
-            raise ConfigError(f"data.label_col {self.label_col!r} is also a feature column",
-                              hint="remove the label from feature_cols")
-        check_batch_size(self.batch_size)
-        choice("data.on_invalid", self.on_invalid, ("error", "skip"))
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction!r}",
-                              hint="for example validation_fraction=0.2")
+        else:
+            check_feature_spec(self)
+        positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ def check_input_spec(data: Any) -> None:
         raise ConfigError(f"data.input_cols lists a column twice: {cols}", hint="list each input column once")
     for other, what in ((data.label_col, "label_col"), (data.weight_col, "weight_col")):
         if other is not None and other in cols:
-            raise ConfigError(f"data.{what} {other!r} is also an input column", hint=f"remove it from input_cols")
+            raise ConfigError(f"data.{what} {other!r} is also an input column", hint="remove it from input_cols")
     if data.weight_col is not None and data.weight_col == data.label_col:
         raise ConfigError(f"data.weight_col {data.weight_col!r} is the label column", hint="weight by another column")
     for key in ("input_shapes", "input_dtypes"):
@@ -206,8 +206,47 @@ def check_input_spec(data: Any) -> None:
     if data.transform_fn is not None and not callable(data.transform_fn):
         raise ConfigError(f"data.transform_fn must be a callable batch -> dict, got {data.transform_fn!r}",
                           hint="def decode(batch): return {'png': images}")
+    _check_rows_options(data)
+
+
+def positive_int_or_zero(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
+
+
+def _check_rows_options(data: Any) -> None:
     check_batch_size(data.batch_size)
     choice("data.on_invalid", data.on_invalid, ("error", "skip"))
     if not 0.0 <= data.validation_fraction < 1.0:
         raise ConfigError(f"data.validation_fraction must be in [0, 1), got {data.validation_fraction!r}",
                           hint="for example validation_fraction=0.2")
+
+
+def check_feature_spec(data: Any) -> None:
+    """feature_cols and the options that go with it (DataConfig.validate's feature-vector half)."""
+    for key in ("input_shapes", "input_dtypes", "transform_fn", "label_shapes"):
+        if getattr(data, key):
+            raise ConfigError(f"data.{key} applies to input_cols, but input_cols is not set",
+                              hint="pass input_cols=[...] (one tensor per column) instead of feature_cols")
+    cols = data.feature_cols
+    if isinstance(cols, str):
+        raise ConfigError(f"data.feature_cols must be a list of column names, got the string {cols!r}",
+                          hint=f"write feature_cols=[{cols!r}]")
+    if not cols:
+        raise ConfigError("data.feature_cols is empty",
+                          hint="pass feature_cols=['f0', 'f1', ...] or one array/vector column, or input_cols=[...]")
+    for name in cols:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"data.feature_cols holds {name!r}, not a column name",
+                              hint="every entry must be a non-empty string")
+    if len(set(cols)) != len(cols):
+        raise ConfigError(f"data.feature_cols lists a column twice: {list(cols)}", hint="list each feature column once")
+    if data.label_col is not None and data.label_col in cols:
+        raise ConfigError(f"data.label_col {data.label_col!r} is also a feature column",
+                          hint="remove the label from feature_cols")
+    if data.weight_col is not None and data.weight_col in cols:
+        raise ConfigError(f"data.weight_col {data.weight_col!r} is also a feature column",
+                          hint="remove it from feature_cols")
+    if data.weight_col is not None and data.weight_col == data.label_col:
+        raise ConfigError(f"data.weight_col {data.weight_col!r} is the label column", hint="weight by another column")
+    _check_rows_options(data)
