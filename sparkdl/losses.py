@@ -54,8 +54,13 @@ class BuiltinLoss:
         """(losses, counted): per-element losses shaped like the label, and 1/0 for positions that
         count (cross_entropy's ignored positions count 0)."""
         losses = _IMPLEMENTATIONS[self.name](output, label, "none")
-        counted = (label != IGNORE_INDEX).to(losses.dtype) if self.name == "cross_entropy" else torch.ones_like(losses)
-        return losses, counted
+        return losses, self.counted(label, losses.dtype)
+
+    def counted(self, label: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """1 for each label position that counts, 0 for cross_entropy's ignored ones; shaped like the label."""
+        if self.name == "cross_entropy":
+            return (label != IGNORE_INDEX).to(dtype)
+        return torch.ones(label.shape, dtype=dtype, device=label.device)
 
     def __repr__(self) -> str:
         return f"BuiltinLoss({self.name!r})"

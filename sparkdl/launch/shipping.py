@@ -29,6 +29,18 @@ def _is_installed(module: Any) -> bool:
     return resolved.startswith(_INSTALLED_ROOTS) or module.__name__.split(".")[0] in ("sparkdl", "torch", "pyspark")
 
 
+def _submodule_classes(obj: Any) -> list[type]:
+    """The classes inside an nn.Module instance (nn.Sequential(MyBlock(), ...) holds user classes
+    that its own type does not name)."""
+    modules = getattr(obj, "modules", None)
+    if isinstance(obj, type) or not callable(modules):
+        return []
+    try:
+        return list({type(m) for m in modules()})
+    except TypeError:  # a `modules` attribute that is not torch's
+        return []
+
+
 def ship_by_value(*objects: Any) -> list[str]:
     """Register the defining modules of `objects` (and of an instance's class) for pickling by
     value when they are not installed packages; returns the module names registered."""
@@ -44,10 +56,10 @@ def ship_by_value(*objects: Any) -> list[str]:
         pass
     registered = []
     for obj in objects:
-        for candidate in (obj, type(obj)):
+        for candidate in (obj, type(obj), *_submodule_classes(obj)):
             name = _module_of(candidate)
             module = sys.modules.get(name) if name else None
-            if module is None or _is_installed(module):
+            if module is None or _is_installed(module) or name in registered:
                 continue
             for pickler in picklers:
                 pickler.register_pickle_by_value(module)

@@ -23,7 +23,7 @@ from torch import nn
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
 from sparkdl.layouts import HybridLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_triple, evaluation_sums
-from sparkdl.strategies.inputs import single_input, weighted_terms
+from sparkdl.strategies.inputs import single_input, weight_total, weighted_terms
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
 
@@ -180,7 +180,7 @@ class Hybrid(Strategy):
         input_chunks = torch.split(inputs, sizes) if inputs is not None else None
         target_chunks = torch.split(targets, sizes) if targets is not None else None
         weight_chunks = torch.split(target_weights, sizes) if target_weights is not None else None
-        weight_total = self._replicas_weight_total(target_weights)
+        replicas_weight = self._replicas_weight_total(targets, target_weights)
         ops = self._ops(self.stage, self.layout.stages, len(sizes))
         receives = _Receives(self, ops, sizes)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -195,12 +195,13 @@ class Hybrid(Strategy):
                     sent = y.detach()
                     keep_alive.append(sent)
                     pending.append(self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, i)))
-                elif weight_chunks is None:
-                    y = self._loss_fn(y, target_chunks[i]) * (sizes[i] / total)
+                elif replicas_weight is None:  # unweighted, or a custom loss weighing by itself
+                    extra = {} if weight_chunks is None else {"weight": weight_chunks[i]}
+                    y = self._loss_fn(y, target_chunks[i], **extra) * (sizes[i] / total)
                     loss += y.detach()
                 else:
                     numerator, counted = weighted_terms(self._loss_fn, y, target_chunks[i], weight_chunks[i])
-                    y = numerator * (self.layout.replicas / weight_total)
+                    y = numerator * (self.layout.replicas / replicas_weight)
                     loss += numerator.detach()
                     local_weight += counted
                 saved[i] = (x, y, nbytes)
@@ -220,15 +221,20 @@ class Hybrid(Strategy):
         if self._stage_group is not None and self._stage_group.size > 1:
             average_gradients(self._stage_group, self._params)
         self._optimizer.step()
-        if weight_chunks is not None:
+        if replicas_weight is not None:
             loss = loss / local_weight.clamp_min(torch.finfo(torch.float32).tiny)
         return loss
 
-    def _replicas_weight_total(self, weights: torch.Tensor | None) -> torch.Tensor:
-        """The last stages' weight total over every replica's rows (one scalar allreduce among them)."""
-        if weights is None:
-            return torch.ones(())
-        total = weights.sum().reshape(1).to(torch.float32)
+    def _replicas_weight_total(self, targets: torch.Tensor | None, weights: torch.Tensor | None
+                               ) -> torch.Tensor | None:
+        """On the last stages: the weight total (over counted label positions) of every replica's
+        rows, one scalar allreduce among them; None elsewhere, without weights, or for a custom loss."""
+        if weights is None or targets is None:
+            return None
+        local = weight_total(self._loss_fn, targets, weights)
+        if local is None:
+            return None
+        total = local.reshape(1).to(torch.float32)
         if self._stage_group is not None and self._stage_group.size > 1:
             self._stage_group.allreduce(total, op="sum")
         return total[0].clamp_min(torch.finfo(torch.float32).tiny)

@@ -89,3 +89,13 @@ def loss_and_weight_sum(loss_fn: Any, output: Any, label: torch.Tensor, weight: 
     numerator, denominator = weighted_terms(loss_fn, output, label, weight)
     mean = numerator.detach() / denominator.clamp_min(torch.finfo(torch.float32).tiny)
     return mean, numerator, denominator
+
+
+def weight_total(loss_fn: Any, label: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The denominator weighted_terms gives these rows (sum of w over what counts), from the labels
+    alone, before any forward pass; None for a custom loss (it normalises its own weights)."""
+    counted = getattr(loss_fn, "counted", None)
+    if counted is None:
+        return None
+    mask = counted(label)
+    return (mask * weight.to(mask.dtype).reshape((weight.shape[0],) + (1,) * (mask.dim() - 1))).sum()

@@ -191,3 +191,28 @@ def test_feature_cols_take_weights_too_and_stay_exact(spark) -> None:  # type: i
     optimizer.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=1e-5, rtol=1e-5)
+
+
+def test_weighted_hybrid_on_two_replicas_equals_the_weighted_full_batch_step(spark) -> None:  # type: ignore[no-untyped-def]
+    """2 stages x 2 replicas: the last stages sum the weights of both replicas before weighing."""
+    from pyspark.sql import functions as sf
+
+    rows_df = synthetic_tokens_dataframe(spark, rows=64, seq_len=T, vocab=V, seed=4) \
+        .withColumn("w", (sf.element_at("tokens", 1) % 4).cast("double")).repartition(4).cache()
+    torch.manual_seed(0)
+    start = gpt()
+    hybrid = TorchEstimator(model=start, input_cols=["tokens"], label_col="targets", weight_col="w", strategy="hybrid",
+                            stages=2, microbatches=2, epochs=1, batch_size=16, optimizer="sgd", lr=0.5, shuffle=False,
+                            seed=0, num_workers=4, tracking=False, progress=False).fit(rows_df)
+    rows = rows_df.toArrow()
+    x = torch.tensor(np.stack(rows.column("tokens").to_pylist()), dtype=torch.long)
+    y = torch.tensor(np.stack(rows.column("targets").to_pylist()), dtype=torch.long)
+    w = torch.tensor(rows.column("w").to_numpy(), dtype=torch.float32)
+    reference = gpt()
+    reference.load_state_dict(start.state_dict())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    per_token = F.cross_entropy(reference(x).reshape(-1, V), y.reshape(-1), reduction="none").view(len(w), T)
+    ((per_token * w[:, None]).sum() / (w.sum() * T)).backward()
+    optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(hybrid.torch_module().state_dict()[key], value, atol=1e-4, rtol=1e-4)
