@@ -7,6 +7,7 @@ track -> submit the barrier job -> load the trained state and log the model.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ def output_kind(config: RunConfig, classification: bool, out_width: int, out_sha
     """How predictions are written (inference.py): "class" (B, C) -> long, "classes" (B, T, C) ->
     array<long> of length T, "binary", "value" (one number) or "values" (array<float>, flattened)."""
     if config.train.loss == "bce_with_logits":
-        return "binary" if int(__import__("math").prod(out_shape or (1,))) == 1 else "values"
+        return "binary" if math.prod(out_shape or (1,)) == 1 else "values"
     if classification and len(out_shape) >= 2:
         return "classes"
     if classification:
@@ -65,6 +66,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     from sparkdl.data.prepare import prepare_run
 
     config = RunConfig.from_kwargs(base=config, **options).validate()
+    check_weighted_loss(config)
     data = config.data
     check_columns(df, _input_columns(config) + ([data.label_col] if data.label_col else []))
     preflight(_spark(df), config.launch.num_workers, config.launch.gpus_per_worker)
@@ -200,7 +202,7 @@ def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPl
     from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
 
-    ship_by_value(model, config.train.loss, config.train.optimizer)
+    ship_by_value(model, config.train.loss, config.train.optimizer, config.data.transform_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, model=model,
                      strategy_layout=resolved.layout)
     check_picklable(spec)
@@ -321,7 +323,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         job_df, layout = prepared.df, prepared.layout
     else:
         job_df, layout = spark.range(0, num_workers, 1, num_workers), None
-    ship_by_value(train_fn)
+    ship_by_value(train_fn, config.data.transform_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
     check_picklable(spec)
     check_backend(config)

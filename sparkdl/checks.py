@@ -68,6 +68,10 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) 
         raise ModelError("the model must return one tensor with the batch as its first dimension",
                          hint="return logits/values of shape (batch, outputs) or (batch, positions, classes)")
     per_position = label is not None and out.dim() == label.dim() + 1 and out.dim() > 2
+    if per_position and config.train.loss == "cross_entropy" and tuple(out.shape[:-1]) != tuple(label.shape):
+        raise ModelError(f"the model returns {_shape_text(out)} for per-position labels {_shape_text(label)}: "
+                         "cross_entropy here takes the class dimension last", hint="return (batch, positions, "
+                                                                                   "classes), e.g. logits.transpose(1, -1)")
     width = int(out.shape[-1]) if per_position else int(out[0].numel())
     beyond = config.train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
     if label is not None and not beyond:  # classes beyond the outputs: check_output_width says so better

@@ -134,11 +134,11 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
     if plan is not None:
         return reuse(plan, module, config, layout, inputs)
     config = settle_without_planner(config)
-    check_strategy_inputs(config, layout)
     auto = None
     if config.train.strategy == "auto":
         auto = make_plan(module, config, inputs, spark, num_rows, fallback=fallback)
         config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
+    check_strategy_inputs(config, layout)
     check_backend(config)
     links = auto.executor_links if auto is not None else measured_links(spark, config)
     strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None, inputs=inputs)
@@ -151,7 +151,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     """A kept plan (sparkdl.plan's value, plan.json of an earlier run) applied to this run: its layout
     options replace the run's, and its layout must fit this model, input and world, else a
     ConfigError naming `plan` says what differs. Nothing is planned or measured again."""
-    from sparkdl.checks import check_backend
+    from sparkdl.checks import check_backend, check_strategy_inputs
     from sparkdl.errors import ConfigError
     from sparkdl.resolved_plan import ResolvedPlan
 
@@ -161,6 +161,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
         raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
                           hint=f"leave strategy unset (or 'auto') when passing a plan, or {_REPLAN}")
     config = config.merged({"train": dict(plan.settings)}).validate()
+    check_strategy_inputs(config, layout)
     check_backend(config)
     inputs = inputs if inputs is not None else model_input(layout)
     mismatch = _layout_mismatch(plan, module, config, layout, inputs)

@@ -54,6 +54,8 @@ class ServedModel:
     def predict_columns(self, columns: dict[str, Any]) -> dict[str, Any]:
         """{input column: values} (numpy arrays, lists of arrays/bytes, pandas Series) -> the
         prediction (as transform writes it) and, for classes, the probabilities beside it."""
+        if _rows(columns) == 0:
+            return {self.prediction_col: []}
         out = self.scores(arrays_from_columns(self.input_layout, columns))
         if out is None:
             return {self.prediction_col: []}
@@ -64,6 +66,13 @@ class ServedModel:
         elif self.output_kind == "binary":
             result[PROBABILITIES] = out.reshape(-1).sigmoid().numpy().tolist()
         return result
+
+
+def _rows(columns: Any) -> int:
+    if isinstance(columns, np.ndarray) or hasattr(columns, "shape"):
+        return int(columns.shape[0])
+    values = next(iter(columns.values()), None) if isinstance(columns, dict) else None
+    return len(values) if values is not None else 0
 
 
 def _slice(block: Any, start: int, stop: int) -> Any:

@@ -59,7 +59,9 @@ def _raw(block: Any, column: TensorColumn) -> Any:
 
 def _to_tensor(value: Any, column: TensorColumn, explicit: bool) -> torch.Tensor:
     """A transform_fn output (or a fixed column) as a tensor of the column's dtype."""
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        value = torch.stack(list(value))
+    elif isinstance(value, (list, tuple)):
         value = np.stack(value) if value and isinstance(value[0], np.ndarray) else np.asarray(value)
     tensor = value if isinstance(value, torch.Tensor) else as_tensor(np.ascontiguousarray(value))
     if explicit and column.dtype:
@@ -113,7 +115,10 @@ class TensorAssembler:
                              f"{sorted(out)})", hint=f"return a dict with the keys {self._names}")
         rows = len(next(iter(raw.values()))) if raw else 0
         for name in self._names:
-            got = len(out[name])
+            try:
+                got = len(out[name])
+            except TypeError:
+                got = 0  # a 0-d value: no batch dimension at all
             if got != rows:
                 raise ModelError(f"transform_fn returned {got} rows for input column {name!r}, but the batch "
                                  f"holds {rows}", hint="return one entry per input row, the batch as dim 0")
@@ -145,27 +150,31 @@ def assembler(layout: FeedLayout, transform_fn: Callable[[dict], dict] | None = 
 
 def prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
     """`batches` produced `depth` ahead on a background thread (decoding overlaps the step); an
-    exception there is raised here, at the batch it stopped at."""
+    exception there is raised here, at the batch it stopped at. Closing the iterator early (a
+    break, an exception in the step) stops the thread within ~0.1 s and drops what it made."""
     if depth <= 0:
         yield from batches
         return
     ready: queue.Queue = queue.Queue(maxsize=depth)
     done, stop = object(), threading.Event()
 
+    def hand_over(item: tuple[bool, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in batches:
-                while not stop.is_set():
-                    try:
-                        ready.put((True, item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not hand_over((True, item)):
                     return
-            ready.put((True, done))
+            hand_over((True, done))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            ready.put((False, exc))
+            hand_over((False, exc))
 
     worker = threading.Thread(target=produce, name="sparkdl-prefetch", daemon=True)
     worker.start()
@@ -179,6 +188,8 @@ def prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
             yield item
     finally:
         stop.set()
+        while not ready.empty():  # release what was made ahead (views of the spool's mapping)
+            ready.get_nowait()
         worker.join(timeout=5)
 
 
@@ -189,5 +200,5 @@ def sample_batch(table: pa.Table, layout: FeedLayout, transform_fn: Callable[[di
 
     batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
     if batch is None:
-        raise ModelError("no rows to probe the model with")
+        raise ModelError("no rows to probe the model with", hint="the DataFrame must hold rows")
     return TensorAssembler(layout, transform_fn, explicit_dtypes)(incoming_arrays(batch, layout))

@@ -43,7 +43,9 @@ class PreparedData:
 def label_is_integral(df: DataFrame, label_col: str | None) -> bool:
     if label_col is None or label_col not in df.columns:
         return False
-    return isinstance(df.schema[label_col].dataType, (T.IntegralType, T.BooleanType))
+    dtype = df.schema[label_col].dataType
+    element = dtype.elementType if isinstance(dtype, T.ArrayType) else dtype  # per-position labels
+    return isinstance(element, (T.IntegralType, T.BooleanType))
 
 
 def is_classification(df: DataFrame, config: "RunConfig", custom_loop: bool = False) -> bool:

@@ -68,6 +68,7 @@ class FeedLayout:
     weight_column: str | None = None  # prepared float32 per-row weight column (weight_col)
     source_weight_col: str | None = None
     transformed: bool = False  # transform_fn builds the model inputs from the columns on the executors
+    label_ignores: bool = False  # per-position labels hold -100 somewhere: losses count positions exactly
 
     @property
     def tensor_inputs(self) -> bool:

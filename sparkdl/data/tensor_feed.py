@@ -109,7 +109,7 @@ def _label_bad(df: DataFrame, name: str, classification: bool) -> Column:
         return F.coalesce(((x < 0) & (x != IGNORE_INDEX)) | (x != F.floor(x)), F.lit(False))
 
     col = F.col(quoted(name))
-    wrong = F.coalesce(F.exists(col, not_an_index), F.lit(False)) if _is_array(df, name) else \
+    wrong = F.coalesce(F.exists(_array_of(df, name), not_an_index), F.lit(False)) if _is_array(df, name) else \
         F.coalesce((col.cast("double") < 0) | (col.cast("double") != F.floor(col.cast("double"))), F.lit(False))
     return bad | wrong
 
@@ -142,7 +142,8 @@ def _stats(df: DataFrame, inputs: list[str], label: str | None, weight: str | No
             if classification:
                 kept = F.filter(arr, lambda x: x != IGNORE_INDEX)
                 aggs += [F.min(F.array_min(kept)).cast("double").alias("label_min"),
-                         F.max(F.array_max(kept)).cast("double").alias("label_max")]
+                         F.max(F.array_max(kept)).cast("double").alias("label_max"),
+                         F.sum(F.size(F.filter(arr, lambda x: x == IGNORE_INDEX))).alias("ignored_label")]
         elif classification:
             aggs += [F.min(col.cast("double")).alias("label_min"), F.max(col.cast("double")).alias("label_max")]
         if classification:
@@ -304,7 +305,8 @@ def _prepare_one(df: DataFrame, data: "DataConfig", classification: bool, what: 
                         source_label_col=data.label_col, num_classes=num_classes, inputs=columns,
                         keyword_inputs=isinstance(data.input_cols, dict), label=label,
                         weight_column=WEIGHT_COLUMN if data.weight_col else None, source_weight_col=data.weight_col,
-                        transformed=data.transform_fn is not None)
+                        transformed=data.transform_fn is not None,
+                        label_ignores=bool(stats.get("ignored_label")))
     return PreparedData(df=df.select(*selected), layout=layout, num_rows=int(stats["rows"]) - dropped,
                         dropped_rows=dropped)
 
@@ -316,19 +318,41 @@ def prepare_tensors(df: DataFrame, data: "DataConfig", *, classification: bool, 
     prepared = _prepare_one(df, data, classification, "the DataFrame")
     validation = None
     if validation_df is not None:
-        validation = _prepare_one(validation_df, data, classification, "validation_df")
-        if validation.layout.inputs != prepared.layout.inputs:
-            raise ArrayLengthError("validation_df's input columns differ from the training DataFrame's in type or "
-                                   f"shape: {_describe(validation.layout)} vs {_describe(prepared.layout)}",
-                                   hint="build both from the same columns")
+        validation = _like_training(_prepare_one(validation_df, data, classification, "validation_df"),
+                                    prepared.layout)
+        classes = [n for n in (prepared.layout.num_classes, validation.layout.num_classes) if n is not None]
+        prepared = replace(prepared, layout=replace(validation.layout, num_classes=max(classes) if classes else None))
     sample = _sample(prepared.df)
     sharded = split_and_shard(prepared, validation, num_workers=num_workers,
                               validation_fraction=data.validation_fraction, seed=seed)
     return replace(sharded, sample=sample)
 
 
-def _describe(layout: FeedLayout) -> str:
-    return ", ".join(f"{c.source}: {c.kind} {c.storage} {list(c.shape)}" for c in layout.inputs)
+def _describe(column: TensorColumn) -> str:
+    return f"{column.kind} {column.storage or 'bytes'} {list(column.shape)}".replace(" []", "")
+
+
+def _like_training(validation: PreparedData, training: FeedLayout) -> PreparedData:
+    """validation_df's columns as the training rows are spooled (its own checks already ran): the
+    same element types (cast), shapes that must match, and variable-length rows wherever training
+    has them (a transform_fn sees both alike)."""
+    pairs = list(zip(training.inputs, validation.layout.inputs))
+    if training.label is not None and validation.layout.label is not None:
+        pairs.append((training.label, validation.layout.label))
+    casts = {}
+    for mine, theirs in pairs:
+        fits = (mine.kind == theirs.kind and (mine.kind != FIXED or mine.shape == theirs.shape)) \
+            or (mine.kind == RAGGED and theirs.kind == FIXED)
+        if not fits:
+            raise ArrayLengthError(f"column {mine.source!r} of validation_df holds {_describe(theirs)} per row, the "
+                                   f"training DataFrame {_describe(mine)}", hint="build both from the same columns")
+        if mine.kind in (FIXED, RAGGED) and theirs.storage != mine.storage:
+            element = _SPARK_TYPES[mine.storage]
+            cast = T.ArrayType(element) if mine.shape or mine.kind == RAGGED else element
+            casts[mine.column] = F.col(mine.column).cast(cast)
+    df = validation.df.withColumns(casts) if casts else validation.df
+    return replace(validation, df=df, layout=replace(training, label_ignores=training.label_ignores
+                                                     or validation.layout.label_ignores))
 
 
 def _sample(selected: DataFrame) -> Any:

@@ -193,8 +193,10 @@ def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: Cali
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
                          step_overhead_s=costs.step_overhead_s * ratio)
+    refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
+        "IST trains without per-row weights (weight_col)" if config.data.weight_col else ""
     candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet,
-                             tensor_inputs=costs.input_bytes > 0)
+                             ist_refused=refused)
     if unequal:
         # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
         balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(end.speeds) / len(end.speeds)),
@@ -320,7 +322,8 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 
 def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
                 backend_ops: frozenset[str], profile: ModelProfile,
-                subnet: tuple[cost.LayerCost, ...] | None, tensor_inputs: bool = False) -> list[Candidate]:
+                subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "") -> list[Candidate]:
+    """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible)."""
     from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
 
     out: list[Candidate] = []
@@ -355,9 +358,9 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
             cuts = balanced_cuts([layer.seconds for layer in profile.layers], stages)
             add("hybrid", options, cost.hybrid(work, net, cuts, micro, config.train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
-    if workers >= 2 and tensor_inputs:
+    if workers >= 2 and ist_refused:
         add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, cost.Estimate(math.inf, 0, 0, math.inf, math.inf),
-            False, "IST trains MLPs on one float feature vector, not input_cols tensors")
+            False, ist_refused)
     elif workers >= 2:
         try:
             narrow = narrow_layers(ist_layout(model, workers, IST_R, "scale", 0))

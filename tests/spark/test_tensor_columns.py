@@ -216,3 +216,46 @@ def test_weighted_hybrid_on_two_replicas_equals_the_weighted_full_batch_step(spa
     optimizer.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(hybrid.torch_module().state_dict()[key], value, atol=1e-4, rtol=1e-4)
+
+
+def test_ignored_positions_give_the_global_token_mean_and_validation_df_is_cast_alike(spark) -> None:  # type: ignore[no-untyped-def]
+    """-100 labels: the loss is the mean over the positions that count in the whole batch (not a
+    mean of per-rank means); a validation_df with array<bigint> tokens is cast to the training types."""
+    from pyspark.sql import functions as sf
+
+    base = synthetic_tokens_dataframe(spark, rows=64, seq_len=T, vocab=V, seed=5)
+    # Rows with an even first token ignore their first half of positions: ranks count unequal positions.
+    masked = base.withColumn("targets", sf.when(sf.element_at("tokens", 1) % 2 == 0, sf.concat(
+        sf.array_repeat(sf.lit(-100), T // 2), sf.slice("targets", T // 2 + 1, T))).otherwise(sf.col("targets")))
+    one = masked.repartition(2).cache()
+    validation = synthetic_tokens_dataframe(spark, rows=32, seq_len=T, vocab=V, seed=6) \
+        .withColumn("tokens", sf.col("tokens").cast("array<bigint>"))
+    torch.manual_seed(0)
+    start = gpt()
+    trained = TorchEstimator(model=start, input_cols=["tokens"], label_col="targets", strategy="data_parallel",
+                             epochs=1, batch_size=32, optimizer="sgd", lr=0.5, shuffle=False, seed=0,
+                             validation_df=validation, **COMMON).fit(one)
+    assert "val_loss" in trained.history[0] and trained.history[0]["val_accuracy"] >= 0.0
+    rows = one.toArrow()
+    x = torch.tensor(np.stack(rows.column("tokens").to_pylist()), dtype=torch.long)
+    y = torch.tensor(np.stack(rows.column("targets").to_pylist()), dtype=torch.long)
+    reference = gpt()
+    reference.load_state_dict(start.state_dict())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    F.cross_entropy(reference(x).reshape(-1, V), y.reshape(-1), ignore_index=-100).backward()
+    optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=1e-5, rtol=1e-5)
+
+
+def test_a_custom_loop_gets_int64_per_position_labels(spark, tokens) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+
+    train, _ = tokens
+
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        (x,), y, _ = next(iter(ctx.batches(0)))
+        return str(x.dtype), str(y.dtype), tuple(y.shape)
+
+    assert sparkdl.run(train_fn, df=train, input_cols=["tokens"], label_col="targets", batch_size=8,
+                       progress=False) == ("torch.int64", "torch.int64", (8, T))
