@@ -147,7 +147,10 @@ def _shuffled_indices(num_rows: int, sizes: Iterable[int], rng: np.random.Genera
 
 
 def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int,
-                  rank: int, drop_last: bool, last_batch_size: int | None, assemble: Assemble) -> Iterator[Any]:
+                  rank: int, drop_last: bool, last_batch_size: int | None, assemble: Assemble,
+                  start: int = 0) -> Iterator[Any]:
+    """`start`: batches to pass over first (a resumed epoch): their rows are drawn, so the rest are
+    the same batches, but never gathered or assembled (no copy, no transform_fn)."""
     # Checked now rather than at the first next(), so a bad rank fails before its training loop.
     sizes = _batch_sizes(batch_size, steps, drop_last, last_batch_size)
     if steps and rows.num_rows == 0:
@@ -156,12 +159,13 @@ def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuff
                              "that every partition holds rows")
     if shuffle:
         rng = np.random.default_rng([seed, epoch, rank])
-        indices = _shuffled_indices(rows.num_rows, sizes, rng)
+        indices = itertools.islice(_shuffled_indices(rows.num_rows, sizes, rng), start, None)
         # More chunks, more numpy calls per gather: gather more rows per call to keep each call large.
         budget = min(_GROUP_BYTES * max(1, rows.chunk_count // 4), _GROUP_BYTES_MAX)
         per_group = max(1, budget // (batch_size * rows.row_bytes))
         return map(assemble, _gathered(rows, indices, per_group))
-    return (assemble(rows.take_ranges(ranges)) for ranges in _in_order_ranges(rows.num_rows, sizes))
+    ranges = itertools.islice(_in_order_ranges(rows.num_rows, sizes), start, None)
+    return (assemble(rows.take_ranges(r)) for r in ranges)
 
 
 def _gathered(rows: _Rows, indices: Iterator[np.ndarray], per_group: int) -> Iterator[Arrays]:
@@ -224,8 +228,8 @@ class Spool:
         return self._num_rows
 
     def batches(self, epoch: int, *, batch_size: int, steps: int, shuffle: bool, seed: int, rank: int,
-                drop_last: bool, last_batch_size: int | None = None, assemble: Assemble | None = None
-                ) -> Iterator[Any]:
+                drop_last: bool, last_batch_size: int | None = None, assemble: Assemble | None = None,
+                start: int = 0) -> Iterator[Any]:
         """Exactly `steps` batches: (features float32 (b, d), labels (b,) or None) for a feature_cols
         layout, (inputs, label, weight) for input_cols (data/assemble.py; `assemble` replaces the
         default conversion, e.g. with transform_fn). Take `steps` and
@@ -240,14 +244,15 @@ class Spool:
             raise ValueError(f"spool {self._path} is closed")
         return _iter_batches(_map_rows(self._file, self._layout), epoch, batch_size=batch_size, steps=steps,
                              shuffle=shuffle, seed=seed, rank=rank, drop_last=drop_last, last_batch_size=last_batch_size,
-                             assemble=assemble or assembler(self._layout))
+                             assemble=assemble or assembler(self._layout), start=start)
 
     def epoch_batches(self, epoch: int, plan: EpochPlan, *, rank: int, shuffle: bool, seed: int,
-                      assemble: Assemble | None = None) -> Iterator[Any]:
-        """The batches `plan` (data/epochs.py, over every rank's row counts) gives `rank` this epoch."""
+                      assemble: Assemble | None = None, start: int = 0) -> Iterator[Any]:
+        """The batches `plan` (data/epochs.py, over every rank's row counts) gives `rank` this epoch,
+        from batch `start` on."""
         return self.batches(epoch, batch_size=plan.batch_size(rank), steps=plan.steps, shuffle=shuffle, seed=seed,
                             rank=rank, drop_last=plan.full_steps_only, last_batch_size=plan.last_batch_size(rank),
-                            assemble=assemble)
+                            assemble=assemble, start=start)
 
     def close(self) -> None:
         """Close and delete the file; batches handed out earlier stay readable. Idempotent."""

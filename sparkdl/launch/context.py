@@ -92,11 +92,12 @@ class WorkerContext:
         data = self.spec.config.data
         return assembler(self.spec.layout, data.transform_fn, frozenset(data.input_dtypes or {}))
 
-    def batches(self, epoch: int = 0) -> Iterator[tuple[Any, ...]]:
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[tuple[Any, ...]]:
         """This rank's shard as torch batches, the same step count on every rank: (features, labels)
         for feature_cols ((features, labels, weights) with weight_col), (inputs, label, weight) for
         input_cols (inputs a tuple, or a dict when input_cols is one). With transform_fn, batches
-        are made data.prefetch_batches ahead on a background thread, so decoding overlaps the step."""
+        are made data.prefetch_batches ahead on a background thread, so decoding overlaps the step.
+        `start`: begin at that batch of the epoch (a resumed epoch; the earlier ones are not made)."""
         if self.spool is None:
             from sparkdl.errors import ConfigError
 
@@ -106,7 +107,7 @@ class WorkerContext:
 
         data = self.spec.config.data
         batches = self.spool.epoch_batches(epoch, self.epoch, rank=self.rank, shuffle=data.shuffle,
-                                           seed=self.spec.config.train.seed, assemble=self.assemble)
+                                           seed=self.spec.config.train.seed, assemble=self.assemble, start=start)
         return prefetched(batches, data.prefetch_batches) if data.transform_fn is not None else batches
 
     def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, ...]]:

@@ -115,11 +115,10 @@ def _report_start(ctx: WorkerContext) -> None:
 def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals,
               checkpoints: RunCheckpoints | None, history: History) -> None:
     """Train the epoch's steps from `totals.step` on (earlier ones ran before the checkpoint; the
-    batches of an epoch are deterministic), reporting and checkpointing as due."""
+    batches of an epoch are deterministic, and the earlier ones are not even made), reporting and
+    checkpointing as due."""
     device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
-    for index, (inputs, labels, weights) in enumerate(_triples(ctx, ctx.batches(epoch))):
-        if index < totals.step:
-            continue
+    for inputs, labels, weights in _triples(ctx, ctx.batches(epoch, start=totals.step)):
         step_started = time.perf_counter()
         inputs, rows = to_device(inputs, device), batch_rows(inputs)
         labels = labels.to(device, non_blocking=True)

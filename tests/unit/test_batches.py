@@ -361,3 +361,16 @@ def test_in_place_writes_do_not_leak_into_the_next_epoch(tmp_path) -> None:
                                              drop_last=False))
             assert features.tolist() == [[1.0], [1.0]]
             features.add_(100)
+
+
+def test_a_resumed_epoch_starts_at_its_batch_with_the_same_rows(tmp_path: Path) -> None:
+    spool, _, _ = spool_of(tmp_path, 500, chunk_rows=64)
+    with spool:
+        for shuffle in (False, True):
+            whole = [y.numpy().copy() for _, y in spool.batches(2, batch_size=24, steps=25, shuffle=shuffle, seed=7,
+                                                                rank=0, drop_last=False, last_batch_size=20)]
+            rest = [y.numpy().copy() for _, y in spool.batches(2, batch_size=24, steps=25, shuffle=shuffle, seed=7,
+                                                               rank=0, drop_last=False, last_batch_size=20, start=9)]
+            assert len(rest) == 16
+            for a, b in zip(whole[9:], rest, strict=True):
+                np.testing.assert_array_equal(a, b)
