@@ -44,10 +44,10 @@ class DataConfig:
     spool_dir: str | None = None
     validation_fraction: float = 0.0  # rows held out (randomly, by seed) for per-epoch validation
     on_invalid: str = "error"  # rows with NaN/Inf features or unusable labels: "error", or "skip" (dropped, counted)
-    input_cols: tuple[str, ...] | dict | None = None  # tensor columns: list (positional) or {forward kwarg: column}
-    input_shapes: dict | None = None  # {column: per-row shape} for fixed-length arrays, one -1 allowed
-    input_dtypes: dict | None = None  # {column: "float32" | "int64" | "bfloat16" | ...} over the column's own
-    label_shapes: Any = None  # per-row shape of an array label ([T] or {label_col: [..]})
+    input_cols: tuple[str, ...] | dict[str, str] | None = None  # tensor columns: list (positional) or {kwarg: column}
+    input_shapes: dict[str, Sequence[int]] | None = None  # {column: per-row shape} of fixed-length arrays, one -1
+    input_dtypes: dict[str, str] | None = None  # {column: "float32" | "int64" | "bfloat16" | ...} over the default
+    label_shapes: Sequence[int] | dict[str, Sequence[int]] | None = None  # per-row shape of an array label
     weight_col: str | None = None  # per-row weight: built-in losses become sum(w * l) / sum(w)
     transform_fn: Callable[..., Any] | None = None  # executors: dict of input columns -> dict of model inputs
     prefetch_batches: int = 2  # batches made ahead on a background thread when transform_fn is set (0 = off)
