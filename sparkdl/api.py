@@ -71,7 +71,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     check_columns(df, _input_columns(config) + ([data.label_col] if data.label_col else []))
     preflight(_spark(df), config.launch.num_workers, config.launch.gpus_per_worker)
     prepared = prepare_run(df, config)
-    module, _, sample = _probe(model, config, prepared)
+    module, _, sample, _ = _probe(model, config, prepared)
     return resolve(module, config.merged({"tracking": {"progress": False}}), prepared.layout, _spark(df),
                    prepared.num_rows, fallback=False, sample=sample)
 
@@ -93,7 +93,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
     preflight(spark, config.launch.num_workers, config.launch.gpus_per_worker)
     prepared = prepare_run(df, config, validation_df)
-    module, out_width, sample = _probe(model, config, prepared)
+    module, out_width, sample, out_shape = _probe(model, config, prepared)
     prepared = drop_labels_beyond_the_model(config, prepared, out_width)
     check_output_width(config, out_width, prepared.layout.num_classes, _label_shape(prepared.layout))
     check_enough_rows(config, prepared.num_rows)
@@ -105,7 +105,6 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     _log_prediction(tracker, resolved, history)
     module.load_state_dict(state)
     module.eval()
-    out_shape = _output_shape(module, sample)
     kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
     tracker.log_loss_curve(history)
     serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
@@ -119,13 +118,14 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
                                                                 "output_shape": out_shape})
 
 
-def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any]:
-    """(module, output width the loss sees, probe batch): a zero batch of the feature width, or
-    (input_cols) a few real rows through the executors' conversion and transform_fn."""
+def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, tuple[int, ...]]:
+    """(module, output width the loss sees, probe batch, per-row output shape): a zero batch of the
+    feature width (no batch, shape ()), or (input_cols) a few real rows through the executors'
+    conversion and transform_fn."""
     if prepared.layout.tensor_inputs:
         return probe_tensor_model(model, config, prepared.layout, prepared.sample)
     module, out_width = probe_model(model, config, prepared.layout.num_features)
-    return module, out_width, None
+    return module, out_width, None, ()
 
 
 def _label_shape(layout: Any) -> tuple[int, ...]:
@@ -134,18 +134,6 @@ def _label_shape(layout: Any) -> tuple[int, ...]:
 
 def _explicit_dtypes(config: RunConfig) -> frozenset[str]:
     return frozenset(config.data.input_dtypes or {})
-
-
-def _output_shape(module: Any, sample: Any) -> tuple[int, ...]:
-    """Per-row shape of the model's output on the probe batch (() without one: feature_cols runs)."""
-    if sample is None:
-        return ()
-    import torch
-
-    from sparkdl.strategies.inputs import call_model
-
-    with torch.no_grad():
-        return tuple(call_model(module, sample[0]).shape[1:])
 
 
 def _the_model(model: Any, config: RunConfig) -> Any:
@@ -272,18 +260,13 @@ def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> An
     import numpy as np
 
     if layout.tensor_inputs:
+        from sparkdl.data.arrow_rows import incoming_arrays
         from sparkdl.data.layout import FIXED
 
-        columns = {}
-        for column in layout.inputs:
-            values = sample.column(column.column).combine_chunks()
-            if column.kind == FIXED and column.scalar:
-                columns[column.source] = values.to_numpy(zero_copy_only=False)
-            elif column.kind == FIXED:  # in the column's own element type (int32 tokens stay int32)
-                flat = values.flatten().to_numpy(zero_copy_only=False).astype(column.storage, copy=False)
-                columns[column.source] = flat.reshape(len(values), column.width)
-            else:
-                columns[column.source] = values.to_pylist()
+        # The spool's own decoding: fixed columns as numpy in their element type (int32 tokens stay int32).
+        inputs = layout.for_scoring()
+        blocks = incoming_arrays(sample.combine_chunks().to_batches()[0], inputs)
+        columns = {c.source: block if c.kind == FIXED else block.to_pylist() for c, block in zip(inputs.inputs, blocks)}
         if all(c.kind == FIXED for c in layout.inputs):
             return columns
         import pandas as pd

@@ -36,11 +36,12 @@ def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, 
     return module, int(out[0].numel())
 
 
-def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) -> tuple[Any, int, Any]:
+def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any
+                       ) -> tuple[Any, int, Any, tuple[int, ...]]:
     """input_cols runs: build the model and run a few real prepared rows through the executors' own
     conversion (and transform_fn) and the model, and the loss on its output: a wrong model, shape,
     dtype or transform fails here, naming the columns. Returns (module, classes or values per row
-    the loss sees, the probe batch)."""
+    the loss sees, the probe batch, the per-row shape of the model's output)."""
     import torch
 
     from sparkdl.data.assemble import sample_batch
@@ -76,7 +77,7 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any) 
     beyond = config.train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
     if label is not None and not beyond:  # classes beyond the outputs: check_output_width says so better
         _check_loss_on_sample(config, out, label, weight, loss_function(config.train))
-    return module, width, batch
+    return module, width, batch, tuple(out.shape[1:])
 
 
 def _shape_text(tensor: Any) -> str:

@@ -7,12 +7,13 @@ No pyspark and no mlflow at import: executors and scoring servers load it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 
+from sparkdl.data.arrow_rows import slice_rows
 from sparkdl.data.layout import BINARY, FIXED, RAGGED, TEXT, FeedLayout
 
 PROBABILITIES = "probabilities"
@@ -30,8 +31,7 @@ class ServedModel:
 
     @property
     def input_layout(self) -> FeedLayout:
-        """The layout without label and weight: what scoring receives."""
-        return replace(self.layout, label=None, weight_column=None, label_dtype=None, split_column=None)
+        return self.layout.for_scoring()
 
     def scores(self, arrays: tuple, device: Any = "cpu", batch_size: int = 1024) -> Any:
         """The model's output over one block of input rows (spool-like arrays), in chunks of batch_size."""
@@ -46,7 +46,7 @@ class ServedModel:
         outputs = []
         with torch.inference_mode():
             for start in range(0, rows, batch_size):
-                chunk = tuple(_slice(a, start, min(rows, start + batch_size)) for a in arrays)
+                chunk = tuple(slice_rows(a, start, min(rows, start + batch_size)) for a in arrays)
                 inputs = assemble(chunk)[0]
                 outputs.append(call_model(self.module, to_device(inputs, device)).detach().float().cpu())
         return torch.cat(outputs) if outputs else None
@@ -75,20 +75,11 @@ def _rows(columns: Any) -> int:
     return len(values) if values is not None else 0
 
 
-def _slice(block: Any, start: int, stop: int) -> Any:
-    return block[start:stop] if isinstance(block, np.ndarray) else block.slice(start, stop - start)
-
-
 def python_predictions(out: Any, kind: str) -> list:
-    if kind == "class":
-        return out.argmax(dim=1).tolist()
-    if kind == "classes":
-        return out.argmax(dim=-1).tolist()
-    if kind == "binary":
-        return (out.reshape(-1) > 0).long().tolist()
-    if kind == "value":
-        return out.reshape(-1).double().tolist()
-    return out.reshape(out.shape[0], -1).tolist()
+    """The predictions transform writes, as Python values (inference.to_predictions' rule)."""
+    from sparkdl.inference import to_predictions
+
+    return to_predictions(out, kind).to_pylist()
 
 
 def _values(value: Any) -> Any:

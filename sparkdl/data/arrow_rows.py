@@ -70,6 +70,11 @@ def spool_columns(layout: FeedLayout) -> tuple[SpoolColumn, ...]:
     return tuple(columns)
 
 
+def slice_rows(block: Block, start: int, stop: int) -> Block:
+    """Rows start:stop of one column block (a numpy view, or a zero-copy Arrow slice)."""
+    return block[start:stop] if isinstance(block, np.ndarray) else block.slice(start, stop - start)
+
+
 def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
     index = batch.schema.get_field_index(name)
     if index < 0:

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.arrow_rows import Arrays, Block, ChunkWriter, SpoolColumn, incoming_arrays, spool_columns, spool_schema
+from sparkdl.data.arrow_rows import (Arrays, Block, ChunkWriter, SpoolColumn, incoming_arrays, slice_rows, spool_columns,
+                                     spool_schema)
 from sparkdl.data.assemble import Assemble, assembler
 from sparkdl.data.layout import FIXED, FeedLayout
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
@@ -74,7 +75,7 @@ class _Rows:
             chunk = int(np.searchsorted(self.bounds, start, side="right")) - 1
             if stop <= self.bounds[chunk + 1]:
                 lo, hi = start - int(self.bounds[chunk]), stop - int(self.bounds[chunk])
-                return tuple(_slice(blocks[chunk], lo, hi) for blocks in self.columns)
+                return tuple(slice_rows(blocks[chunk], lo, hi) for blocks in self.columns)
         # Straddling chunks or wrapping around: a copy either way, so reuse the gather.
         return self.gather(np.concatenate([np.arange(start, stop) for start, stop in ranges]))
 
@@ -100,10 +101,6 @@ class _Rows:
                 gathered[positions] = np.take(blocks[chunk], index[positions] - self.bounds[chunk], axis=0)
             out.append(gathered)
         return tuple(out)
-
-
-def _slice(block: Block, lo: int, hi: int) -> Block:
-    return block[lo:hi] if isinstance(block, np.ndarray) else block.slice(lo, hi - lo)
 
 
 def _take(block: Block, index: np.ndarray) -> Block:
@@ -175,7 +172,7 @@ def _gathered(rows: _Rows, indices: Iterator[np.ndarray], per_group: int) -> Ite
         gathered = rows.gather(np.concatenate(group))
         ends = np.cumsum([len(index) for index in group]).tolist()
         for start, stop in zip([0, *ends[:-1]], ends):
-            yield tuple(_slice(block, start, stop) for block in gathered)
+            yield tuple(slice_rows(block, start, stop) for block in gathered)
 
 
 class Spool:

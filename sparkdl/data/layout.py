@@ -10,7 +10,7 @@ tensor column and a per-row weight.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 FEATURES_COLUMN = "__sparkdl_features"
@@ -78,6 +78,10 @@ class FeedLayout:
     @property
     def source_input_cols(self) -> tuple[str, ...]:
         return tuple(c.source for c in self.inputs) if self.inputs else self.source_feature_cols
+
+    def for_scoring(self) -> "FeedLayout":
+        """This layout without label, weight and split: what scoring (transform, MLflow) receives."""
+        return replace(self, label=None, weight_column=None, label_dtype=None, split_column=None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

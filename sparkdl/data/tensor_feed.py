@@ -18,7 +18,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl.config_values import input_columns, label_shape
-from sparkdl.data.feed import PreparedData, check_columns, check_weight, quoted, split_and_shard, weight_aggregates
+from sparkdl.data.feed import (PreparedData, check_columns, check_weight, feature_invalid, quoted, split_and_shard,
+                               weight_aggregates)
 from sparkdl.data.layout import (BINARY, FIXED, INPUT_PREFIX, LABEL_COLUMN, RAGGED, TEXT, WEIGHT_COLUMN,
                                  FeedLayout, TensorColumn)
 from sparkdl.errors import ArrayLengthError, ColumnTypeError, EmptyDataError, NullValuesError
@@ -87,14 +88,7 @@ def _is_float(df: DataFrame, name: str) -> bool:
 
 def _nonfinite(df: DataFrame, name: str) -> Column:
     """True for a row holding NaN or +-Inf (anywhere in an array); False for other types."""
-    if not _is_float(df, name):
-        return F.lit(False)
-
-    def bad(x: Column) -> Column:
-        x = x.cast("double")
-        return F.coalesce(F.isnan(x) | (F.abs(x) == float("inf")), F.lit(False))
-
-    return F.coalesce(F.exists(_array_of(df, name), bad), F.lit(False)) if _is_array(df, name) else bad(F.col(quoted(name)))
+    return feature_invalid(df, name) if _is_float(df, name) else F.lit(False)
 
 
 def _label_bad(df: DataFrame, name: str, classification: bool) -> Column:

@@ -2,6 +2,7 @@
 inputs with weights, through data parallel, DiLoCo and hybrid, inference and save/load."""
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -32,6 +33,22 @@ class TwoTower(nn.Module):
 
     def forward(self, query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
         return self.head(torch.cat([torch.relu(self.q(query)), torch.relu(self.d(doc))], dim=1))
+
+
+def token_rows(df) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    rows = df.toArrow()
+    return tuple(torch.tensor(np.stack(rows.column(c).to_pylist()), dtype=torch.long)  # type: ignore[return-value]
+                 for c in ("tokens", "targets"))
+
+
+def assert_one_sgd_step(trained, start: nn.Module, loss_of, atol: float) -> None:  # type: ignore[no-untyped-def]
+    """`trained` holds the weights of one SGD(lr=0.5) step from `start` on the loss `loss_of(model)`."""
+    reference = copy.deepcopy(start)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    loss_of(reference).backward()
+    optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=atol, rtol=atol)
 
 
 def accuracy(model, df) -> float:  # type: ignore[no-untyped-def]
@@ -102,16 +119,8 @@ def test_hybrid_one_step_on_tokens_equals_the_full_batch_step(spark, tokens) -> 
     start = gpt()
     hybrid = TorchEstimator(model=start, input_cols=["tokens"], label_col="targets", strategy="hybrid", stages=2,
                             microbatches=4, **COMMON, **options).fit(one)
-    rows = one.toArrow()
-    x = torch.tensor(np.stack(rows.column("tokens").to_pylist()), dtype=torch.long)
-    y = torch.tensor(np.stack(rows.column("targets").to_pylist()), dtype=torch.long)
-    reference = gpt()
-    reference.load_state_dict(start.state_dict())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    F.cross_entropy(reference(x).reshape(-1, V), y.reshape(-1)).backward()
-    optimizer.step()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(hybrid.torch_module().state_dict()[key], value, atol=1e-4, rtol=1e-4)
+    x, y = token_rows(one)
+    assert_one_sgd_step(hybrid, start, lambda m: F.cross_entropy(m(x).reshape(-1, V), y.reshape(-1)), atol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -149,13 +158,8 @@ def test_weighted_data_parallel_equals_one_weighted_full_batch_step(spark, tower
     q = torch.tensor(np.stack(rows.column("q_vec").to_pylist()), dtype=torch.float32)
     d = torch.tensor(np.stack(rows.column("d_vec").to_pylist()), dtype=torch.float32)
     y, w = torch.tensor(rows.column("y").to_numpy()), torch.tensor(rows.column("w").to_numpy())
-    reference = TwoTower()
-    reference.load_state_dict(start.state_dict())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    ((F.cross_entropy(reference(q, d), y, reduction="none") * w).sum() / w.sum()).backward()
-    optimizer.step()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=1e-5, rtol=1e-5)
+    assert_one_sgd_step(trained, start, lambda m: (F.cross_entropy(m(q, d), y, reduction="none") * w).sum() / w.sum(),
+                        atol=1e-5)
 
 
 def test_custom_loop_batches_carry_the_input_structure(spark, towers) -> None:  # type: ignore[no-untyped-def]
@@ -184,13 +188,8 @@ def test_feature_cols_take_weights_too_and_stay_exact(spark) -> None:  # type: i
     rows = one.toPandas()
     x = torch.tensor(rows[list(DIGITS_FEATURE_COLS)].to_numpy(), dtype=torch.float32)
     y, w = torch.tensor(rows["label"].to_numpy()), torch.tensor(rows["w"].to_numpy(), dtype=torch.float32)
-    reference = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
-    reference.load_state_dict(start.state_dict())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    ((torch.nn.functional.cross_entropy(reference(x), y, reduction="none") * w).sum() / w.sum()).backward()
-    optimizer.step()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=1e-5, rtol=1e-5)
+    assert_one_sgd_step(trained, start, lambda m: (torch.nn.functional.cross_entropy(m(x), y, reduction="none") * w).sum()
+                        / w.sum(), atol=1e-5)
 
 
 def test_weighted_hybrid_on_two_replicas_equals_the_weighted_full_batch_step(spark) -> None:  # type: ignore[no-untyped-def]
@@ -204,18 +203,14 @@ def test_weighted_hybrid_on_two_replicas_equals_the_weighted_full_batch_step(spa
     hybrid = TorchEstimator(model=start, input_cols=["tokens"], label_col="targets", weight_col="w", strategy="hybrid",
                             stages=2, microbatches=2, epochs=1, batch_size=16, optimizer="sgd", lr=0.5, shuffle=False,
                             seed=0, num_workers=4, tracking=False, progress=False).fit(rows_df)
-    rows = rows_df.toArrow()
-    x = torch.tensor(np.stack(rows.column("tokens").to_pylist()), dtype=torch.long)
-    y = torch.tensor(np.stack(rows.column("targets").to_pylist()), dtype=torch.long)
-    w = torch.tensor(rows.column("w").to_numpy(), dtype=torch.float32)
-    reference = gpt()
-    reference.load_state_dict(start.state_dict())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    per_token = F.cross_entropy(reference(x).reshape(-1, V), y.reshape(-1), reduction="none").view(len(w), T)
-    ((per_token * w[:, None]).sum() / (w.sum() * T)).backward()
-    optimizer.step()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(hybrid.torch_module().state_dict()[key], value, atol=1e-4, rtol=1e-4)
+    x, y = token_rows(rows_df)
+    w = torch.tensor(rows_df.toArrow().column("w").to_numpy(), dtype=torch.float32)
+
+    def weighted(model: nn.Module) -> torch.Tensor:
+        per_token = F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), reduction="none").view(len(w), T)
+        return (per_token * w[:, None]).sum() / (w.sum() * T)
+
+    assert_one_sgd_step(hybrid, start, weighted, atol=1e-4)
 
 
 def test_ignored_positions_give_the_global_token_mean_and_validation_df_is_cast_alike(spark) -> None:  # type: ignore[no-untyped-def]
@@ -236,16 +231,9 @@ def test_ignored_positions_give_the_global_token_mean_and_validation_df_is_cast_
                              epochs=1, batch_size=32, optimizer="sgd", lr=0.5, shuffle=False, seed=0,
                              validation_df=validation, **COMMON).fit(one)
     assert "val_loss" in trained.history[0] and trained.history[0]["val_accuracy"] >= 0.0
-    rows = one.toArrow()
-    x = torch.tensor(np.stack(rows.column("tokens").to_pylist()), dtype=torch.long)
-    y = torch.tensor(np.stack(rows.column("targets").to_pylist()), dtype=torch.long)
-    reference = gpt()
-    reference.load_state_dict(start.state_dict())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    F.cross_entropy(reference(x).reshape(-1, V), y.reshape(-1), ignore_index=-100).backward()
-    optimizer.step()
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(trained.torch_module().state_dict()[key], value, atol=1e-5, rtol=1e-5)
+    x, y = token_rows(one)
+    assert_one_sgd_step(trained, start, lambda m: F.cross_entropy(m(x).reshape(-1, V), y.reshape(-1), ignore_index=-100),
+                        atol=1e-5)
 
 
 def test_a_custom_loop_gets_int64_per_position_labels(spark, tokens) -> None:  # type: ignore[no-untyped-def]
