@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from sparkdl.checks import (check_backend, check_enough_rows, check_gpus_per_task,  # noqa: F401 - public here
-                            check_inference_batch_size, check_output_width, check_picklable,
+                            check_inference_batch_size, check_output_width, check_picklable, check_training_options,
                             check_weighted_loss, drop_labels_beyond_the_model, preflight, probe_model,
                             probe_tensor_model)
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.launch.attempts import tracked_submit
+from sparkdl.launch.callbacks import resolve_callbacks
+from sparkdl.launch.stopping import stop_tags
 from sparkdl.launch.shipping import ship_by_value
 from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
@@ -97,12 +99,15 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     prepared = drop_labels_beyond_the_model(config, prepared, out_width)
     check_output_width(config, out_width, prepared.layout.num_classes, _label_shape(prepared.layout))
     check_enough_rows(config, prepared.num_rows)
+    check_training_options(config, spark, prepared, out_shape or (out_width,))
+    callbacks = resolve_callbacks(config.train.callbacks)
     resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept, sample=sample)
     config = resolved.config or config
     spec = _train_spec(model, config, prepared.layout, resolved)
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
-    state, history = tracked_submit(spark, prepared.df, spec, tracker)
+    state, history = tracked_submit(spark, prepared.df, spec, tracker, callbacks=callbacks)
     _log_prediction(tracker, resolved, history)
+    tracker.set_tags(stop_tags(history))
     module.load_state_dict(state)
     module.eval()
     kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
@@ -190,9 +195,12 @@ def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPl
     from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
 
-    ship_by_value(model, config.train.loss, config.train.optimizer, config.data.transform_fn)
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, model=model,
-                     strategy_layout=resolved.layout)
+    train = config.train
+    ship_by_value(model, train.loss, train.optimizer, config.data.transform_fn, train.lr_schedule, *train.metrics)
+    # Callbacks run on the driver (a notebook's plots): the executors only learn that there are some.
+    shipped = replace(config, train=replace(train, callbacks=()))
+    spec = TrainSpec(run_id=new_run_id(), config=shipped, layout=layout, model=model,
+                     strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks))
     check_picklable(spec)
     return spec
 
@@ -307,6 +315,9 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     else:
         job_df, layout = spark.range(0, num_workers, 1, num_workers), None
     ship_by_value(train_fn, config.data.transform_fn)
+    if config.train.callbacks:
+        raise ConfigError("train.callbacks are called with the built-in loop's epoch records, but sparkdl.run runs "
+                          "your train_fn", hint="call your own code from train_fn, or train with fit / TorchEstimator")
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
     check_picklable(spec)
     check_backend(config)

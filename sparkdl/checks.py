@@ -254,3 +254,45 @@ def check_inference_batch_size(batch_size: int) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"the inference batch size must be a positive integer; got {batch_size!r}",
                            hint="setInferenceBatchSize(1024)")
+
+
+def check_training_options(config: RunConfig, spark: Any, prepared: Any, out_shape: tuple[int, ...]) -> None:
+    """Before any job: early stopping watches a name the epoch records will hold, fp16 has GPUs
+    to run on, and every train.metrics entry can be computed on this model's outputs (tried on
+    zero outputs of the probed shape with labels of the run's kind)."""
+    from sparkdl.config_training import check_monitored, early_stopping_options, metric_name
+
+    train = config.train
+    early = early_stopping_options(train.early_stopping)
+    if early is not None:
+        check_monitored(early["metric"], [metric_name(m) for m in train.metrics], prepared.num_validation_rows > 0)
+    if train.precision == "16" and not config.launch.gpus_per_worker \
+            and not float(spark.sparkContext.getConf().get("spark.task.resource.gpu.amount", "0") or 0):
+        raise ConfigError("train.precision='16' needs CUDA GPUs, but the training tasks get none "
+                          "(launch.gpus_per_worker=0, no spark.task.resource.gpu.amount)",
+                          hint="use precision='bf16' (autocast on CPU and GPU), or set gpus_per_worker=1")
+    if train.metrics:
+        _check_metrics_on_outputs(config, prepared.layout, out_shape)
+
+
+def _check_metrics_on_outputs(config: RunConfig, layout: Any, out_shape: tuple[int, ...]) -> None:
+    import torch
+
+    from sparkdl.metrics import GatheredMetric, build_metrics
+
+    label_shape = tuple(layout.label.shape) if layout.label is not None else ()
+    classes = layout.label_dtype == "int64"
+    output = torch.zeros((2, *out_shape))
+    label = torch.zeros((2, *label_shape), dtype=torch.int64 if classes else torch.float32)
+    for metric in build_metrics(config.train.metrics):
+        try:
+            if isinstance(metric, GatheredMetric):
+                metric.collect(output, label)
+            else:
+                metric.partial(output, label)
+        except Exception as exc:  # noqa: BLE001 - a callable metric can raise anything
+            raise ConfigError(f"train.metrics {metric.name!r} cannot be computed on this model's outputs "
+                              f"(per row {list(out_shape)}, {'class' if classes else 'float'} labels per row "
+                              f"{list(label_shape)}): {type(exc).__name__}: {exc}",
+                              hint="accuracy/top_k_accuracy/perplexity take class logits; mae/rmse values shaped "
+                                   "like the label; auc binary or class scores") from None

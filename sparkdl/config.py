@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config_values import (check_batch_size, check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
+from sparkdl.config_training import (check_callbacks, check_metrics, check_precision, check_schedule,
+                                     early_stopping_options)
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -89,6 +91,17 @@ class TrainConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept
     plan_from_run: str | None = None  # MLflow run id of an earlier fit: train with its plan.json, no planning
     plan_file: str | None = None  # a plan's JSON (sparkdl plan --out, ResolvedPlan.to_json): train with it
+    # Training essentials (config_training.py validates them): stepped per optimizer step
+    lr_schedule: str | Callable[..., Any] = "constant"  # "linear" | "cosine" | "step", or optimizer -> LRScheduler
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
+    min_lr: float = 0.0  # the floor linear/cosine decay to
+    step_every: int = 0  # "step": optimizer steps between lr *= step_gamma (0 = once per epoch)
+    step_gamma: float = 0.1
+    precision: str = "32"  # "32", "bf16" (autocast, fp32 master weights) or "16" (CUDA, GradScaler)
+    accumulate_steps: int = 1  # micro-batches per optimizer step; gradients communicated on the last only
+    metrics: tuple[Any, ...] = ()  # validation metrics by name or callable (output, label) -> (sum, count)
+    early_stopping: dict | None = None  # {"metric", "mode", "patience", "min_delta", "restore_best"}
+    callbacks: tuple[Any, ...] = ()  # driver: fn(epoch record) -> None | "stop" (or "pkg.mod:fn" paths)
 
     @property
     def implied_strategy(self) -> str:
@@ -97,7 +110,7 @@ class TrainConfig:
         planner is to choose."""
         if self.strategy != "auto":
             return self.strategy
-        if self.sync != "allreduce" or self.batch_balance != "equal":
+        if self.sync != "allreduce" or self.batch_balance != "equal" or self.precision == "16":
             return "data_parallel"
         if self.stages >= 2 or self.microbatches:
             return "hybrid"
@@ -165,6 +178,18 @@ class TrainConfig:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
         self._validate_kept_plan()
+        check_schedule(self)
+        check_precision(self)
+        check_metrics(self.metrics)
+        early_stopping_options(self.early_stopping)
+        check_callbacks(self.callbacks)
+        if self.precision == "16" and self.strategy in ("hybrid", "ist"):
+            raise ConfigError(f"train.precision='16' (fp16 with a gradient scaler) is data-parallel only, but "
+                              f"train.strategy={self.strategy!r}",
+                              hint="use precision='bf16' (no scaler needed), or strategy='data_parallel'")
+        if self.accumulate_steps > 1 and self.strategy == "ist":
+            raise ConfigError("train.accumulate_steps applies to data_parallel and hybrid, but train.strategy='ist'",
+                              hint="IST rounds are counted in local steps: raise batch_size instead")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
 

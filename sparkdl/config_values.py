@@ -110,7 +110,7 @@ def check_types(section: str, part: Any) -> None:
 
 
 def coerce(part: Any, name: str, value: Any) -> Any:
-    if name == "input_cols" and isinstance(value, list):
+    if name in ("input_cols", "metrics", "callbacks") and isinstance(value, list):
         return tuple(value)
     if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
             and not (value is None and name == "emulate_speed"):

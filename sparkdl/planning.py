@@ -198,7 +198,7 @@ def _stage_mismatch(kept: Any, module: Any, config: RunConfig, inputs: Any) -> s
     from sparkdl.planner.profile import profile_sequential
     from sparkdl.planner.stages import stage_memory
 
-    profile = profile_sequential(module, inputs, rows=1)
+    profile = profile_sequential(module, inputs, rows=1, precision=config.train.precision)
     for boundary, cut in enumerate(kept.cuts[1:-1]):
         layer = profile.layers[cut - 1]
         want = (tuple(kept.boundary_shapes[boundary]), kept.boundary_dtypes[boundary])

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from sparkdl.config_values import check_batch_size
 from sparkdl.errors import EmptyDataError
 
-__all__ = ["BatchOptions", "EpochPlan", "check_batch_size", "check_shards", "epoch_plan", "expected_row_counts"]
+__all__ = ["Accumulation", "BatchOptions", "EpochPlan", "accumulation", "check_batch_size", "check_shards",
+           "epoch_plan", "expected_row_counts", "optimizer_steps"]
 
 if TYPE_CHECKING:
     from sparkdl.config import DataConfig
@@ -104,3 +105,29 @@ def check_shards(row_counts: Sequence[int], data: "DataConfig | _HasBatchOptions
         raise EmptyDataError(f"drop_last=True with batch_size={data.batch_size} leaves no full batch "
                              f"(rows per rank: {list(row_counts)})", hint="lower batch_size or set drop_last=False")
     return plan
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Where a loader step sits in its gradient-accumulation window: micro-batch `index` of `count`;
+    gradients are communicated and the optimizer steps on the last one only."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def optimizer_steps(steps: int, accumulate: int) -> int:
+    """Optimizer steps of an epoch of `steps` loader steps: windows never cross an epoch's end, so
+    a last, shorter window still steps (its micro-batches then weigh 1/its length each)."""
+    return math.ceil(steps / max(accumulate, 1))
+
+
+def accumulation(step: int, steps: int, accumulate: int) -> Accumulation:
+    """The window of loader step `step` (0-based) of an epoch of `steps` steps."""
+    accumulate = max(accumulate, 1)
+    start = step - step % accumulate
+    return Accumulation(step - start, min(accumulate, steps - start))

@@ -33,9 +33,11 @@ class Untracked:
         """No run to end."""
 
 
-def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None) -> tuple[Any, list[dict[str, Any]]]:
+def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, callbacks: tuple[Any, ...] = ()
+                   ) -> tuple[Any, list[dict[str, Any]]]:
     """Submit with the driver channel open: progress, metrics to MLflow (through `tracker`, a
-    tracking.RunTracker; None for a job that is no MLflow run), rank 0's output, errors."""
+    tracking.RunTracker; None for a job that is no MLflow run), rank 0's output, errors, and the
+    live `callbacks` on every epoch record."""
     tracker = tracker if tracker is not None else Untracked()
     from dataclasses import replace
 
@@ -45,7 +47,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None) -> t
     from sparkdl.launch.monitor import RunMonitor
 
     config = spec.config
-    monitor = RunMonitor(tracker, progress=config.tracking.progress)
+    monitor = RunMonitor(tracker, progress=config.tracking.progress, callbacks=callbacks)
     host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
     attempts = max_attempts(spark, config)
     from sparkdl import jvm

@@ -2,11 +2,13 @@
 rank 0 streams metrics and output lines (and any rank its error) to the driver over TCP. Stdlib only:
 imported on both sides, it must not pull in pyspark or torch. A frame is a 4-byte big-endian length
 + a UTF-8 JSON object; each connection opens with a hello carrying the per-run secret, so a stray or
-hostile peer cannot inject messages into the run."""
+hostile peer cannot inject messages into the run. A request gets one reply frame back (rank 0 waits
+for the driver's verdict after each epoch); replies are only ever sent for requests."""
 from __future__ import annotations
 
 import hmac
 import io
+import itertools
 import json
 import logging
 import queue
@@ -67,6 +69,31 @@ def read_frame(stream: BinaryIO, max_bytes: int) -> dict[str, Any] | None:
     return obj
 
 
+class _Reply:
+    """msg["reply"] for a request: writes {"reply": id, **obj} once on the request's connection."""
+
+    def __init__(self, conn: list[Any], request_id: Any, rank: int) -> None:
+        self._conn, self._id, self._rank, self.done = conn, request_id, rank, False
+
+    def __call__(self, obj: dict[str, Any]) -> None:
+        frame = b""
+        with suppress(TypeError, ValueError):  # e.g. a circular structure
+            frame = encode_frame({**obj, "reply": self._id})  # the id last: obj cannot change it
+        if not 0 < len(frame) - _HEADER.size <= MAX_FRAME_BYTES:  # the worker would refuse it
+            log.warning("sparkdl driver channel: reply to rank %d not encodable or too large; sent {}", self._rank)
+            frame = encode_frame({"reply": self._id})
+        with self._conn[0]:  # one writer at a time; the reader's close() waits for us
+            done, self.done, sock = self.done, True, self._conn[1]
+            if done or sock is None:  # sock None: the worker hung up (or we are closing), nobody waits
+                return
+            try:
+                sock.sendall(frame)
+            except OSError as e:
+                with suppress(OSError):  # maybe half a frame went out: the stream is unusable
+                    sock.shutdown(socket.SHUT_RDWR)
+                log.warning("sparkdl driver channel: could not reply to rank %d: %s", self._rank, e)
+
+
 class DriverChannel:
     """Authenticated TCP server for one run. All connections feed one queue drained by one
     consumer thread, so on_message (which talks to MLflow) never runs concurrently and a slow
@@ -119,12 +146,18 @@ class DriverChannel:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         where, rank, stream = f"{peer[0]}:{peer[1]}", -1, conn.makefile("rb")
+        state = [threading.Lock(), conn]  # shared with this connection's _Reply objects; conn None once closed
         try:
             conn.settimeout(HELLO_TIMEOUT_S)  # a silent peer must not hold a thread forever
             rank = self._check_hello(read_frame(stream, self._max))
             conn.settimeout(None)
+            if sys.platform != "win32":  # 5 s per send(): a worker that stops reading must not hold the
+                with suppress(OSError, AttributeError):  # consumer; reads stay blocking (Windows wants ms)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
             while (msg := read_frame(stream, self._max)) is not None:
                 msg["rank"] = rank
+                if "request" in msg:
+                    msg["reply"] = _Reply(state, msg.pop("request"), rank)
                 with self._idle:
                     self._pending += 1
                 self._queue.put(msg)
@@ -139,8 +172,10 @@ class DriverChannel:
             else:
                 log.warning("sparkdl driver channel: closed the connection from %s (rank %d): %s", where, rank, e)
         finally:
-            stream.close()
-            conn.close()
+            with state[0]:  # never in the middle of a reply (nor can the fd be reused under one)
+                state[1] = None
+                stream.close()
+                conn.close()
 
     def _check_hello(self, hello: dict[str, Any] | None) -> int:
         if hello is None:
@@ -157,6 +192,7 @@ class DriverChannel:
 
     def _consume(self) -> None:
         while (msg := self._queue.get()) is not _STOP:
+            reply = msg.get("reply")  # taken first: the handler may pop it
             try:
                 self._on_message(msg)
             except Exception:
@@ -165,6 +201,8 @@ class DriverChannel:
                     log.exception("sparkdl driver channel: on_message failed on %r (later failures are "
                                   "only counted in handler_errors)", msg)
             finally:
+                if isinstance(reply, _Reply):  # no verdict, or a broken handler: the worker must not wait
+                    reply({})
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -200,10 +238,45 @@ class DriverChannel:
 
 
 class _Urgent:
-    """A frame whose sender waits until it is written (send_now)."""
+    """A frame whose sender waits until it is written (send_now) or, with an rid, answered (request)."""
 
-    def __init__(self, frame: bytes) -> None:
+    def __init__(self, frame: bytes, rid: int | None = None, deadline: float = 0.0) -> None:
         self.frame, self.ok, self.done = frame, False, threading.Event()
+        self.rid, self.deadline, self.reply = rid, deadline, None
+
+
+class _Replies:
+    """Reply frames from the client socket, by a deadline. Bytes stay buffered until read_frame has a
+    whole frame, so a timeout mid-frame loses nothing (a makefile() stream is dead after a timeout)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self._buf, self._pos, self._deadline = sock, bytearray(), 0, 0.0
+
+    def read(self, n: int) -> bytes:  # all of BinaryIO that read_frame uses; the frame starts at _buf[0]
+        while len(self._buf) < self._pos + n:
+            self._sock.settimeout(max(1e-3, self._deadline - time.monotonic()))  # TimeoutError once due
+            if not (chunk := self._sock.recv(max(1 << 16, self._pos + n - len(self._buf)))):
+                break  # EOF: read_frame sees the short read
+            self._buf += chunk
+        self._pos += n
+        return bytes(self._buf[self._pos - n:self._pos])
+
+    def reply_to(self, rid: int, deadline: float) -> dict[str, Any] | None:
+        """The reply to request rid, skipping late replies to earlier (timed-out) requests; None: due."""
+        self._deadline, sock_timeout = deadline, self._sock.gettimeout()
+        try:
+            while True:
+                self._pos = 0
+                frame = read_frame(self, MAX_FRAME_BYTES)  # type: ignore[arg-type]
+                del self._buf[:self._pos]
+                if frame is None:
+                    raise ConnectionError("the driver closed the connection")
+                if frame.pop("reply", None) == rid:
+                    return frame
+        except TimeoutError:
+            return None  # its reply, if it comes, is skipped by a later request: the ids differ
+        finally:
+            self._sock.settimeout(sock_timeout)  # the sender's own, for sendall
 
 
 class ChannelClient:
@@ -218,20 +291,23 @@ class ChannelClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._failed = self._closed = False
-        self.dropped = 0
+        self.dropped, self._ids = 0, itertools.count(1)  # _ids: request ids, for matching replies
         self._thread: threading.Thread | None = None  # started by the first message
 
     def _drop(self) -> None:
         with self._lock:
             self.dropped += 1
 
-    def _enqueue(self, kind: str, fields: dict[str, Any], wait: float | None) -> _Urgent | None:
+    def _enqueue(self, kind: str, fields: dict[str, Any], wait: float | None,
+                 rid: int | None = None) -> _Urgent | None:
         """Queue the message (wrapped as _Urgent when wait is set); None when it was dropped."""
+        if rid is None:  # a plain message must not pass for a request: its reply would be read as another's
+            fields.pop("request", None)
         try:
             frame = encode_frame({"kind": kind, **fields})
         except (TypeError, ValueError):  # e.g. a circular structure
             frame = b""
-        item = _Urgent(frame)
+        item = _Urgent(frame, rid, time.monotonic() + (wait or 0.0))
         with self._lock:
             ok = 0 < len(frame) - _HEADER.size <= MAX_FRAME_BYTES and not (self._failed or self._closed)
             if ok and self._thread is None:
@@ -256,6 +332,14 @@ class ChannelClient:
         item = self._enqueue(kind, fields, timeout)
         return item is not None and item.done.wait(max(0.0, deadline - time.monotonic())) and item.ok
 
+    def request(self, kind: str, timeout: float, **fields: Any) -> dict[str, Any] | None:
+        """Send {"kind": kind, **fields} after what is queued and wait for the driver's reply; None if
+        the channel is down or closed, the frame unusable, or no reply came within timeout. Never raises."""
+        timeout = min(max(0.0, timeout), threading.TIMEOUT_MAX)  # also maps NaN to 0
+        deadline, rid = time.monotonic() + timeout, next(self._ids)
+        item = self._enqueue(kind, {**fields, "request": rid}, timeout, rid)
+        return item.reply if item is not None and item.done.wait(max(0.0, deadline - time.monotonic())) else None
+
     def _run(self) -> None:
         item: Any = None
         try:
@@ -263,11 +347,14 @@ class ChannelClient:
                 if self._sock is None:
                     self._sock = socket.create_connection((self._address.host, self._address.port), self._timeout)
                     self._sock.sendall(encode_frame({"hello": 1, "secret": self._address.secret, "rank": self._rank}))
+                    replies = _Replies(self._sock)
                 self._sock.sendall(item.frame if isinstance(item, _Urgent) else item)
                 if isinstance(item, _Urgent):
+                    if item.rid is not None:
+                        item.reply = replies.reply_to(item.rid, item.deadline)
                     item.ok = True
                     item.done.set()
-        except OSError as e:
+        except (OSError, FrameError) as e:
             with self._lock:
                 gave_up, self._failed = self._failed, True  # gave_up: close() timed out and cut the socket
             if not gave_up:

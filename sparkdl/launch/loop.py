@@ -6,17 +6,23 @@ record every rank agrees on. The context arrives complete (launch/context.py) an
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
 
+from sparkdl.config_training import early_stopping_options
+from sparkdl.data.epochs import accumulation, optimizer_steps
 from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume, RunCheckpoints
 from sparkdl.launch.context import WorkerContext
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
+from sparkdl.launch.stopping import EarlyStopping, Verdict, epoch_verdict
+from sparkdl.launch.validation import run_metrics, validate
 from sparkdl.strategies import Strategy, strategy_class
 from sparkdl.strategies.inputs import batch_rows, to_device
+from sparkdl.strategies.lr_schedule import build_scheduler
 
 History = list[dict[str, Any]]
 
@@ -44,6 +50,8 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every) if store else None
     start, progress, history = _resume(ctx, strategy, resume)
+    stopper = _Stopper.of(config.train, progress if resume is not None else {})
+    metrics = run_metrics(ctx)
     _report_start(ctx)
     global_step = start.global_step
     for epoch in range(start.epoch, config.train.epochs):
@@ -53,22 +61,69 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
                                            dtype=torch.float64, device=ctx.comm.device),
                               int(progress.get("samples", 0)) if resuming else 0,
                               start.step if resuming else 0, global_step, ctx.transform_seconds)
-        run_epoch(ctx, strategy, epoch, totals, checkpoints, history)
+        run_epoch(ctx, strategy, epoch, totals, checkpoints, history, stopper)
         global_step = totals.global_step
-        if epoch == config.train.epochs - 1:
+        last = epoch == config.train.epochs - 1
+        if last:
             strategy.finish()
         strategy.end_epoch()
         record = epoch_record(ctx, strategy, epoch, totals, time.perf_counter() - started,
                               ctx.comm.bytes_sent - bytes_before)
         if resuming:
             record["resumed_from_step"] = start.global_step
-        record.update(validate(ctx, strategy, loss_fn))
+        record.update(validate(ctx, strategy, loss_fn, metrics, _triples(ctx, ctx.validation_batches())))
+        verdict = stopper.close_epoch(ctx, strategy, record)
         history.append(record)
-        if ctx.reporter is not None:
-            ctx.reporter.epoch(record)
-        if checkpoints is not None and epoch < config.train.epochs - 1:
-            checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, history, 0.0, 0))
+        if verdict.stop:
+            if not last:
+                strategy.finish()
+            break
+        if checkpoints is not None and not last:
+            checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, history, 0.0, 0, stopper))
+    stopper.restore_best(strategy, history)
     return strategy.result_state(), history
+
+
+@dataclass
+class _Stopper:
+    """Early stopping's patience and the best epoch's weights (this rank's part), and the epoch
+    verdict (launch/stopping.py); both saved in checkpoints so a resumed run stops where it would have."""
+
+    early: EarlyStopping | None
+    best: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, train: Any, progress: dict[str, Any]) -> "_Stopper":
+        early = EarlyStopping.of(early_stopping_options(train.early_stopping))
+        if early is not None and progress.get("early_stopping"):
+            early.load(progress["early_stopping"])
+        return cls(early, progress.get("best_weights"))
+
+    def close_epoch(self, ctx: WorkerContext, strategy: Strategy, record: dict[str, Any]) -> Verdict:
+        reason = None
+        if self.early is not None:
+            improved, reason = self.early.update(record)
+            if improved and self.early.restore_best:
+                self.best = strategy.snapshot()
+            if reason is not None:
+                record.update(stopped_by="early_stopping", stop_reason=reason)
+        verdict = epoch_verdict(ctx, record, reason)
+        if verdict.stop:
+            record.update(stopped_by=verdict.stopped_by, stop_reason=verdict.reason)
+        return verdict
+
+    def restore_best(self, strategy: Strategy, history: History) -> None:
+        if self.early is None or not self.early.restore_best or self.best is None or not history:
+            return
+        if self.early.best_epoch != history[-1]["epoch"]:
+            strategy.restore(self.best)
+        history[-1]["best_epoch"] = self.early.best_epoch
+        history[-1]["restored_best"] = True
+
+    def progress(self) -> dict[str, Any]:
+        if self.early is None:
+            return {}
+        return {"early_stopping": self.early.state(), **({"best_weights": self.best} if self.best else {})}
 
 
 def build_strategy(ctx: WorkerContext) -> Strategy:
@@ -80,10 +135,13 @@ def build_strategy(ctx: WorkerContext) -> Strategy:
               "steps are stretched, timings are not this cluster's", flush=True)
     from sparkdl.launch.balance import loss_weight
 
+    total_steps = config.train.epochs * optimizer_steps(ctx.steps_per_epoch, config.train.accumulate_steps)
     strategy = strategy_class(config.train.strategy)(
         ctx.comm, ctx.spec.strategy_layout, config.train,
         loss_weight=loss_weight(ctx.batch_shares, ctx.rank) if ctx.batch_shares else 1.0,
-        compute_speed=float(speeds[ctx.rank]) if speeds else 1.0)
+        compute_speed=float(speeds[ctx.rank]) if speeds else 1.0,
+        schedule=functools.partial(build_scheduler, config.train, total_steps=total_steps,
+                                   steps_per_epoch=optimizer_steps(ctx.steps_per_epoch, config.train.accumulate_steps)))
     note = strategy.place(tuple(ctx.world.executors))
     if note and ctx.rank == 0:
         print(note, flush=True)
@@ -113,17 +171,20 @@ def _report_start(ctx: WorkerContext) -> None:
 
 
 def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals,
-              checkpoints: RunCheckpoints | None, history: History) -> None:
+              checkpoints: RunCheckpoints | None, history: History, stopper: "_Stopper") -> None:
     """Train the epoch's steps from `totals.step` on (earlier ones ran before the checkpoint; the
     batches of an epoch are deterministic, and the earlier ones are not even made), reporting and
-    checkpointing as due."""
+    checkpointing as due. A checkpoint falls due at a step but is taken at the end of its
+    accumulation window (accumulated gradients are not saved)."""
     device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
+    accumulate, save_due = ctx.spec.config.train.accumulate_steps, False
     for inputs, labels, weights in _triples(ctx, ctx.batches(epoch, start=totals.step)):
         step_started = time.perf_counter()
         inputs, rows = to_device(inputs, device), batch_rows(inputs)
         labels = labels.to(device, non_blocking=True)
         weights = None if weights is None else weights.to(device, non_blocking=True)
-        loss = strategy.train_step(inputs, labels, weights)
+        micro = accumulation(totals.step, steps, accumulate)
+        loss = strategy.train_step(inputs, labels, weights, micro)
         totals.loss_sum += loss.double() * strategy.loss_rows(rows)
         totals.samples += rows
         totals.step += 1
@@ -134,9 +195,11 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
                 "loss": float(loss), "lr": strategy.learning_rate(), "step_time_s": step_s,
                 "samples_per_sec": rows * ctx.world_size / step_s if step_s > 0 else 0.0,
                 "epoch": epoch}, log=totals.global_step % reporter.log_every == 0 or totals.step == steps)
-        if checkpoints is not None and totals.step < steps and checkpoints.due(totals.global_step):
-            checkpoints.save(Position(epoch, totals.step, totals.global_step),
-                             _progress(ctx, history, float(totals.loss_sum.cpu()), totals.samples))
+        save_due = save_due or (checkpoints is not None and checkpoints.due(totals.global_step))
+        if save_due and micro.last and totals.step < steps:
+            save_due = False
+            checkpoints.save(Position(epoch, totals.step, totals.global_step),  # type: ignore[union-attr]
+                             _progress(ctx, history, float(totals.loss_sum.cpu()), totals.samples, stopper))
 
 
 def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, Any, Any]]:
@@ -182,28 +245,14 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     return record
 
 
-def _progress(ctx: WorkerContext, history: History, loss_sum: float, samples: int) -> dict[str, Any]:
-    """This rank's part of a checkpoint besides the strategy's state: running sums, history (rank 0)."""
+def _progress(ctx: WorkerContext, history: History, loss_sum: float, samples: int, stopper: _Stopper
+              ) -> dict[str, Any]:
+    """This rank's part of a checkpoint besides the strategy's state: running sums, history (rank 0),
+    early stopping's state and this rank's part of the best weights."""
     return {"loss_sum": loss_sum, "samples": samples, "history": history if ctx.rank == 0 else [],
-            "batch_shares": list(ctx.batch_shares or [])}
+            "batch_shares": list(ctx.batch_shares or []), **stopper.progress()}
 
 
 def _gather_metrics(ctx: WorkerContext, local: dict[str, float]) -> dict[str, list[float]]:
     gathered = ctx.comm.allgather_object(local)
     return {name: [float(m.get(name, 0.0)) for m in gathered] for name in local}
-
-
-def validate(ctx: WorkerContext, strategy: Strategy, loss_fn: Any) -> dict[str, float]:
-    """val_loss (and val_accuracy for class labels) over every rank's validation rows."""
-    if not ctx.has_validation:
-        return {}
-    classification = ctx.spec.layout is not None and ctx.spec.layout.label_dtype == "int64"
-    # (loss sum, correct, loss denominator, labels counted): see Strategy.evaluate
-    sums = strategy.evaluate(_triples(ctx, ctx.validation_batches()), loss_fn, classification)
-    ctx.comm.allreduce(sums, op="sum")
-    if sums[2] == 0:
-        return {}
-    result = {"val_loss": float(sums[0] / sums[2])}
-    if classification and sums[3] > 0:
-        result["val_accuracy"] = float(sums[1] / sums[3])
-    return result

@@ -18,9 +18,10 @@ FLUSH_INTERVAL_S = 5.0  # live enough for a dashboard; each write costs the driv
 
 
 class RunMonitor:
-    def __init__(self, tracker: Any, progress: bool) -> None:
+    def __init__(self, tracker: Any, progress: bool, callbacks: tuple[Any, ...] = ()) -> None:
         self.tracker = tracker
         self.progress = progress
+        self.callbacks = callbacks  # train.callbacks, resolved (launch/callbacks.py)
         self.errors: dict[int, dict[str, Any]] = {}
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._bar: Any = None
@@ -64,10 +65,21 @@ class RunMonitor:
     def _on_epoch(self, message: dict[str, Any]) -> None:
         record = message.get("record", {})
         epoch = int(record.get("epoch", 0))
-        names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "val_loss", "val_accuracy")
-        self._points.append(({f"epoch_{k}": record[k] for k in names if k in record}, epoch))
+        names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "lr")
+        point = {f"epoch_{k}": record[k] for k in names if k in record}
+        # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
+        # like the other epoch curves
+        validation = {k: v for k, v in record.items() if k.startswith("val_") and isinstance(v, (int, float))}
+        point.update({**validation, **{f"epoch_{k}": v for k, v in validation.items()}})
+        self._points.append((point, epoch))
         if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
             self.flush()
+        reply = message.get("reply")
+        if reply is not None:  # rank 0 waits: the callbacks decide whether the next epoch runs
+            from sparkdl.launch.callbacks import run_callbacks
+
+            self.flush()  # a callback reading the MLflow run sees this epoch
+            reply(run_callbacks(self.callbacks, record))
 
     def flush(self) -> None:
         """Write the buffered metric points in one batch."""

@@ -42,3 +42,10 @@ class Reporter:
     def epoch(self, record: Mapping[str, Any]) -> None:
         if self.client is not None:
             self.client.send("epoch", record=dict(record))
+
+    def ask_epoch(self, record: Mapping[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Send the epoch record and wait for the driver's verdict on it (its callbacks ran on it):
+        {"stop": bool, "stopped_by": ..., "reason": ...}; None when the driver cannot be reached in time."""
+        if self.client is None:
+            return None
+        return self.client.request("epoch", timeout, record=dict(record))

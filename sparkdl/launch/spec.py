@@ -22,6 +22,7 @@ class TrainSpec:
     train_fn: Callable[[Any], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
     channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
     strategy_layout: StrategyLayout = None  # HybridLayout / IstLayout from the resolved plan; None: data parallel
+    driver_callbacks: bool = False  # train.callbacks run on the driver: rank 0 waits for their verdict every epoch
 
     @property
     def world_size(self) -> int:

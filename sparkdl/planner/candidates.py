@@ -38,14 +38,14 @@ IST_R = 30
 
 
 def layer_costs(model: nn.Module, num_features: "ModelInput | int", rows: int, driver_flops: float,
-                speed_ratio: float) -> tuple[ModelProfile, tuple[cost.LayerCost, ...]]:
+                speed_ratio: float, precision: str = "32") -> tuple[ModelProfile, tuple[cost.LayerCost, ...]]:
     """Per-layer cost from two timed batch sizes: time(n) = overhead + n x per-row time, the per-row
     time expressed in FLOPs at the driver's matrix-product rate, the overhead scaled by the rank's
     speed relative to the driver (speed_ratio = driver FLOP/s / rank FLOP/s)."""
     small = max(1, rows // 8)
     seq = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
-    large_profile = profile_sequential(seq, ModelInput.of(num_features), rows=rows)
-    small_profile = profile_sequential(seq, ModelInput.of(num_features), rows=small)
+    large_profile = profile_sequential(seq, ModelInput.of(num_features), rows=rows, precision=precision)
+    small_profile = profile_sequential(seq, ModelInput.of(num_features), rows=small, precision=precision)
     layers = []
     for big, little in zip(large_profile.layers, small_profile.layers):
         per_row = max((big.seconds - little.seconds) / (rows - small), 0.0) if rows > small else big.seconds / rows
@@ -103,7 +103,7 @@ def profile_model(model: nn.Module, config: RunConfig, num_features: "ModelInput
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:
         driver_flops = matmul_flops(threads)
-        profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0)
+        profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0, config.train.precision)
         subnet = _ist_subnet_costs(model, config.launch.num_workers, num_features, rows, driver_flops, 1.0)
         try:
             full_step = _full_step_s(model, config, num_features, rows)

@@ -133,10 +133,16 @@ def _call(layer: nn.Module, x: Any) -> Any:
     return layer(*x) if isinstance(x, tuple) else layer(x)
 
 
+def boundary_dtype(out_dtype: torch.dtype, precision: str) -> torch.dtype:
+    """What a pipeline stage sends after a layer with this output: bf16 training sends bf16 for
+    any fp32 activation (half the bytes; the receiving stage runs under autocast anyway)."""
+    return torch.bfloat16 if precision == "bf16" and out_dtype == torch.float32 else out_dtype
+
+
 def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[int, ...] | int", rows: int = 64,
-                       repeats: int = 3) -> ModelProfile:
-    """Run each layer on `rows` rows (random, or the run's sample tiled: ModelInput); the model's
-    weights are left untouched."""
+                       repeats: int = 3, precision: str = "32") -> ModelProfile:
+    """Run each layer on `rows` rows (random, or the run's sample tiled: ModelInput) as training
+    will (under bf16 autocast for precision="bf16"); the model's weights are left untouched."""
     generator = torch.Generator().manual_seed(0)
     model_input = ModelInput.of(input_shape)
     x = model_input.rows(rows, generator)
@@ -145,18 +151,19 @@ def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[in
     layers = []
     try:
         for index, layer in enumerate(model):
-            out, saved, seconds = _measure(layer, x, repeats)
+            out, saved, seconds = _measure(layer, x, repeats, precision)
             if not isinstance(out, torch.Tensor):
                 raise ModelError(f"layer {index} ({type(layer).__name__}) returns {type(out).__name__}, not one "
                                  "tensor, so the model cannot be cut into pipeline stages there",
                                  hint="make every top-level layer of the nn.Sequential take and return one tensor, "
                                       "or wrap the layers that pass tuples into one module")
             params = sum(p.numel() for p in layer.parameters())
+            sent = boundary_dtype(out.dtype, precision)
             layers.append(LayerProfile(
                 index=index, kind=type(layer).__name__, params=params,
                 param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                out_shape=tuple(out.shape[1:]), out_dtype=str(out.dtype).replace("torch.", ""),
-                out_bytes=out[0].numel() * out.element_size(), saved_bytes=saved / rows, seconds=seconds))
+                out_shape=tuple(out.shape[1:]), out_dtype=str(sent).replace("torch.", ""),
+                out_bytes=out[0].numel() * sent.itemsize, saved_bytes=saved / rows, seconds=seconds))
             x = out.detach()
     finally:
         model.train(was_training)
@@ -165,7 +172,10 @@ def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[in
     return ModelProfile(layers=tuple(layers), input_shape=model_input.shape, rows=rows)
 
 
-def _measure(layer: nn.Module, x: Any, repeats: int) -> tuple[object, float, float]:
+def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32") -> tuple[object, float, float]:
+    from contextlib import nullcontext
+
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
     param_ptrs = {p.data_ptr() for p in layer.parameters()}
     saved = [0]
 
@@ -180,7 +190,7 @@ def _measure(layer: nn.Module, x: Any, repeats: int) -> tuple[object, float, flo
         saved[0] = 0
         inputs = _fresh(x)
         started = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
             out = _call(layer, inputs)
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.backward(torch.ones_like(out))

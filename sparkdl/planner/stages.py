@@ -106,7 +106,7 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: "ModelInput |
                           f"gives the model {len(model_input.sample)} inputs",
                           hint="use one input column (or build the inputs into one tensor with transform_fn), "
                                "or strategy='data_parallel'")
-    profile = profile_sequential(model, model_input, rows=profile_rows)
+    profile = profile_sequential(model, model_input, rows=profile_rows, precision=config.train.precision)
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
     costs = [layer.seconds for layer in profile.layers]

@@ -11,6 +11,7 @@ from sparkdl.comm.base import Communicator
 from sparkdl.config import TrainConfig
 from sparkdl.layouts import StrategyLayout
 from sparkdl.strategies.inputs import Inputs, call_model, to_device, weighted_terms
+from sparkdl.strategies.stepping import SINGLE, Accumulation, OptimizerSteps, ScheduleFactory, float_output
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -24,16 +25,20 @@ class Strategy(abc.ABC):
     requires: frozenset[str] = frozenset()
 
     def __init__(self, comm: Communicator, layout: StrategyLayout = None, train: TrainConfig | None = None, *,
-                 loss_weight: float = 1.0, compute_speed: float = 1.0) -> None:
+                 loss_weight: float = 1.0, compute_speed: float = 1.0, schedule: ScheduleFactory | None = None
+                 ) -> None:
         """`layout`: the strategy's own frozen parameters worked out on the driver (stage cuts, IST
         layers; None for data parallel); `train`: the run's training options (sync mode, gradient
-        clipping, ...); `loss_weight`: factor on this rank's loss when batches are shared by speed
-        (launch/balance.py); `compute_speed`: launch.emulate_speed, < 1 stretches this rank's compute."""
+        clipping, precision, ...); `loss_weight`: factor on this rank's loss when batches are shared
+        by speed (launch/balance.py); `compute_speed`: launch.emulate_speed, < 1 stretches this
+        rank's compute; `schedule`: optimizer -> lr scheduler (strategies/lr_schedule.py), stepped
+        once per optimizer step."""
         self.comm = comm
         self.layout = layout
         self.train = train or TrainConfig()
         self.loss_weight = float(loss_weight)
         self.compute_speed = float(compute_speed)
+        self.steps = OptimizerSteps(self.train, comm.device, schedule)
 
     def place(self, executors: Sequence[str]) -> str | None:
         """Fit the layout to the executors this job's ranks got (rank r on executors[r]) before
@@ -51,11 +56,6 @@ class Strategy(abc.ABC):
 
             time.sleep((time.perf_counter() - since) * (1.0 / self.compute_speed - 1.0))
 
-    def clip_gradients(self, params: Iterable[torch.Tensor]) -> None:
-        """Clip the gradient norm of these parameters to train.grad_clip (0 = off)."""
-        if self.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(params), self.train.grad_clip)
-
     def finish(self) -> None:
         """Called once after the last step (before the last validation): strategies that synchronise
         every few steps write their last partial round back, so the result holds every step."""
@@ -65,10 +65,12 @@ class Strategy(abc.ABC):
         """Place the model, make every rank start from identical weights, build the optimizer."""
 
     @abc.abstractmethod
-    def train_step(self, inputs: Inputs, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """One optimisation step on this rank's batch; returns the local loss (a detached scalar).
+    def train_step(self, inputs: Inputs, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                   micro: Accumulation = SINGLE) -> torch.Tensor:
+        """One micro-batch on this rank's batch; returns the local loss (a detached scalar).
         `inputs`: one tensor, a tuple or a dict of tensors (strategies/inputs.py); `weights`: per-row
-        weights (weight_col) or None."""
+        weights (weight_col) or None; `micro`: its place in the accumulation window: gradients are
+        zeroed on the first, communicated and stepped on the last."""
 
     def learning_rate(self) -> float:
         """The current learning rate of the (first) optimizer, for metrics."""
@@ -88,11 +90,12 @@ class Strategy(abc.ABC):
         return {"param_bytes": float(sum(p.numel() * p.element_size() for p in self.module().parameters()))}
 
     def evaluate(self, batches: Iterable[tuple[Inputs, torch.Tensor, torch.Tensor | None]], loss_fn: LossFn,
-                 classification: bool) -> torch.Tensor:
+                 classification: bool, metrics: Any = None) -> torch.Tensor:
         """(loss sum, correct predictions, loss denominator, labels counted) over this rank's
         validation batches of (inputs, labels, weights), float64: the denominator is rows (or the
         weight sum); labels counted are rows (or positions not ignored, for per-position labels).
-        Every rank calls it (strategies may run collectives inside); the loop sums over ranks."""
+        `metrics` (launch/validation.py's MetricSums) also sees every batch's outputs. Every rank
+        calls it (strategies may run collectives inside); the loop sums over ranks."""
         device = self.comm.device
         module = self.module()
         sums = torch.zeros(4, dtype=torch.float64)
@@ -101,9 +104,13 @@ class Strategy(abc.ABC):
         with torch.no_grad():
             for inputs, labels, weights in map(as_triple, batches):
                 labels = labels.to(device)
-                output = call_model(module, to_device(inputs, device))
+                with self.steps.autocast():
+                    output = call_model(module, to_device(inputs, device))
+                output = float_output(output)
                 sums += evaluation_sums(output, labels, None if weights is None else weights.to(device), loss_fn,
                                         classification)
+                if metrics is not None:
+                    metrics.add(output, labels)
         module.train(was_training)
         return sums
 
@@ -120,7 +127,7 @@ class Strategy(abc.ABC):
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything this rank needs to continue training exactly: tensors and plain values only
         (checkpoints are read with torch.load(weights_only=True))."""
-        state: dict[str, Any] = {"module": self.state_dict()}
+        state: dict[str, Any] = {"module": self.state_dict(), "steps": self.steps.state_dict()}
         optimizer = getattr(self, "_optimizer", None)
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
@@ -130,6 +137,15 @@ class Strategy(abc.ABC):
         self.module().load_state_dict(state["module"])
         if "optimizer" in state:
             self._optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
+        self.steps.load_state_dict(state.get("steps", {}))
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights validation measures (early stopping's best epoch)."""
+        return {k: v.clone() for k, v in self.state_dict().items()}
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Put a snapshot back (after the last step: the result becomes the best epoch's model)."""
+        self.module().load_state_dict(snapshot)
 
     def result_state(self) -> dict[str, torch.Tensor] | None:
         """What this rank contributes to the trained model the driver assembles (None: nothing).

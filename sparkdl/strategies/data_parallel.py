@@ -7,7 +7,8 @@ few large buckets because per-tensor collectives are latency bound on small laye
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
+from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
 BUCKET_BYTES = 25 << 20
 
@@ -71,10 +73,15 @@ class DataParallel(Strategy):
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         optimizer = make_optimizer(self._model.parameters())
         self._diloco = self.train.sync == "diloco"
-        wrapped = self.comm.wrap_optimizer(optimizer, self._model) if self.comm.size > 1 and not self._diloco else None
+        # Horovod's DistributedOptimizer allreduces in every backward: accumulating over several
+        # backward passes goes through our own averaging instead (the same bytes per optimizer step).
+        own_averaging = self._diloco or self.train.accumulate_steps > 1
+        wrapped = self.comm.wrap_optimizer(optimizer, self._model) if self.comm.size > 1 and not own_averaging \
+            else None
         # A backend's own distributed optimizer averages inside step(); otherwise we average here.
         self._backend_averages = wrapped is not None
         self._optimizer = wrapped or optimizer
+        self.steps.attach(self._optimizer)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._loss_fn = loss_fn
         if self._diloco:
@@ -84,49 +91,52 @@ class DataParallel(Strategy):
                                           nesterov=momentum > 0)
             self._inner_steps = 0
 
-    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                   micro: Accumulation = SINGLE) -> torch.Tensor:
         started = time.perf_counter()
         self._model.train()
-        self._optimizer.zero_grad()  # torch 2 defaults to set_to_none; Horovod's wrapper takes no argument
-        output = call_model(self._model, inputs)
-        loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, output, labels, weights)
-        if numerator is not None:
-            self._weighted_backward(numerator, denominator)
-        elif self.loss_weight != 1.0 and not self._diloco:
-            # Unequal shares: weighted so that the average over ranks is the mean over all rows.
-            (loss * self.loss_weight).backward()
-        else:
-            loss.backward()
+        if micro.index == 0:
+            self._optimizer.zero_grad()  # torch 2 defaults to set_to_none; Horovod's wrapper takes no argument
+        with self.steps.autocast():
+            output = call_model(self._model, inputs)
+        loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, float_output(output), labels, weights)
+        self.steps.backward(self._objective(loss, numerator, denominator), micro)
         self.slow_down(started)
+        if not micro.last:
+            return loss.detach()
         if self._diloco:
-            self.clip_gradients(self._params)
-            self._optimizer.step()
+            self.steps.step(self._optimizer, self._params)
             self._inner_steps += 1
             if self._inner_steps == self.train.sync_every:
                 self._outer_step()
             return loss.detach()
         if self._backend_averages:
             self.comm.record_allreduce(self._grad_bytes)
-            if self.train.grad_clip > 0:
-                self._optimizer.synchronize()  # Horovod: average first, then clip, then step
-                self.clip_gradients(self._params)
-                with self._optimizer.skip_synchronize():
-                    self._optimizer.step()
-                return loss.detach()
-        elif self.comm.size > 1:
+            self._optimizer.synchronize()  # Horovod: average first, then unscale and clip, then step
+            with self._optimizer.skip_synchronize():
+                self.steps.step(self._optimizer, self._params)
+            return loss.detach()
+        if self.comm.size > 1:
             average_gradients(self.comm, self._params)
-        self.clip_gradients(self._params)
-        self._optimizer.step()
+        self.steps.step(self._optimizer, self._params)
         return loss.detach()
 
-    def _weighted_backward(self, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
+    def _objective(self, loss: torch.Tensor, numerator: torch.Tensor | None, denominator: torch.Tensor | None
+                   ) -> torch.Tensor:
+        """What this rank differentiates so that averaging over ranks gives the global mean."""
+        if numerator is not None:
+            return self._weighted_objective(numerator, denominator)
+        if self.loss_weight != 1.0 and not self._diloco:
+            return loss * self.loss_weight  # unequal shares: the average over ranks is the mean over all rows
+        return loss
+
+    def _weighted_objective(self, numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         """sum(w * l) / sum(w) over the global batch (DiLoCo's ranks step alone: over their own)."""
         if self._diloco or self.comm.size == 1:
-            (numerator / denominator.clamp_min(torch.finfo(torch.float32).tiny)).backward()
-            return
+            return numerator / denominator.clamp_min(torch.finfo(torch.float32).tiny)
         total = denominator.detach().reshape(1).clone()
         self.comm.allreduce(total, op="sum")
-        global_share(numerator, denominator, total[0], self.comm.size).backward()
+        return global_share(numerator, denominator, total[0], self.comm.size)
 
     def _outer_step(self) -> None:
         with torch.no_grad():
@@ -173,16 +183,27 @@ class DataParallel(Strategy):
         if self._diloco and self._inner_steps:
             self._outer_step()  # the last partial round, so the result is the global model
 
-    def evaluate(self, batches: Any, loss_fn: LossFn, classification: bool) -> torch.Tensor:
-        if not self._diloco:
-            return super().evaluate(batches, loss_fn, classification)
+    def evaluate(self, batches: Any, loss_fn: LossFn, classification: bool, metrics: Any = None) -> torch.Tensor:
         # Between synchronisations the ranks' models differ; validate the global one they share.
+        with self._global_weights():
+            return super().evaluate(batches, loss_fn, classification, metrics)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        with self._global_weights():  # the weights validation measured
+            return super().snapshot()
+
+    @contextmanager
+    def _global_weights(self) -> Iterator[None]:
+        """DiLoCo: the shared global weights in the module for the duration (allreduce: as is)."""
+        if not self._diloco:
+            yield
+            return
         with torch.no_grad():
             local = [p.detach().clone() for p in self._params]
             for param, start in zip(self._params, self._global):
                 param.copy_(start)
         try:
-            return super().evaluate(batches, loss_fn, classification)
+            yield
         finally:
             with torch.no_grad():
                 for param, mine in zip(self._params, local):

@@ -26,6 +26,7 @@ from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_tripl
 from sparkdl.strategies.inputs import single_input, weight_total, weighted_terms
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
+from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
 _TAG_FEATURES, _TAG_LABELS, _TAG_ACTIVATION, _TAG_GRADIENT, _TAG_WEIGHTS = 1, 2, 3, 4, 5
 _EVAL_ROWS = 1024
@@ -154,6 +155,7 @@ class Hybrid(Strategy):
         self._broadcast_from_replica_zero(list(self._module.parameters()) + list(self._module.buffers()))
         self._params = [p for p in self._module.parameters() if p.requires_grad]
         self._optimizer = make_optimizer(self._module.parameters())
+        self.steps.attach(self._optimizer)
         self._loss_fn = loss_fn
         self._meter = _ActivationMeter(self._module.parameters())
 
@@ -167,13 +169,16 @@ class Hybrid(Strategy):
                 group.broadcast(tensor.data, src=src)
 
     # -- one step ------------------------------------------------------------------------------
-    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """One pipelined step. With weights, each micro-batch's loss is its weighted sum over the
-        weight total of all replicas (times D, as gradients are averaged over D replicas): the
-        update is data parallel's sum(w * l) / sum(w) over the same rows."""
+    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                   micro: Accumulation = SINGLE) -> torch.Tensor:
+        """One pipelined step (one micro-batch of an accumulation window: gradients are averaged
+        over the replicas and stepped on the window's last). With weights, each micro-batch's loss
+        is its weighted sum over the weight total of all replicas (times D, as gradients are
+        averaged over D replicas): the update is data parallel's sum(w * l) / sum(w) over the same rows."""
         features = single_input(inputs, "hybrid")
         self._module.train()
-        self._optimizer.zero_grad()
+        if micro.index == 0:
+            self._optimizer.zero_grad()
         inputs, targets, target_weights, keep_alive, pending = self._gather_batch(features, labels, weights)
         sizes = microbatch_sizes(features.shape[0] * self.layout.stages, self.layout.microbatches)
         total = sum(sizes)
@@ -192,15 +197,16 @@ class Hybrid(Strategy):
                 x = input_chunks[i] if input_chunks is not None else incoming.requires_grad_(True)
                 y, nbytes = self._forward(x)
                 if self._next is not None:
-                    sent = y.detach()
+                    sent = y.detach().to(_dtype(self.layout.boundary_dtypes[self.stage]))
                     keep_alive.append(sent)
                     pending.append(self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, i)))
                 elif replicas_weight is None:  # unweighted, or a custom loss weighing by itself
                     extra = {} if weight_chunks is None else {"weight": weight_chunks[i]}
-                    y = self._loss_fn(y, target_chunks[i], **extra) * (sizes[i] / total)
+                    y = self._loss_fn(float_output(y), target_chunks[i], **extra) * (sizes[i] / total)
                     loss += y.detach()
                 else:
-                    numerator, counted = weighted_terms(self._loss_fn, y, target_chunks[i], weight_chunks[i])
+                    numerator, counted = weighted_terms(self._loss_fn, float_output(y), target_chunks[i],
+                                                        weight_chunks[i])
                     y = numerator * (self.layout.replicas / replicas_weight)
                     loss += numerator.detach()
                     local_weight += counted
@@ -209,18 +215,19 @@ class Hybrid(Strategy):
             else:
                 x, y, nbytes = saved.pop(i)
                 if self._next is None:
-                    y.backward()
+                    self.steps.backward(y, micro)
                 else:
-                    y.backward(incoming)
+                    self.steps.backward(y, gradient=incoming)
                 if self._prev is not None:
                     keep_alive.append(x.grad)
                     pending.append(self.comm.send(x.grad, self._prev, _tag(_TAG_GRADIENT, i)))
                 self._meter.add(-nbytes)
         for work in pending:
             work.wait()
-        if self._stage_group is not None and self._stage_group.size > 1:
-            average_gradients(self._stage_group, self._params)
-        self._optimizer.step()
+        if micro.last:
+            if self._stage_group is not None and self._stage_group.size > 1:
+                average_gradients(self._stage_group, self._params)
+            self.steps.step(self._optimizer, self._params)
         if replicas_weight is not None:
             loss = loss / local_weight.clamp_min(torch.finfo(torch.float32).tiny)
         return loss
@@ -241,7 +248,7 @@ class Hybrid(Strategy):
 
     def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         self._meter.started()
-        with torch.autograd.graph.saved_tensors_hooks(self._meter.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self._meter.pack, lambda t: t), self.steps.autocast():
             y = self._module(x)
         return y, self._meter.current
 
@@ -299,7 +306,7 @@ class Hybrid(Strategy):
         self._broadcast_from_replica_zero(list(self._module.buffers()))
 
     def evaluate(self, batches: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None]], loss_fn: LossFn,
-                 classification: bool) -> torch.Tensor:
+                 classification: bool, metrics: Any = None) -> torch.Tensor:
         """Each rank's validation rows go through its replica's pipeline (forward only)."""
         device = self.comm.device
         parts = [(single_input(x, "hybrid").to(device), y.to(device), None if w is None else w.to(device))
@@ -342,12 +349,17 @@ class Hybrid(Strategy):
                 count = min(_EVAL_ROWS, total - start)
                 x = features[start: start + count] if self.stage == 0 else \
                     self.comm.recv(self.incoming_buffer("F", count), self._prev, _tag(_TAG_ACTIVATION, index))
-                y = self._module(x)
+                with self.steps.autocast():
+                    y = self._module(x)
                 if self._next is not None:
-                    self.comm.send(y.contiguous(), self._next, _tag(_TAG_ACTIVATION, index)).wait()
+                    sent = y.to(_dtype(self.layout.boundary_dtypes[self.stage])).contiguous()
+                    self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, index)).wait()
                     continue
                 window = None if weights is None else weights[start: start + count]
-                sums += evaluation_sums(y, labels[start: start + count], window, loss_fn, classification)
+                y, target = float_output(y), labels[start: start + count]
+                sums += evaluation_sums(y, target, window, loss_fn, classification)
+                if metrics is not None:
+                    metrics.add(y, target)
         self._module.train(was_training)
         for work in pending:
             work.wait()

@@ -27,6 +27,7 @@ from sparkdl.errors import ModelError
 from sparkdl.layouts import IstLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.data_parallel import broadcast_module
+from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.ELU, nn.Softplus, nn.Identity,
                nn.Mish, nn.Hardtanh, nn.ReLU6, nn.SELU, nn.CELU, nn.Dropout)
@@ -246,18 +247,20 @@ class Ist(Strategy):
         self._groups = partition(self.layout, self._round)
         self._subnet = extract_subnet(self._model, self.layout, self._groups, self.comm.rank)
         self._optimizer = self._make_optimizer(self._subnet.parameters())  # fresh state per subnet
+        self.steps.attach(self._optimizer)  # the lr schedule runs on across rounds
         self._steps_in_round = 0
 
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        if weights is not None or not isinstance(features, torch.Tensor):
-            raise TypeError("IST trains MLPs on one float feature tensor without weights")
+    def train_step(self, features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                   micro: Accumulation = SINGLE) -> torch.Tensor:
+        if weights is not None or not isinstance(features, torch.Tensor) or micro.count != 1:
+            raise TypeError("IST trains MLPs on one float feature tensor without weights or accumulation")
         self._subnet.train()
         self._optimizer.zero_grad()
-        loss = self._loss_fn(self._subnet(features), labels)
-        loss.backward()
-        self.clip_gradients(self._subnet.parameters())
-        self._optimizer.step()
+        with self.steps.autocast():
+            output = self._subnet(features)
+        loss = self._loss_fn(float_output(output), labels)
+        self.steps.backward(loss)
+        self.steps.step(self._optimizer, self._subnet.parameters())
         self._steps_in_round += 1
         if self._steps_in_round == self.layout.sync_every:
             self._synchronise()
@@ -292,7 +295,7 @@ class Ist(Strategy):
         """The full model as of the round's start, the subnet and its optimizer as of now."""
         return {"module": self.state_dict(), "round": self._round, "steps_in_round": self._steps_in_round,
                 "subnet": {k: v.detach().cpu() for k, v in self._subnet.state_dict().items()},
-                "optimizer": self._optimizer.state_dict()}
+                "optimizer": self._optimizer.state_dict(), "steps": self.steps.state_dict()}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self._model.load_state_dict(state["module"])
@@ -300,6 +303,7 @@ class Ist(Strategy):
         self._begin_round()  # the round's partition and a subnet of the right shapes
         self._subnet.load_state_dict(state["subnet"])
         self._optimizer.load_state_dict(state["optimizer"])
+        self.steps.load_state_dict(state.get("steps", {}))
         self._steps_in_round = int(state["steps_in_round"])
 
     def finish(self) -> None:

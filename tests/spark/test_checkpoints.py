@@ -73,7 +73,10 @@ def fit(df, **options):  # type: ignore[no-untyped-def]
     ({"strategy": "ist", "ist_sync_every": 4}, 1),
     # rank 0 holds the last stage: it computes the loss, once per micro-batch
     ({"strategy": "hybrid", "stages": 2, "microbatches": 2}, 0),
-], ids=["data_parallel", "diloco", "ist", "hybrid"])
+    # killed mid-warm-up (optimizer step 4 of 6) inside accumulation windows of 2: the lr schedule's
+    # position and the window boundaries come back exactly
+    ({"lr_schedule": "cosine", "warmup_steps": 6, "accumulate_steps": 2}, 1),
+], ids=["data_parallel", "diloco", "ist", "hybrid", "warmup_accumulate"])
 def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsys, options,  # type: ignore[no-untyped-def]
                                                          killed_rank) -> None:
     df = rows_df(spark)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from sparkdl.launch.channel import (ChannelAddress, ChannelClient, DriverChannel, LineForwarder, encode_frame,
-                                    forward_output)
+                                    forward_output, read_frame)
 
 pytestmark = pytest.mark.timeout(20)  # a hang here is a bug: fail fast instead of at the 1200 s default
 
@@ -354,3 +354,159 @@ def test_channel_module_imports_only_the_stdlib(repo_root: Any) -> None:
     roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
+
+
+def replying(verdict: Callable[[dict[str, Any]], dict[str, Any] | None]) -> Callable[[dict[str, Any]], None]:
+    """on_message that answers each request with verdict(msg) (None: no reply) and records everything."""
+    seen: list[dict[str, Any]] = []
+
+    def handler(msg: dict[str, Any]) -> None:
+        seen.append(msg)
+        if "reply" in msg and (answer := verdict(msg)) is not None:
+            msg["reply"](answer)
+    handler.seen = seen  # type: ignore[attr-defined]
+    return handler
+
+
+def test_request_gets_the_handlers_reply() -> None:
+    handler = replying(lambda msg: {"stop": msg["epoch"] >= 2, "reason": f"epoch {msg['epoch']}"})
+    with DriverChannel("127.0.0.1", handler) as ch:
+        client = ChannelClient(ch.address, 0)
+        assert client.request("epoch", 2.0, epoch=1, loss=0.5) == {"stop": False, "reason": "epoch 1"}
+        assert client.request("epoch", 2.0, epoch=2) == {"stop": True, "reason": "epoch 2"}
+        client.close()
+    msg = handler.seen[0]  # type: ignore[attr-defined]
+    assert callable(msg.pop("reply")) and msg == {"kind": "epoch", "epoch": 1, "loss": 0.5, "rank": 0}
+
+
+@pytest.mark.parametrize("broken", ["never replies", "raises"])
+def test_a_request_the_handler_does_not_answer_gets_an_empty_reply(broken: str) -> None:
+    def handler(msg: dict[str, Any]) -> None:
+        if broken == "raises":
+            raise RuntimeError("mlflow is down")
+
+    with DriverChannel("127.0.0.1", handler) as ch:
+        client = ChannelClient(ch.address, 0)
+        start = time.monotonic()
+        assert client.request("epoch", 5.0, epoch=1) == {}
+        assert time.monotonic() - start < 1.0
+        assert ch.handler_errors == (broken == "raises")
+        client.close()
+
+
+def test_only_the_first_reply_counts_and_a_bad_one_becomes_empty(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sparkdl")
+    circular: dict[str, Any] = {}
+    circular["self"] = circular
+    answers = iter([{"n": 1}, circular, {"big": "x" * 2_000_000}])
+
+    def handler(msg: dict[str, Any]) -> None:
+        msg["reply"](next(answers))
+        msg["reply"]({"second": True})  # ignored: one reply per request
+
+    with DriverChannel("127.0.0.1", handler) as ch:
+        client = ChannelClient(ch.address, 0)
+        assert [client.request("epoch", 2.0) for _ in range(3)] == [{"n": 1}, {}, {}]
+        client.close()
+    assert sum("not encodable or too large" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_timed_out_request_returns_none_and_its_late_reply_is_not_taken_for_the_next() -> None:
+    gate = threading.Event()
+
+    def handler(msg: dict[str, Any]) -> None:
+        if msg["epoch"] == 1:
+            gate.wait(5.0)
+        msg["reply"]({"epoch": msg["epoch"]})
+
+    with DriverChannel("127.0.0.1", handler) as ch:
+        client = ChannelClient(ch.address, 0)
+        start = time.monotonic()
+        assert client.request("epoch", 0.3, epoch=1) is None
+        assert 0.25 < time.monotonic() - start < 1.0
+        time.sleep(0.2)  # the sender thread stops waiting for it too (its deadline is a hair later)
+        gate.set()  # the reply to epoch 1 is written now, before the one to epoch 2
+        assert client.request("epoch", 2.0, epoch=2) == {"epoch": 2}
+        assert client.request("epoch", 2.0, epoch=3) == {"epoch": 3}
+        client.close()
+        assert client.dropped == 0
+
+
+def test_request_is_answered_after_the_messages_sent_before_it() -> None:
+    handler = replying(lambda msg: {"handled_before": len(handler.seen) - 1})  # type: ignore[attr-defined]
+    with DriverChannel("127.0.0.1", handler) as ch:
+        client = ChannelClient(ch.address, 1)
+        for i in range(50):
+            client.send("metric", i=i)
+        assert client.request("epoch", 2.0, epoch=1) == {"handled_before": 50}
+        client.send("metric", i=50)
+        client.close()
+        ch.drain()
+    assert [m["kind"] for m in handler.seen] == ["metric"] * 50 + ["epoch", "metric"]  # type: ignore[attr-defined]
+
+
+def test_a_plain_send_cannot_pose_as_a_request() -> None:
+    handler = replying(lambda msg: {"to": msg["kind"]})
+    with DriverChannel("127.0.0.1", handler) as ch:
+        client = ChannelClient(ch.address, 0)
+        client.send("metric", request=1, loss=1.0)  # would be answered, and that reply taken for request 1's
+        assert client.request("epoch", 2.0) == {"to": "epoch"}
+        client.close()
+    assert handler.seen[0] == {"kind": "metric", "loss": 1.0, "rank": 0}  # type: ignore[attr-defined]
+
+
+def test_request_on_a_raw_connection_gets_a_reply_frame(channel: DriverChannel, inbox: Inbox) -> None:
+    with raw_connect(channel.address) as sock:
+        sock.sendall(hello(channel.address, 2) + encode_frame({"kind": "epoch", "request": "abc"}))
+        reply = read_frame(sock.makefile("rb"), 1 << 20)
+    assert reply == {"reply": "abc"}  # Inbox never replies: the channel answers {}
+    assert inbox.messages[0]["rank"] == 2 and "request" not in inbox.messages[0]
+
+
+def test_request_to_an_unreachable_driver_returns_none_quickly() -> None:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = ChannelClient(ChannelAddress("127.0.0.1", port, "x" * 64), 0, connect_timeout=1.0)
+    start = time.monotonic()
+    assert client.request("epoch", 5.0, epoch=1) is None
+    assert client.request("epoch", 5.0, epoch=2) is None  # failed: refused at once
+    assert time.monotonic() - start < 1.0
+    client.close()
+    assert client.request("epoch", 5.0) is None
+
+
+def test_request_that_cannot_be_sent_returns_none(channel: DriverChannel, inbox: Inbox) -> None:
+    client = ChannelClient(channel.address, 0)
+    circular: list[Any] = []
+    circular.append(circular)
+    assert client.request("epoch", 2.0, history=circular) is None
+    assert client.request("epoch", 2.0, blob="x" * 2_000_000) is None
+    assert client.request("epoch", 2.0, epoch=1) == {}  # the channel is still fine
+    client.close()
+    assert client.request("epoch", 2.0, epoch=2) is None  # closed
+
+
+def test_a_reply_breaking_the_protocol_fails_the_client(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sparkdl")
+    with socket.socket() as listener:  # a fake driver whose reply frame is oversized
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = ChannelClient(ChannelAddress("127.0.0.1", listener.getsockname()[1], "x" * 64), 0)
+        result: list[Any] = []
+        thread = threading.Thread(target=lambda: result.append(client.request("epoch", 5.0)))
+        thread.start()
+        conn, _ = listener.accept()
+        with conn:
+            stream = conn.makefile("rb")
+            assert read_frame(stream, 1 << 20)["hello"] == 1  # type: ignore[index]
+            rid = read_frame(stream, 1 << 20)["request"]  # type: ignore[index]
+            conn.sendall(encode_frame({"reply": rid + 1}) + struct.pack(">I", 2_000_000))  # stale, then too big
+            start = time.monotonic()
+            thread.join(5.0)
+            assert result == [None] and time.monotonic() - start < 1.0
+            stream.close()
+    client.send("metric", loss=1.0)
+    assert client.dropped == 2  # the request and the send after it
+    client.close()
+    assert any("exceeds max_frame_bytes" in r.getMessage() for r in caplog.records)

@@ -1,7 +1,8 @@
 """The layering rules of DESIGN.md, checked on the source with `ast` (nothing is imported).
 
-- config.py, config_values.py and errors.py import nothing from sparkdl (config.py may import
-  sparkdl.errors and sparkdl.config_values, config_values.py only sparkdl.errors);
+- config.py, config_values.py, config_training.py and errors.py import nothing from sparkdl
+  (config.py may import sparkdl.errors, sparkdl.config_values and sparkdl.config_training,
+  config_training.py errors and config_values, config_values.py only sparkdl.errors);
 - planner/cost.py and planner/plan.py import only the standard library (and each other);
 - worker-side modules (comm/*, strategies/*, data/batches.py, launch/worker.py,
   launch/rendezvous.py) never import pyspark.sql, directly or through other sparkdl modules;
@@ -169,8 +170,10 @@ def test_errors_imports_nothing_from_sparkdl() -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("module, allowed", [("sparkdl.config", {"sparkdl.errors", "sparkdl.config_values"}),
-                                             ("sparkdl.config_values", {"sparkdl.errors"})])
+@pytest.mark.parametrize("module, allowed", [
+    ("sparkdl.config", {"sparkdl.errors", "sparkdl.config_values", "sparkdl.config_training"}),
+    ("sparkdl.config_training", {"sparkdl.errors", "sparkdl.config_values"}),
+    ("sparkdl.config_values", {"sparkdl.errors"})])
 def test_config_imports_only_errors_from_sparkdl(module: str, allowed: set[str]) -> None:
     bad = [_where(module, i) for i in SOURCES[module][1] if _under(i.target, "sparkdl") and i.target not in allowed]
     assert not bad, bad

@@ -1,0 +1,141 @@
+"""Validators of the training-essential options: learning-rate schedules, precision, gradient
+accumulation, validation metrics, early stopping and driver callbacks (TrainConfig's second half).
+
+Split from config_values.py so that each stays small; like it, imports nothing from sparkdl but
+errors and config_values, so every layer (the worker's metrics included) may use the name grammar.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from sparkdl.config_values import choice, positive_int, suggest
+from sparkdl.errors import ConfigError
+
+LR_SCHEDULES = ("constant", "linear", "cosine", "step")
+PRECISIONS = ("32", "bf16", "16")
+METRICS = ("accuracy", "top_k_accuracy", "perplexity", "mae", "rmse", "auc")
+DEFAULT_TOP_K = 5
+EARLY_STOPPING_KEYS = ("metric", "mode", "patience", "min_delta", "restore_best")
+_TOP_K = re.compile(r"top_(\d+)_accuracy")
+
+
+def parse_metric_name(name: str) -> tuple[str, int]:
+    """(kind, k) of a built-in metric name: "top_k_accuracy" is top-5, "top_3_accuracy" top-3;
+    k is 0 for the other kinds. ConfigError for an unknown name."""
+    if name in METRICS:
+        return name, DEFAULT_TOP_K if name == "top_k_accuracy" else 0
+    match = _TOP_K.fullmatch(name) if isinstance(name, str) else None
+    if match and int(match.group(1)) >= 1:
+        return "top_k_accuracy", int(match.group(1))
+    raise ConfigError(f"train.metrics names an unknown metric {name!r}",
+                      hint=f"{suggest(str(name), METRICS)} (top_<k>_accuracy for another k), or a callable "
+                           "(output, label) -> (sum, count)")
+
+
+def metric_name(spec: Any) -> str:
+    """The history name (without "val_") of one train.metrics entry: the built-in name as given, a
+    callable's `metric_name` attribute, else its __name__."""
+    if callable(spec):
+        name = getattr(spec, "metric_name", None) or getattr(spec, "__name__", None)
+        if not isinstance(name, str) or not name.isidentifier() or name == "<lambda>":
+            raise ConfigError(f"train.metrics holds a callable without a usable name: {spec!r}",
+                              hint="use a def (its __name__ names the metric) or set fn.metric_name = 'my_metric'")
+        return name
+    parse_metric_name(spec)
+    return spec
+
+
+def check_metrics(specs: Sequence[Any]) -> tuple[str, ...]:
+    """Names of train.metrics, each once."""
+    if isinstance(specs, str) or not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"train.metrics must be a list of metric names or callables, got {specs!r}",
+                          hint='for example metrics=["accuracy", "top_k_accuracy"]')
+    names = [metric_name(spec) for spec in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"train.metrics lists {twice} twice", hint="list each metric once")
+    return tuple(names)
+
+
+def check_schedule(train: Any) -> None:
+    """lr_schedule and its parameters."""
+    choice("train.lr_schedule", train.lr_schedule, LR_SCHEDULES, callable_ok=True)
+    for key in ("warmup_steps", "step_every"):
+        value = getattr(train, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"train.{key} must be an integer >= 0, got {value!r}",
+                              hint="warmup_steps counts optimizer steps; step_every 0 = once per epoch")
+    if not 0 <= train.min_lr <= train.lr:
+        raise ConfigError(f"train.min_lr must be in [0, lr={train.lr}], got {train.min_lr!r}",
+                          hint="the floor a linear or cosine schedule decays to, e.g. min_lr=lr/10")
+    if not 0 < train.step_gamma <= 1:
+        raise ConfigError(f"train.step_gamma must be in (0, 1], got {train.step_gamma!r}",
+                          hint='the factor lr_schedule="step" multiplies the lr by every step_every steps')
+
+
+def check_precision(train: Any) -> None:
+    choice("train.precision", train.precision, PRECISIONS)
+    positive_int("train.accumulate_steps", train.accumulate_steps)
+
+
+def early_stopping_options(value: Any) -> dict[str, Any] | None:
+    """early_stopping with every key filled in (None: off); ConfigError naming a bad key."""
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"train.early_stopping must be a table of options, got {value!r}",
+                          hint='for example early_stopping={"metric": "val_loss", "patience": 3}')
+    unknown = sorted(set(value) - set(EARLY_STOPPING_KEYS))
+    if unknown:
+        raise ConfigError(f"train.early_stopping has an unknown key {unknown[0]!r}",
+                          hint=suggest(unknown[0], EARLY_STOPPING_KEYS))
+    metric = value.get("metric", "val_loss")
+    default_mode = "min" if metric.endswith("loss") or metric.endswith(("mae", "rmse", "perplexity")) else "max"
+    options = {"metric": metric, "mode": value.get("mode", default_mode), "patience": value.get("patience", 3),
+               "min_delta": value.get("min_delta", 0.0), "restore_best": value.get("restore_best", True)}
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(f"train.early_stopping.metric must be a history name such as 'val_loss', got {metric!r}")
+    choice("train.early_stopping.mode", options["mode"], ("min", "max"))
+    patience = options["patience"]
+    if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+        raise ConfigError(f"train.early_stopping.patience must be an integer >= 1, got {patience!r}",
+                          hint="epochs without improvement before stopping")
+    delta = options["min_delta"]
+    if not isinstance(delta, (int, float)) or isinstance(delta, bool) or delta < 0:
+        raise ConfigError(f"train.early_stopping.min_delta must be a number >= 0, got {delta!r}")
+    if not isinstance(options["restore_best"], bool):
+        raise ConfigError(f"train.early_stopping.restore_best must be true or false, got {options['restore_best']!r}")
+    return options
+
+
+def monitored_names(metrics: Sequence[str], has_validation: bool) -> tuple[str, ...]:
+    """Epoch-record names early stopping can watch in this run."""
+    names = ["loss"]
+    if has_validation:
+        names += ["val_loss", "val_accuracy"] + [f"val_{m}" for m in metrics]
+    return tuple(dict.fromkeys(names))
+
+
+def check_monitored(metric: str, metrics: Sequence[str], has_validation: bool) -> None:
+    """Driver check before the job: early stopping watches a name the epoch records will hold."""
+    known = monitored_names(metrics, has_validation)
+    if metric in known:
+        return
+    if metric.startswith("val_") and not has_validation:
+        raise ConfigError(f"train.early_stopping watches {metric!r}, but this fit has no validation rows",
+                          hint="set validation_fraction (e.g. 0.2) or pass validation_df, or watch 'loss'")
+    raise ConfigError(f"train.early_stopping watches {metric!r}, which no epoch record holds",
+                      hint=f"{suggest(metric, known)}; val_<name> needs <name> in train.metrics")
+
+
+def check_callbacks(callbacks: Any) -> None:
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, (list, tuple)):
+        raise ConfigError(f"train.callbacks must be a list of callables (or 'package.module:function' paths), "
+                          f"got {callbacks!r}", hint="callbacks=[plot_loss]")
+    for callback in callbacks:
+        if callable(callback):
+            continue
+        if not isinstance(callback, str) or ":" not in callback or not all(callback.partition(":")[::2]):
+            raise ConfigError(f"train.callbacks holds {callback!r}, neither a callable nor 'package.module:function'",
+                              hint="each callback is fn(record: dict) -> None | 'stop', called on the driver")

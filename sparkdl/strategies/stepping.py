@@ -1,0 +1,106 @@
+"""What every strategy does around its optimizer: mixed precision, gradient accumulation and the
+learning-rate schedule, in one object each strategy holds (`Strategy.steps`).
+
+Mixed precision keeps fp32 master weights and optimizer state: only the forward runs under
+torch.autocast, the loss is taken in fp32 and gradients (of fp32 parameters) are averaged in fp32.
+"16" adds a GradScaler (CUDA only); its state is checkpointed with the scheduler's. Accumulation
+divides each micro-batch's objective by its window's length, so k micro-batches of b rows give the
+update of one batch of k x b rows.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+
+from sparkdl.data.epochs import Accumulation
+from sparkdl.errors import ConfigError
+
+SINGLE = Accumulation(0, 1)
+ScheduleFactory = Callable[[torch.optim.Optimizer], Any]  # optimizer -> LRScheduler | None
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+def float_output(output: Any) -> Any:
+    """A low-precision model output in fp32, so that losses and metrics are taken in fp32."""
+    if isinstance(output, torch.Tensor) and output.dtype in (torch.bfloat16, torch.float16):
+        return output.float()
+    return output
+
+
+class OptimizerSteps:
+    def __init__(self, train: Any, device: Any, schedule: ScheduleFactory | None = None) -> None:
+        self.precision = str(getattr(train, "precision", "32"))
+        self.grad_clip = float(getattr(train, "grad_clip", 0.0))
+        self.device_type = torch.device(device).type if device is not None else "cpu"
+        if self.precision == "16" and self.device_type != "cuda":
+            raise ConfigError(f"train.precision='16' needs CUDA GPUs, but this rank trains on {self.device_type}",
+                              hint="use precision='bf16' (autocast on CPU and GPU), or give each worker a GPU "
+                                   "(launch.gpus_per_worker=1)")
+        self.autocast_dtype = AUTOCAST_DTYPES.get(self.precision)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "16" else None
+        self._schedule = schedule
+        self.scheduler: Any = None
+        self.taken = 0  # optimizer steps so far
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Schedule this optimizer's lr. A strategy that replaces its optimizer (IST, every round)
+        attaches the new one: the schedule continues where it was."""
+        previous = self.scheduler.state_dict() if self.scheduler is not None else None
+        self.scheduler = self._schedule(optimizer) if self._schedule is not None else None
+        if self.scheduler is not None and previous is not None:
+            self.scheduler.load_state_dict(previous)
+            for group, lr in zip(optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def autocast(self) -> ContextManager[Any]:
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def backward(self, objective: torch.Tensor, micro: Accumulation = SINGLE,
+                 gradient: torch.Tensor | None = None) -> None:
+        """Backward of one micro-batch's objective (or of an output with the `gradient` a later
+        pipeline stage sent back, already scaled there)."""
+        if gradient is not None:
+            objective.backward(gradient.to(objective.dtype))
+            return
+        if micro.count > 1:
+            objective = objective / micro.count
+        if self.scaler is not None:
+            objective = self.scaler.scale(objective)
+        objective.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+        """Unscale, clip to grad_clip, step (skipped by the scaler on inf/NaN gradients), then the lr."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(params), self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.taken += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"taken": self.taken}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.taken = int(state.get("taken", 0))
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+            optimizer = self.scheduler.optimizer
+            for group, lr in zip(optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
