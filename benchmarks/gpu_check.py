@@ -11,6 +11,8 @@ Needs Java >= 17 (Spark), a CUDA build of torch and one GPU; finishes in a few m
    Target: sparkdl >= 0.9 x bare.
 3. host-to-device input throughput: pinned-memory batches of the same shape copied to the GPU
    (GB/s), the ceiling of any input pipeline here.
+4. train.precision: step time "32" vs "bf16" vs "16" (GradScaler) of a CNN and a token transformer
+   (benchmarks/precision.py on cuda), and the sparkdl fit above with precision="bf16".
 Prints one JSON object as the last line of stdout (or {"error": ...} when a prerequisite is missing).
 """
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 FEATURES, CLASSES, BATCH = 256, 16, 1024
 
@@ -122,6 +125,11 @@ def main() -> None:
         model.transform(df).select("prediction").count()
         transform_s.append(time.perf_counter() - started)
         bare_rates.append(bare_torch(torch.from_numpy(x), torch.from_numpy(y), args.epochs))
+    bf16_model = TorchEstimator(model=mlp, feature_cols=["features"], label_col="label", batch_size=BATCH,
+                                epochs=args.epochs, num_workers=1, strategy="data_parallel", precision="bf16",
+                                lr=1e-3, tracking=False, progress=False).fit(df)
+    from precision import measure as precision_step_times
+
     device = torch.cuda.get_device_name(0)
     ratio = statistics.median(sparkdl_rates) / statistics.median(bare_rates)
     result = {"benchmark": "gpu_check", "device": device, "torch": torch.__version__, "rows": args.rows,
@@ -132,6 +140,8 @@ def main() -> None:
               "sparkdl_over_bare": round(ratio, 3), "target": 0.9, "met": ratio >= 0.9,
               "fit_s": statistics.median(fit_s), "transform_s": statistics.median(transform_s),
               "host_to_device_gbs": round(host_to_device_gbs(), 2),
+              "sparkdl_bf16_samples_per_s": bf16_model.history[-1]["samples_per_sec"],
+              "precision_step_times": precision_step_times("cuda", 20, 3),
               "runs": {"sparkdl": sparkdl_rates, "bare": bare_rates}}
     spark.stop()
     print(json.dumps(result))

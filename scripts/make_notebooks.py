@@ -75,6 +75,22 @@ plt.plot(epochs, [h["loss"] for h in model.history], marker="o", label="training
 plt.plot(epochs, [h["val_loss"] for h in model.history], marker="o", label="validation loss")
 plt.xlabel("epoch"); plt.ylabel("cross-entropy"); plt.legend(); plt.title("digits MLP, 2 workers")
 plt.show()'''),
+    ("markdown", "Training essentials: a warm-up + cosine lr schedule, validation metrics reduced exactly across "
+                 "ranks, early stopping, and a live callback. The callback runs here, on the driver, with every "
+                 "epoch record as it arrives (plot or print while training runs); returning `'stop'` ends the "
+                 "fit after that epoch on every worker."),
+    ("code", '''def watch(record):
+    print(f"epoch {record['epoch']}: val_loss {record['val_loss']:.3f}, "
+          f"val_top_3_accuracy {record['val_top_3_accuracy']:.3f}, lr {record['lr']:.2e}")
+    return "stop" if record["val_accuracy"] >= 0.99 else None
+
+tuned = TorchEstimator(model=mlp, feature_cols=DIGITS_FEATURE_COLS, label_col="label", optimizer="adam",
+                       lr=3e-3, lr_schedule="cosine", warmup_steps=20, batch_size=32, epochs=2 if SMALL else 15,
+                       num_workers=2, validation_fraction=0.2, metrics=["accuracy", "top_3_accuracy"],
+                       early_stopping={"metric": "val_loss", "patience": 3}, callbacks=[watch], seed=0,
+                       progress=False).fit(train)
+print("stopped by:", tuned.history[-1].get("stopped_by", "-"), "after", len(tuned.history), "epochs")
+assert all("val_top_3_accuracy" in h for h in tuned.history)'''),
 ]
 
 PLANNER = [

@@ -49,8 +49,8 @@ def parse_literal(raw: str) -> Any:
 def plain(value: Any) -> Any:
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
-    if isinstance(value, tuple):
-        return list(value)
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]  # metrics/callbacks may hold callables
     return value
 
 

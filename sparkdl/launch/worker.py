@@ -93,7 +93,7 @@ def _forward_output(client: Any, rank: int) -> Any:
 
     if client is None or rank != 0:
         return nullcontext()
-    from sparkdl.launch.channel import forward_output
+    from sparkdl.launch.output import forward_output
 
     return forward_output(client)
 

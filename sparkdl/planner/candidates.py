@@ -192,7 +192,7 @@ def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: Cali
     work = cost.Workload(layers=layers, world=config.launch.num_workers, rows=config.data.batch_size,
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
-                         step_overhead_s=costs.step_overhead_s * ratio)
+                         step_overhead_s=costs.step_overhead_s * ratio, accumulate=config.train.accumulate_steps)
     refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
         "IST trains without per-row weights (weight_col)" if config.data.weight_col else ""
     candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet,

@@ -3,7 +3,8 @@ step and memory per rank of each candidate layout. Pure functions over plain num
 library only, so the planner's decisions are unit-tested in milliseconds.
 
 Units: seconds, bytes, FLOPs. `rows` is the batch of one rank (batch_size); every strategy consumes
-W x rows rows per step.
+W x rows rows per step. With gradient accumulation a step is one micro-batch, and the gradient
+synchronisation (not the pipeline's boundary traffic) is paid once per `accumulate` steps.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Workload:
     input_bytes_per_row: float = 0.0
     param_bytes: int = 4
     step_overhead_s: float = 0.0  # per step, beyond the layers: loss, optimizer update, zero_grad
+    accumulate: int = 1  # train.accumulate_steps: gradients are synchronised once per this many steps
 
     @property
     def params(self) -> int:
@@ -94,18 +96,20 @@ def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimat
     (bucketed, not overlapped), so overlap defaults to 0."""
     compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
-    exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3)
+    exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3) / work.accumulate
     memory = work.params * work.optimizer_bytes_per_param + work.rows * sum(l.saved_bytes for l in work.layers)
-    return Estimate(compute + exposed, compute, exposed, allreduce_bytes(grad_bytes, work.world), memory)
+    return Estimate(compute + exposed, compute, exposed, allreduce_bytes(grad_bytes, work.world) / work.accumulate,
+                    memory)
 
 
 def diloco(work: Workload, net: Network, every: int) -> Estimate:
     """T = C(B/W) + T_AR / H; the global copy and outer momentum add 8 bytes per parameter."""
     compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
-    comm = allreduce_s(grad_bytes, work.world, net) / every
+    rounds = every * work.accumulate  # sync_every counts optimizer steps
+    comm = allreduce_s(grad_bytes, work.world, net) / rounds
     memory = work.params * (work.optimizer_bytes_per_param + 8) + work.rows * sum(l.saved_bytes for l in work.layers)
-    return Estimate(compute + comm, compute, comm, allreduce_bytes(grad_bytes, work.world) / every, memory)
+    return Estimate(compute + comm, compute, comm, allreduce_bytes(grad_bytes, work.world) / rounds, memory)
 
 
 def stage_of_cuts(cuts: Sequence[int]) -> list[range]:
@@ -129,14 +133,14 @@ def hybrid(work: Workload, net: Network, cuts: Sequence[int], microbatches: int,
     s = [t[k] + c[k] + (c[k - 1] if k > 0 else 0.0) for k in range(stages)]
     pipeline = (microbatches - 1) * max(s) + sum(t) + 2 * sum(c)
     stage_grad_bytes = [sum(l.params for l in stage) * work.param_bytes for stage in layers]
-    sync = max(allreduce_s(nbytes, replicas, net) for nbytes in stage_grad_bytes)
+    sync = max(allreduce_s(nbytes, replicas, net) for nbytes in stage_grad_bytes) / work.accumulate
     gather = (stages - 1) * (net.latency_s + work.rows * (work.input_bytes_per_row + 8) / net.bandwidth_Bps)
     # The update outside the pipeline: the largest stage's share of the per-step overhead.
     update = work.step_overhead_s * max(sum(l.params for l in stage) for stage in layers) / max(work.params, 1)
     step = pipeline + sync + gather + update
     compute = sum(t) + (microbatches - 1) * max(t) + update
     boundary_bytes = [micro_rows * stage[-1].out_bytes * microbatches * 2 for stage in layers[:-1]] + [0.0]
-    sent = max(b + allreduce_bytes(g, replicas) for b, g in zip(boundary_bytes, stage_grad_bytes)) \
+    sent = max(b + allreduce_bytes(g, replicas) / work.accumulate for b, g in zip(boundary_bytes, stage_grad_bytes)) \
         + work.rows * (work.input_bytes_per_row + 8)
     memory = []
     for k, stage in enumerate(layers):

@@ -48,6 +48,24 @@ def test_horovod_and_torch_give_the_same_weights_after_5_steps(rows_df) -> None:
         assert torch.allclose(with_torch[name], with_horovod[name], atol=1e-5), name
 
 
+def test_horovod_takes_schedules_accumulation_and_bf16_like_torch(rows_df) -> None:  # type: ignore[no-untyped-def]
+    """The training essentials on Horovod: a warm-up schedule stepped per optimizer step, two
+    accumulated micro-batches per step (averaged once, through sparkdl's allreduce) and bf16
+    autocast give torch.distributed's weights."""
+    def train(backend: str) -> dict[str, torch.Tensor]:
+        est = TorchEstimator(model=factory, feature_cols=[f"f{i}" for i in range(6)], label_col="label",
+                             optimizer="sgd", lr=0.3, batch_size=4, epochs=2, num_workers=2, shuffle=False, seed=3,
+                             lr_schedule="linear", warmup_steps=2, accumulate_steps=2, precision="bf16",
+                             backend=backend, tracking=False, progress=False, strategy="data_parallel")
+        model = est.fit(rows_df)
+        assert model.history[-1]["lr"] == pytest.approx(0.0)  # linear decay to min_lr=0 at the last step
+        return model.torch_module().state_dict()
+
+    with_torch, with_horovod = train("torch"), train("horovod")
+    for name in with_torch:
+        assert torch.allclose(with_torch[name], with_horovod[name], atol=1e-4), name
+
+
 def test_two_ranks_on_one_host_get_distinct_local_ranks(spark) -> None:  # type: ignore[no-untyped-def]
     def train_fn(ctx):  # type: ignore[no-untyped-def]
         import horovod.torch as hvd_in_task

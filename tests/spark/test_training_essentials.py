@@ -196,3 +196,17 @@ def test_bf16_training_of_a_cnn_is_as_accurate_as_fp32(spark) -> None:  # type: 
     assert accuracy["32"] >= 0.9
     assert accuracy["bf16"] >= accuracy["32"] - 0.01, accuracy
     assert len(load_digits()[1]) == 1797
+
+
+def test_hybrid_under_bf16_sends_bf16_activations_at_half_the_bytes(spark) -> None:  # type: ignore[no-untyped-def]
+    df = two_partitions(spark)
+    fits = {precision: TorchEstimator(model=lambda: nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 2)),
+                                      feature_cols=[f"f{i}" for i in range(6)], label_col="label", epochs=1,
+                                      batch_size=16, strategy="hybrid", stages=2, microbatches=2, precision=precision,
+                                      tracking=False, **COMMON).fit(df)
+            for precision in ("32", "bf16")}
+    assert fits["bf16"].plan.layout.boundary_dtypes == ("bfloat16",)  # what the planner priced and the ranks send
+    assert fits["32"].plan.layout.boundary_dtypes == ("float32",)
+    sent = {p: m.history[0]["bytes_sent_all_ranks"] for p, m in fits.items()}
+    assert 0.45 < sent["bf16"] / sent["32"] < 0.6, sent  # activations and their gradients halve
+    assert np.isfinite(fits["bf16"].history[0]["loss"])

@@ -211,3 +211,16 @@ def test_the_hybrid_grid_is_placed_by_executor_not_by_calibration_rank() -> None
     # two ranks on one executor use the best measured link; an executor never measured: no placement
     assert place_on_executors(links, ["dc1:1", "dc1:1", "dc2:1", "dc2:1"], 2, [4e8, 4e8], 1e4) is not None
     assert place_on_executors(links, ["dc1:1", "dc3:1", "dc2:1", "dc2:2"], 2, [4e8, 4e8], 1e4) is None
+
+
+def test_accumulation_pays_the_gradient_sync_once_per_window() -> None:
+    from dataclasses import replace
+
+    net = cost.Network(1e-3, 0.1 * GBPS)
+    one, four = work([1024, 1024, 10]), replace(work([1024, 1024, 10]), accumulate=4)
+    dp1, dp4 = cost.data_parallel(one, net), cost.data_parallel(four, net)
+    assert dp4.compute_s == dp1.compute_s and dp4.comm_s == pytest.approx(dp1.comm_s / 4)
+    assert dp4.bytes_per_step == pytest.approx(dp1.bytes_per_step / 4)  # per micro-batch; per optimizer step equal
+    assert cost.diloco(four, net, 10).comm_s == pytest.approx(cost.diloco(one, net, 10).comm_s / 4)
+    h1, h4 = cost.hybrid(one, net, [0, 1, 2], 4), cost.hybrid(four, net, [0, 1, 2], 4)
+    assert h4.step_s < h1.step_s and h4.bytes_per_step < h1.bytes_per_step
