@@ -86,6 +86,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
 
     config.validate()
     check_weighted_loss(config)
+    callbacks = resolve_callbacks(config.train.callbacks)  # driver only: never shipped
     model = _the_model(model, config)
     kept = kept_plan(plan, config)
     if kept is not None:
@@ -100,7 +101,6 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     check_output_width(config, out_width, prepared.layout.num_classes, _label_shape(prepared.layout))
     check_enough_rows(config, prepared.num_rows)
     check_training_options(config, spark, prepared, out_shape or (out_width,))
-    callbacks = resolve_callbacks(config.train.callbacks)
     resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept, sample=sample)
     config = resolved.config or config
     spec = _train_spec(model, config, prepared.layout, resolved)
@@ -304,6 +304,9 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         raise ConfigError(f"train_fn must be callable, got {type(train_fn).__name__}",
                           hint="def train_fn(ctx): ... ; sparkdl.run(train_fn, df=df)")
     config = _run_config(df, num_workers, options)
+    if config.train.callbacks:
+        raise ConfigError("train.callbacks are called with the built-in loop's epoch records, but sparkdl.run runs "
+                          "your train_fn", hint="call your own code from train_fn, or train with fit / TorchEstimator")
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)
@@ -315,9 +318,6 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     else:
         job_df, layout = spark.range(0, num_workers, 1, num_workers), None
     ship_by_value(train_fn, config.data.transform_fn)
-    if config.train.callbacks:
-        raise ConfigError("train.callbacks are called with the built-in loop's epoch records, but sparkdl.run runs "
-                          "your train_fn", hint="call your own code from train_fn, or train with fit / TorchEstimator")
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
     check_picklable(spec)
     check_backend(config)

@@ -271,6 +271,9 @@ def check_training_options(config: RunConfig, spark: Any, prepared: Any, out_sha
         raise ConfigError("train.precision='16' needs CUDA GPUs, but the training tasks get none "
                           "(launch.gpus_per_worker=0, no spark.task.resource.gpu.amount)",
                           hint="use precision='bf16' (autocast on CPU and GPU), or set gpus_per_worker=1")
+    if train.metrics and not prepared.num_validation_rows:
+        raise ConfigError(f"train.metrics {list(metric_name(m) for m in train.metrics)} are computed on validation "
+                          "rows, but this fit has none", hint="set validation_fraction (e.g. 0.2) or pass validation_df")
     if train.metrics:
         _check_metrics_on_outputs(config, prepared.layout, out_shape)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from sklearn.metrics import mean_absolute_error, mean_squared_error, roc_auc_score, top_k_accuracy_score
 from torch import nn
 
+import sparkdl
 from sparkdl import TorchEstimator
 from sparkdl.datasets import digits_dataframe, digits_images_dataframe, load_digits, train_test_split_digits
 from sparkdl.errors import ConfigError
@@ -140,7 +141,7 @@ def test_early_stopping_on_a_rising_val_loss_restores_the_best_epoch_on_every_st
     assert val_loss == pytest.approx(history[0]["val_loss"], rel=1e-5)
 
 
-def test_early_stopping_on_a_validation_metric_needs_validation_rows(digits_df) -> None:  # type: ignore[no-untyped-def]
+def test_training_options_are_checked_before_any_job(digits_df) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="no validation rows"):
         TorchEstimator(model=mlp, feature_cols=PIXELS, epochs=2, tracking=False, early_stopping={"patience": 1},
                        **COMMON).fit(digits_df)
@@ -149,6 +150,10 @@ def test_early_stopping_on_a_validation_metric_needs_validation_rows(digits_df) 
                        validation_fraction=0.2, tracking=False, **COMMON).fit(digits_df)
     with pytest.raises(ConfigError, match="precision='16' needs CUDA"):
         TorchEstimator(model=mlp, feature_cols=PIXELS, precision="16", tracking=False, **COMMON).fit(digits_df)
+    with pytest.raises(ConfigError, match="computed on validation rows"):
+        TorchEstimator(model=mlp, feature_cols=PIXELS, metrics=["accuracy"], tracking=False, **COMMON).fit(digits_df)
+    with pytest.raises(ConfigError, match="built-in loop"):
+        sparkdl.run(lambda ctx: None, df=digits_df, num_workers=2, callbacks=[stop_after_epoch_two])
 
 
 def two_partitions(spark, rows: int = 128):  # type: ignore[no-untyped-def]
