@@ -265,7 +265,8 @@ def check_training_options(config: RunConfig, spark: Any, prepared: Any, out_sha
     train = config.train
     early = early_stopping_options(train.early_stopping)
     if early is not None:
-        check_monitored(early["metric"], [metric_name(m) for m in train.metrics], prepared.num_validation_rows > 0)
+        check_monitored(early["metric"], [metric_name(m) for m in train.metrics], prepared.num_validation_rows > 0,
+                        prepared.layout.label_dtype == "int64")
     if train.precision == "16" and not config.launch.gpus_per_worker \
             and not float(spark.sparkContext.getConf().get("spark.task.resource.gpu.amount", "0") or 0):
         raise ConfigError("train.precision='16' needs CUDA GPUs, but the training tasks get none "

@@ -16,8 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config_values import (check_batch_size, check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
-from sparkdl.config_training import (check_callbacks, check_metrics, check_precision, check_schedule,
-                                     early_stopping_options)
+from sparkdl.config_training import check_training_essentials
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -178,18 +177,7 @@ class TrainConfig:
             raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
                               hint="use stages >= 2, or strategy='data_parallel'")
         self._validate_kept_plan()
-        check_schedule(self)
-        check_precision(self)
-        check_metrics(self.metrics)
-        early_stopping_options(self.early_stopping)
-        check_callbacks(self.callbacks)
-        if self.precision == "16" and self.strategy in ("hybrid", "ist"):
-            raise ConfigError(f"train.precision='16' (fp16 with a gradient scaler) is data-parallel only, but "
-                              f"train.strategy={self.strategy!r}",
-                              hint="use precision='bf16' (no scaler needed), or strategy='data_parallel'")
-        if self.accumulate_steps > 1 and self.strategy == "ist":
-            raise ConfigError("train.accumulate_steps applies to data_parallel and hybrid, but train.strategy='ist'",
-                              hint="IST rounds are counted in local steps: raise batch_size instead")
+        check_training_essentials(self)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
 

@@ -61,6 +61,10 @@ def check_metrics(specs: Sequence[Any]) -> tuple[str, ...]:
 def check_schedule(train: Any) -> None:
     """lr_schedule and its parameters."""
     choice("train.lr_schedule", train.lr_schedule, LR_SCHEDULES, callable_ok=True)
+    if callable(train.lr_schedule) and (train.warmup_steps or train.min_lr or train.step_every):
+        raise ConfigError("train.warmup_steps/min_lr/step_every shape the built-in schedules, but lr_schedule is a "
+                          "callable (your scheduler decides the lr)", hint="leave them unset, or build the warm-up "
+                          "into your scheduler (e.g. torch.optim.lr_scheduler.SequentialLR)")
     for key in ("warmup_steps", "step_every"):
         value = getattr(train, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -91,11 +95,12 @@ def early_stopping_options(value: Any) -> dict[str, Any] | None:
         raise ConfigError(f"train.early_stopping has an unknown key {unknown[0]!r}",
                           hint=suggest(unknown[0], EARLY_STOPPING_KEYS))
     metric = value.get("metric", "val_loss")
-    default_mode = "min" if metric.endswith("loss") or metric.endswith(("mae", "rmse", "perplexity")) else "max"
-    options = {"metric": metric, "mode": value.get("mode", default_mode), "patience": value.get("patience", 3),
-               "min_delta": value.get("min_delta", 0.0), "restore_best": value.get("restore_best", True)}
     if not isinstance(metric, str) or not metric:
         raise ConfigError(f"train.early_stopping.metric must be a history name such as 'val_loss', got {metric!r}")
+    # Higher is better only for accuracies and AUC; losses, errors, perplexity and anything else: lower.
+    default_mode = "max" if metric.endswith(("accuracy", "auc")) else "min"
+    options = {"metric": metric, "mode": value.get("mode", default_mode), "patience": value.get("patience", 3),
+               "min_delta": value.get("min_delta", 0.0), "restore_best": value.get("restore_best", True)}
     choice("train.early_stopping.mode", options["mode"], ("min", "max"))
     patience = options["patience"]
     if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
@@ -109,17 +114,17 @@ def early_stopping_options(value: Any) -> dict[str, Any] | None:
     return options
 
 
-def monitored_names(metrics: Sequence[str], has_validation: bool) -> tuple[str, ...]:
-    """Epoch-record names early stopping can watch in this run."""
+def monitored_names(metrics: Sequence[str], has_validation: bool, classification: bool = True) -> tuple[str, ...]:
+    """Epoch-record names early stopping can watch in this run (val_accuracy: class labels only)."""
     names = ["loss"]
     if has_validation:
-        names += ["val_loss", "val_accuracy"] + [f"val_{m}" for m in metrics]
+        names += ["val_loss"] + (["val_accuracy"] if classification else []) + [f"val_{m}" for m in metrics]
     return tuple(dict.fromkeys(names))
 
 
-def check_monitored(metric: str, metrics: Sequence[str], has_validation: bool) -> None:
+def check_monitored(metric: str, metrics: Sequence[str], has_validation: bool, classification: bool = True) -> None:
     """Driver check before the job: early stopping watches a name the epoch records will hold."""
-    known = monitored_names(metrics, has_validation)
+    known = monitored_names(metrics, has_validation, classification)
     if metric in known:
         return
     if metric.startswith("val_") and not has_validation:
@@ -139,3 +144,19 @@ def check_callbacks(callbacks: Any) -> None:
         if not isinstance(callback, str) or ":" not in callback or not all(callback.partition(":")[::2]):
             raise ConfigError(f"train.callbacks holds {callback!r}, neither a callable nor 'package.module:function'",
                               hint="each callback is fn(record: dict) -> None | 'stop', called on the driver")
+
+
+def check_training_essentials(train: Any) -> None:
+    """TrainConfig.validate's part for these options, and how they combine with the strategy."""
+    check_schedule(train)
+    check_precision(train)
+    check_metrics(train.metrics)
+    early_stopping_options(train.early_stopping)
+    check_callbacks(train.callbacks)
+    if train.precision == "16" and train.strategy in ("hybrid", "ist"):
+        raise ConfigError(f"train.precision='16' (fp16 with a gradient scaler) is data-parallel only, but "
+                          f"train.strategy={train.strategy!r}",
+                          hint="use precision='bf16' (no scaler needed), or strategy='data_parallel'")
+    if train.accumulate_steps > 1 and train.strategy == "ist":
+        raise ConfigError("train.accumulate_steps applies to data_parallel and hybrid, but train.strategy='ist'",
+                          hint="IST rounds are counted in local steps: raise batch_size instead")

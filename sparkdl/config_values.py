@@ -118,6 +118,8 @@ def coerce(part: Any, name: str, value: Any) -> Any:
             return tuple(value)
         except TypeError:
             raise ConfigError(f"{name} must be a list, got {value!r}") from None
+    if name == "precision" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # --set train.precision=16 reads as a TOML integer
     current = getattr(part, name)
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -75,11 +75,11 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
         verdict = stopper.close_epoch(ctx, strategy, record)
         history.append(record)
         if verdict.stop:
-            if not last:
-                strategy.finish()
+            if not last:  # end on the weights this epoch validated (DiLoCo's global model, IST's last write-back)
+                strategy.restore(strategy.snapshot())
             break
         if checkpoints is not None and not last:
-            checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, history, 0.0, 0, stopper))
+            checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, strategy, history, 0.0, 0, stopper))
     stopper.restore_best(strategy, history)
     return strategy.result_state(), history
 
@@ -113,17 +113,23 @@ class _Stopper:
         return verdict
 
     def restore_best(self, strategy: Strategy, history: History) -> None:
+        """The best epoch's weights, when early stopping ended the fit or it ran every epoch; a
+        callback's "stop" keeps the weights of the epoch it stopped after (what it asked for)."""
         if self.early is None or not self.early.restore_best or self.best is None or not history:
+            return
+        if str(history[-1].get("stopped_by", "early_stopping")) != "early_stopping":
             return
         if self.early.best_epoch != history[-1]["epoch"]:
             strategy.restore(self.best)
         history[-1]["best_epoch"] = self.early.best_epoch
         history[-1]["restored_best"] = True
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self, ctx: WorkerContext, strategy: Strategy) -> dict[str, Any]:
         if self.early is None:
             return {}
-        return {"early_stopping": self.early.state(), **({"best_weights": self.best} if self.best else {})}
+        # Ranks holding the same weights keep one copy of the best ones: rank 0's (it returns the model).
+        keep = self.best is not None and (ctx.rank == 0 or not strategy.replicated_state)
+        return {"early_stopping": self.early.state(), **({"best_weights": self.best} if keep else {})}
 
 
 def build_strategy(ctx: WorkerContext) -> Strategy:
@@ -199,7 +205,7 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         if save_due and micro.last and totals.step < steps:
             save_due = False
             checkpoints.save(Position(epoch, totals.step, totals.global_step),  # type: ignore[union-attr]
-                             _progress(ctx, history, float(totals.loss_sum.cpu()), totals.samples, stopper))
+                             _progress(ctx, strategy, history, float(totals.loss_sum.cpu()), totals.samples, stopper))
 
 
 def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, Any, Any]]:
@@ -245,12 +251,12 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     return record
 
 
-def _progress(ctx: WorkerContext, history: History, loss_sum: float, samples: int, stopper: _Stopper
-              ) -> dict[str, Any]:
+def _progress(ctx: WorkerContext, strategy: Strategy, history: History, loss_sum: float, samples: int,
+              stopper: _Stopper) -> dict[str, Any]:
     """This rank's part of a checkpoint besides the strategy's state: running sums, history (rank 0),
     early stopping's state and this rank's part of the best weights."""
     return {"loss_sum": loss_sum, "samples": samples, "history": history if ctx.rank == 0 else [],
-            "batch_shares": list(ctx.batch_shares or []), **stopper.progress()}
+            "batch_shares": list(ctx.batch_shares or []), **stopper.progress(ctx, strategy)}
 
 
 def _gather_metrics(ctx: WorkerContext, local: dict[str, float]) -> dict[str, list[float]]:

@@ -72,7 +72,14 @@ def epoch_verdict(ctx: Any, record: dict[str, Any], early_reason: str | None) ->
         if early_reason is not None:
             verdict = Verdict(True, "early_stopping", early_reason)
         if ctx.spec.driver_callbacks and ctx.reporter is not None:
-            reply = ctx.reporter.ask_epoch(record, ctx.spec.config.launch.timeout_s) or {}
+            # Peers wait in the agreement below, whose collective times out after launch.timeout_s:
+            # give up on the driver first (and train on) rather than break the job.
+            wait = 0.8 * ctx.spec.config.launch.timeout_s
+            reply = ctx.reporter.ask_epoch(record, wait)
+            if reply is None:
+                print(f"sparkdl: WARNING the driver's callbacks gave no verdict on epoch {record.get('epoch')} within "
+                      f"{wait:g} s (0.8 x launch.timeout_s); training goes on", flush=True)
+            reply = reply or {}
             if reply.get("stop") and not verdict.stop:
                 verdict = Verdict(True, str(reply.get("stopped_by", "callback")), str(reply.get("reason", "")))
         elif ctx.reporter is not None:

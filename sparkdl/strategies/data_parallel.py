@@ -100,10 +100,17 @@ class DataParallel(Strategy):
         with self.steps.autocast():
             output = call_model(self._model, inputs)
         loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, float_output(output), labels, weights)
-        self.steps.backward(self._objective(loss, numerator, denominator), micro)
+        if numerator is not None and micro.count > 1:
+            # The window's weighted mean: sum(w * l) now, divided by the window's weight total at its end.
+            self.steps.backward(numerator)
+            self._window_weight = denominator.detach() + (self._window_weight if micro.index else 0.0)
+        else:
+            self.steps.backward(self._objective(loss, numerator, denominator), micro)
         self.slow_down(started)
         if not micro.last:
             return loss.detach()
+        if numerator is not None and micro.count > 1:
+            self._normalise_window()
         if self._diloco:
             self.steps.step(self._optimizer, self._params)
             self._inner_steps += 1
@@ -129,6 +136,19 @@ class DataParallel(Strategy):
         if self.loss_weight != 1.0 and not self._diloco:
             return loss * self.loss_weight  # unequal shares: the average over ranks is the mean over all rows
         return loss
+
+    def _normalise_window(self) -> None:
+        """Gradients of sum(w * l) over an accumulation window -> of sum(w * l) / sum(w) over the
+        window's global batch (DiLoCo: this rank's), so k micro-batches weigh exactly like one batch."""
+        total = self._window_weight.reshape(1).to(torch.float32).clone()
+        ranks = 1
+        if not self._diloco and self.comm.size > 1:
+            self.comm.allreduce(total, op="sum")
+            ranks = self.comm.size  # gradients are averaged over the ranks next
+        factor = ranks / total[0].clamp_min(torch.finfo(torch.float32).tiny)
+        for param in self._params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
 
     def _weighted_objective(self, numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         """sum(w * l) / sum(w) over the global batch (DiLoCo's ranks step alone: over their own)."""

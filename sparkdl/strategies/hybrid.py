@@ -28,7 +28,7 @@ from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
-_TAG_FEATURES, _TAG_LABELS, _TAG_ACTIVATION, _TAG_GRADIENT, _TAG_WEIGHTS = 1, 2, 3, 4, 5
+_TAG_FEATURES, _TAG_LABELS, _TAG_ACTIVATION, _TAG_GRADIENT, _TAG_WEIGHTS, _TAG_SCALE = 1, 2, 3, 4, 5, 6
 _EVAL_ROWS = 1024
 
 
@@ -185,7 +185,9 @@ class Hybrid(Strategy):
         input_chunks = torch.split(inputs, sizes) if inputs is not None else None
         target_chunks = torch.split(targets, sizes) if targets is not None else None
         weight_chunks = torch.split(target_weights, sizes) if target_weights is not None else None
-        replicas_weight = self._replicas_weight_total(targets, target_weights)
+        # Weighted accumulation: sum(w * l) per micro-batch, normalised by the window's total at its end.
+        windowed = micro.count > 1 and weights is not None and getattr(self._loss_fn, "counted", None) is not None
+        replicas_weight = self._replicas_weight_total(targets, target_weights, reduce=not windowed)
         ops = self._ops(self.stage, self.layout.stages, len(sizes))
         receives = _Receives(self, ops, sizes)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -200,22 +202,19 @@ class Hybrid(Strategy):
                     sent = y.detach().to(_dtype(self.layout.boundary_dtypes[self.stage]))
                     keep_alive.append(sent)
                     pending.append(self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, i)))
-                elif replicas_weight is None:  # unweighted, or a custom loss weighing by itself
-                    extra = {} if weight_chunks is None else {"weight": weight_chunks[i]}
-                    y = self._loss_fn(float_output(y), target_chunks[i], **extra) * (sizes[i] / total)
-                    loss += y.detach()
                 else:
-                    numerator, counted = weighted_terms(self._loss_fn, float_output(y), target_chunks[i],
-                                                        weight_chunks[i])
-                    y = numerator * (self.layout.replicas / replicas_weight)
-                    loss += numerator.detach()
+                    scale = None if replicas_weight is None else \
+                        self.layout.replicas / (1.0 if windowed else replicas_weight)
+                    y, term, counted = self._micro_loss(y, target_chunks[i], None if weight_chunks is None
+                                                        else weight_chunks[i], sizes[i] / total, scale)
+                    loss += term
                     local_weight += counted
                 saved[i] = (x, y, nbytes)
                 self._meter.add(nbytes)
             else:
                 x, y, nbytes = saved.pop(i)
                 if self._next is None:
-                    self.steps.backward(y, micro)
+                    self.steps.backward(y, SINGLE if windowed else micro)
                 else:
                     self.steps.backward(y, gradient=incoming)
                 if self._prev is not None:
@@ -224,25 +223,61 @@ class Hybrid(Strategy):
                 self._meter.add(-nbytes)
         for work in pending:
             work.wait()
+        if windowed:
+            self._window_weight = local_weight.detach() + (self._window_weight if micro.index else 0.0)
         if micro.last:
-            if self._stage_group is not None and self._stage_group.size > 1:
-                average_gradients(self._stage_group, self._params)
-            self.steps.step(self._optimizer, self._params)
+            self._end_window(windowed)
         if replicas_weight is not None:
             loss = loss / local_weight.clamp_min(torch.finfo(torch.float32).tiny)
         return loss
 
-    def _replicas_weight_total(self, targets: torch.Tensor | None, weights: torch.Tensor | None
-                               ) -> torch.Tensor | None:
+    def _micro_loss(self, y: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, share: float,
+                    scale: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(what the last stage differentiates, its reported part, counted weight) of one micro-batch:
+        the mean loss times its share of the rows (unweighted, or a custom loss weighing by itself),
+        or sum(w * l) times `scale` (D over the weight total)."""
+        if scale is None:
+            extra = {} if weight is None else {"weight": weight}
+            objective = self._loss_fn(float_output(y), target, **extra) * share
+            return objective, objective.detach(), torch.zeros((), device=y.device)
+        numerator, counted = weighted_terms(self._loss_fn, float_output(y), target, weight)
+        return numerator * scale, numerator.detach(), counted
+
+    def _end_window(self, windowed: bool) -> None:
+        """The optimizer step: with weighted accumulation, first every stage of the replica scales its
+        gradients by D / (the window's weight total over all replicas), which only the last stages
+        know (one scalar allreduce among them, then one message to each earlier stage)."""
+        if windowed:
+            factor = torch.zeros(1, dtype=torch.float32, device=self.comm.device)
+            ranks = self.layout.grid[self.replica]
+            if self.stage == self.last:
+                total = self._window_weight.reshape(1).to(torch.float32).clone()
+                if self._stage_group is not None and self._stage_group.size > 1:
+                    self._stage_group.allreduce(total, op="sum")
+                factor[0] = 1.0 / total[0].clamp_min(torch.finfo(torch.float32).tiny)
+                for work in [self.comm.send(factor, ranks[k], _tag(_TAG_SCALE)) for k in range(self.last)]:
+                    work.wait()
+            else:
+                self.comm.recv(factor, self._last_rank, _tag(_TAG_SCALE))
+            for param in self._params:
+                if param.grad is not None:
+                    param.grad.mul_(factor[0])
+        if self._stage_group is not None and self._stage_group.size > 1:
+            average_gradients(self._stage_group, self._params)
+        self.steps.step(self._optimizer, self._params)
+
+    def _replicas_weight_total(self, targets: torch.Tensor | None, weights: torch.Tensor | None,
+                               reduce: bool = True) -> torch.Tensor | None:
         """On the last stages: the weight total (over counted label positions) of every replica's
-        rows, one scalar allreduce among them; None elsewhere, without weights, or for a custom loss."""
+        rows, one scalar allreduce among them (this rank's alone unless `reduce`); None elsewhere,
+        without weights, or for a custom loss."""
         if weights is None or targets is None:
             return None
         local = weight_total(self._loss_fn, targets, weights)
         if local is None:
             return None
         total = local.reshape(1).to(torch.float32)
-        if self._stage_group is not None and self._stage_group.size > 1:
+        if reduce and self._stage_group is not None and self._stage_group.size > 1:
             self._stage_group.allreduce(total, op="sum")
         return total[0].clamp_min(torch.finfo(torch.float32).tiny)
 

@@ -78,14 +78,17 @@ class OptimizerSteps:
             self.scaler.unscale_(optimizer)
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params), self.grad_clip)
+        stepped = True
         if self.scaler is not None:
+            scale = self.scaler.get_scale()
             self.scaler.step(optimizer)
             self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale  # a lower scale: inf/NaN gradients, the step was skipped
         else:
             optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.taken += 1
+        if self.scheduler is not None and stepped:
+            self.scheduler.step()  # the schedule counts the optimizer steps taken
+        self.taken += int(stepped)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"taken": self.taken}

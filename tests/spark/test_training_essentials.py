@@ -160,13 +160,16 @@ def two_partitions(spark, rows: int = 128):  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(7)
     x = rng.normal(size=(rows, 6))
     y = (x[:, 0] + x[:, 1] > 0).astype(int)
-    data = [(*map(float, r), int(t)) for r, t in zip(x, y)]
-    return spark.sparkContext.parallelize(data, 2).toDF([f"f{i}" for i in range(6)] + ["label"]).cache()
+    w = rng.uniform(0.1, 3.0, size=rows)  # uneven weights: per-micro-batch means would differ from the window's
+    data = [(*map(float, r), int(t), float(v)) for r, t, v in zip(x, y, w)]
+    return spark.sparkContext.parallelize(data, 2).toDF([f"f{i}" for i in range(6)] + ["label", "w"]).cache()
 
 
 @pytest.mark.parametrize("options", [{"strategy": "data_parallel"},
-                                     {"strategy": "hybrid", "stages": 2, "microbatches": 2}],
-                         ids=["data_parallel", "hybrid"])
+                                     {"strategy": "data_parallel", "weight_col": "w"},
+                                     {"strategy": "hybrid", "stages": 2, "microbatches": 2},
+                                     {"strategy": "hybrid", "stages": 2, "microbatches": 2, "weight_col": "w"}],
+                         ids=["data_parallel", "data_parallel_weighted", "hybrid", "hybrid_weighted"])
 def test_two_accumulated_micro_batches_equal_one_batch_twice_the_size(spark, options) -> None:  # type: ignore[no-untyped-def]
     df = two_partitions(spark)
     common = dict(model=lambda: nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)),

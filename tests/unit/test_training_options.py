@@ -36,6 +36,8 @@ def config(**options):  # type: ignore[no-untyped-def]
     ({"callbacks": ["no_colon"]}, "package.module:function"),
     ({"precision": "16", "strategy": "hybrid"}, "data-parallel only"),
     ({"accumulate_steps": 2, "strategy": "ist"}, "IST"),
+    ({"early_stopping": {"metric": 3}}, "history name"),
+    ({"lr_schedule": lambda optimizer: None, "warmup_steps": 5}, "lr_schedule is a callable"),
 ])
 def test_bad_training_options_name_the_option(options, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=match):
@@ -53,6 +55,9 @@ def test_training_options_come_from_toml_overrides_too() -> None:
     assert early_stopping_options(train.early_stopping)["mode"] == "max"  # accuracy: higher is better
     assert [c.__name__ for c in resolve_callbacks(train.callbacks)] == ["dumps"]
     assert config(precision="16").train.implied_strategy == "data_parallel"
+    assert RunConfig().with_overrides(["data.feature_cols=['a']", "train.precision=16"]).validate().train.precision == "16"
+    assert early_stopping_options({"metric": "val_my_error"})["mode"] == "min"
+    assert early_stopping_options({"metric": "val_auc"})["mode"] == "max"
 
 
 def test_metric_names_and_monitored_names() -> None:
