@@ -149,8 +149,11 @@ def _local(path: str) -> Path | None:
 
 def print_history(history: Sequence[dict[str, Any]], epochs: int) -> None:
     for h in history:
-        print(f"epoch {h['epoch'] + 1}/{epochs}  loss {h['loss']:.4f}  samples/s {h.get('samples_per_sec', 0):.0f}",
-              flush=True)
+        validation = "".join(f"  {k} {v:.4f}" for k, v in h.items() if k.startswith("val_") and isinstance(v, float))
+        print(f"epoch {h['epoch'] + 1}/{epochs}  loss {h['loss']:.4f}{validation}  "
+              f"samples/s {h.get('samples_per_sec', 0):.0f}", flush=True)
+    if history and history[-1].get("stopped_by"):
+        print(f"stopped by {history[-1]['stopped_by']}: {history[-1].get('stop_reason', '')}", flush=True)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -176,6 +179,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         last = model.history[-1] if model.history else {}
         print(json.dumps({"run_id": model.run_id, "epochs": len(model.history), "final_loss": last.get("loss"),
+                          "stopped_by": last.get("stopped_by"),
                           "seconds": round(seconds, 2), "inputs": inputs, "model": config.to_dict()["model"],
                           "outputs": outputs, "num_workers": config.launch.num_workers, "model_path": path}))
         return 0

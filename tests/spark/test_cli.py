@@ -128,3 +128,18 @@ def test_hybrid_from_the_conf(spark, digits_parquet: str, conf: str, tmp_path: P
     assert model.history[-1]["loss"] < model.history[0]["loss"]
     assert model.history[-1]["max_param_bytes_per_rank"] < sum(
         p.numel() * 4 for p in model.torch_module().parameters())
+
+
+def test_training_essentials_from_set_overrides(spark, digits_parquet: str, conf: str,  # type: ignore[no-untyped-def]
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["train", "--conf", conf, "--set", f"input.path={digits_parquet}", "--set", "train.epochs=3",
+                   "--set", "train.lr_schedule=cosine", "--set", "train.warmup_steps=5", "--set", "train.precision=bf16",
+                   "--set", "train.accumulate_steps=2", "--set", "data.validation_fraction=0.2",
+                   "--set", "train.metrics=['accuracy','top_3_accuracy']",
+                   "--set", "train.callbacks=['sparkdl_test_models:stop_after_first_epoch']",
+                   "--set", 'train.strategy="data_parallel"'])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["epochs"] == 1 and summary["stopped_by"] == "callback:stop_after_first_epoch"
+    assert "val_top_3_accuracy" in out and "stopped by callback:stop_after_first_epoch" in out

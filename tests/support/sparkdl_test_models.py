@@ -37,3 +37,8 @@ def tiny_gpt() -> nn.Sequential:
     return nn.Sequential(Embed(), Block(), Block(), nn.Sequential(nn.LayerNorm(D), nn.Linear(D, V)))
 
 
+
+
+def stop_after_first_epoch(record: dict) -> str | None:
+    """A driver callback for TOML/CLI runs (train.callbacks = ["sparkdl_test_models:stop_after_first_epoch"])."""
+    return "stop" if record["epoch"] >= 0 else None
