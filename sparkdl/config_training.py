@@ -160,3 +160,27 @@ def check_training_essentials(train: Any) -> None:
     if train.accumulate_steps > 1 and train.strategy == "ist":
         raise ConfigError("train.accumulate_steps applies to data_parallel and hybrid, but train.strategy='ist'",
                           hint="IST rounds are counted in local steps: raise batch_size instead")
+
+
+_HOROVOD_CONTRACT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+                     "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+                     "HOROVOD_GLOO_RENDEZVOUS_PORT")  # comm/horovod.py sets these from the barrier job
+
+
+def check_horovod_env(env: Any, backend: str) -> None:
+    """launch.horovod_env: HOROVOD_* names with scalar values, for the horovod backend, never one of
+    the variables sparkdl sets for the rendezvous."""
+    if env is None:
+        return
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k.startswith("HOROVOD_") for k in env) \
+            or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
+        raise ConfigError(f"launch.horovod_env must be a table of HOROVOD_* settings, got {env!r}",
+                          hint='for example horovod_env={"HOROVOD_FUSION_THRESHOLD": 33554432}')
+    if backend != "horovod":
+        raise ConfigError(f"launch.horovod_env applies to backend='horovod', but launch.backend={backend!r}",
+                          hint="set backend='horovod', or drop horovod_env")
+    reserved = sorted(set(env) & set(_HOROVOD_CONTRACT))
+    if reserved:
+        raise ConfigError(f"launch.horovod_env sets {reserved}, which sparkdl sets for Horovod's rendezvous",
+                          hint="ranks, sizes and the rendezvous come from the barrier job; tune other HOROVOD_* "
+                               "settings only")

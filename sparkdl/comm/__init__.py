@@ -23,11 +23,12 @@ def backend_class(backend: str) -> type[Communicator]:
 
 
 def create(backend: str, world: WorldInfo, timeout_s: float,
-           exchange: Callable[[str], list[str]] | None = None) -> Communicator:
-    """Import the backend lazily so `import sparkdl` never needs Horovod."""
+           exchange: Callable[[str], list[str]] | None = None, env: dict[str, str] | None = None) -> Communicator:
+    """Import the backend lazily so `import sparkdl` never needs Horovod. `env`: the backend's own
+    settings (launch.horovod_env)."""
     cls = backend_class(backend)
     if backend in BOOTSTRAPS_THROUGH_SPARK:
-        return cls(world, timeout_s, exchange=exchange)
+        return cls(world, timeout_s, exchange=exchange, env=env)
     return cls(world, timeout_s)
 
 

@@ -62,11 +62,14 @@ class HorovodCommunicator(Communicator):
     ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER})  # no send/recv: hybrid needs torch
 
     def __init__(self, world: WorldInfo, timeout_s: float,
-                 exchange: Callable[[str], list[str]] | None = None) -> None:
+                 exchange: Callable[[str], list[str]] | None = None, env: dict[str, str] | None = None) -> None:
+        """`env`: launch.horovod_env, HOROVOD_* tuning settings (fusion threshold, cycle time, ...)
+        applied before hvd.init(): a train_fn setting os.environ would be too late."""
         super().__init__(world)
         if exchange is None:
             raise ConfigError("the horovod backend needs the barrier allGather to bootstrap",
                               hint="create it through sparkdl.comm.create inside a barrier task")
+        user_env = env
         self.hvd = import_horovod()
         self._server: Any = None
         plan = slot_plan(world.hosts)
@@ -89,6 +92,7 @@ class HorovodCommunicator(Communicator):
         iface = interface_of(world.hosts[world.rank])
         if iface:
             env["HOROVOD_GLOO_IFACE"] = iface
+        env.update({k: str(v) for k, v in (user_env or {}).items()})
         self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
         if self._use_gpu:
             from sparkdl.comm.torch_dist import cuda_index

@@ -113,7 +113,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
         comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s,
-                                    exchange=context.allGather)
+                                    exchange=context.allGather, env=spec.config.launch.horovod_env)
         stack.callback(comm.close)
         comm = _maybe_emulate(spec, comm)
         # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
@@ -137,7 +137,9 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             # Several ranks may each return part of the model (pipeline stages); merged on the driver.
             state, history = train(ctx, resume, store)
             payload = dumps_state(state) if state is not None else None
-        comm.barrier()
+        # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
+        # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
+        context.barrier() if hasattr(context, "barrier") else comm.barrier()
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
 
 

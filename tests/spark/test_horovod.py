@@ -11,7 +11,7 @@ from torch import nn
 
 import sparkdl
 from sparkdl import TorchEstimator
-from sparkdl.errors import TrainingError
+from sparkdl.errors import ConfigError, TrainingError
 
 if os.environ.get("SPARKDL_REQUIRE_HOROVOD"):
     import horovod.torch as hvd  # `make test` built it: a failed import must fail, not skip
@@ -64,6 +64,27 @@ def test_horovod_takes_schedules_accumulation_and_bf16_like_torch(rows_df) -> No
     with_torch, with_horovod = train("torch"), train("horovod")
     for name in with_torch:
         assert torch.allclose(with_torch[name], with_horovod[name], atol=1e-4), name
+
+
+def test_horovod_env_reaches_hvd_init_and_a_train_fn_may_shut_horovod_down(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """launch.horovod_env is in place before hvd.init() (the timeline it names gets written), and a
+    script ending in hvd.shutdown() still returns rank 0's value instead of failing the run."""
+    timeline = tmp_path / "timeline.json"
+
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        import horovod.torch as hvd_in_task
+
+        total = hvd_in_task.allreduce(torch.tensor([float(ctx.rank + 1)]), op=hvd_in_task.Sum)
+        fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        hvd_in_task.shutdown()  # what a Horovod script ends with
+        return {"sum": float(total), "fusion": fusion}
+
+    result = sparkdl.run(train_fn, num_workers=2, backend="horovod",
+                         horovod_env={"HOROVOD_FUSION_THRESHOLD": 1 << 20, "HOROVOD_TIMELINE": str(timeline)})
+    assert result == {"sum": 3.0, "fusion": str(1 << 20)}
+    assert timeline.exists() and timeline.stat().st_size > 0
+    with pytest.raises(ConfigError, match="sparkdl sets for Horovod's rendezvous"):
+        sparkdl.run(train_fn, num_workers=2, backend="horovod", horovod_env={"HOROVOD_RANK": 0})
 
 
 def test_two_ranks_on_one_host_get_distinct_local_ranks(spark) -> None:  # type: ignore[no-untyped-def]
