@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The CLI under spark-submit, as a scheduled job would run it: write the digits to Parquet, then
-# `spark-submit <sparkdl/cli.py> train --conf <toml>` trains, logs to MLflow and saves the model.
+# `sparkdl submit -- train --conf <toml>` (spark-submit underneath) trains, logs to MLflow and saves the model.
 #
 #   examples/spark_submit_train.sh [OUTPUT_DIR] [EPOCHS]       (run from the repository root)
 set -euo pipefail
 out=${1:-/tmp/sparkdl-submit-example}
 epochs=${2:-3}
 python=${PYTHON:-$PWD/.venv/bin/python}
-spark_submit=$(dirname "$("$python" -c 'import pyspark; print(pyspark.__file__)')")/bin/spark-submit
 rm -rf "$out" && mkdir -p "$out"
 
 "$python" - "$out/digits.parquet" <<'PY'
@@ -19,9 +18,11 @@ digits_dataframe(spark).write.parquet(sys.argv[1])
 spark.stop()
 PY
 
-PYSPARK_PYTHON=$python "$spark_submit" --master "local[2]" --conf spark.ui.enabled=false \
-  --conf spark.pyspark.python="$python" \
-  "$("$python" -c 'import sparkdl.cli as c; print(c.__file__)')" train --conf conf/examples/digits.toml \
+# `sparkdl submit <spark-submit options> -- train ...` runs spark-submit with sparkdl/cli.py as the
+# application (spark-submit needs a .py file: `spark-submit $(which sparkdl)` fails) and the
+# executors on this Python.
+PYSPARK_PYTHON=$python "$python" -m sparkdl submit --master "local[2]" --conf spark.ui.enabled=false \
+  -- train --conf conf/examples/digits.toml \
   --set input.path="$out/digits.parquet" --set output.model_path="$out/model" --set train.epochs="$epochs" \
   --set tracking.tracking_uri="sqlite:///$out/mlflow.db" --set tracking.progress=false
 echo "model saved to $out/model"

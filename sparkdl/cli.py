@@ -263,7 +263,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sparkdl", description="Train PyTorch models on Spark DataFrames.")
-    sub = top.add_subparsers(dest="command", required=True, metavar="{train,plan,demo}")
+    top.epilog = ("sparkdl submit [spark-submit options] -- {train,plan} ...: the same under spark-submit "
+                  "(e.g. --master spark://host:7077)")
+    sub = top.add_subparsers(dest="command", required=True, metavar="{train,plan,demo,submit}")
     train = sub.add_parser("train", help="train an MLP described by a TOML config file")
     train.add_argument("--conf", required=True, metavar="PATH", help="TOML file (see conf/examples/)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -289,6 +291,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["submit"]:  # spark-submit's own options follow: not for argparse
+        from sparkdl.submit import run_submit
+
+        try:
+            return run_submit(argv[1:])
+        except SparkdlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         args = parser().parse_args(argv)
     except SystemExit as exc:  # bad usage (2) or --help (0): a return code, also when called in-process

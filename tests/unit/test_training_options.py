@@ -123,3 +123,17 @@ def test_sixteen_bit_precision_needs_cuda_and_bf16_autocasts_on_cpu() -> None:
     assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.float32
     steps.backward(out.float().sum(), Accumulation(0, 2))
     assert layer.weight.grad.dtype == torch.float32  # fp32 master weights get fp32 gradients
+
+
+def test_sparkdl_submit_hands_spark_submit_a_python_application() -> None:
+    from sparkdl.submit import submit_command
+
+    command = submit_command(["--master", "spark://h:7077", "--executor-memory", "2g", "--", "train", "--conf", "x.toml"])
+    assert command[0].endswith("spark-submit") and command[1:5] == ["--master", "spark://h:7077", "--executor-memory", "2g"]
+    application = command.index("train") - 1
+    assert command[application].endswith("sparkdl/cli.py") and command[application + 1:] == ["train", "--conf", "x.toml"]
+    assert any(c.startswith("spark.pyspark.python=") for c in command)
+    with pytest.raises(ConfigError, match="needs `--`"):
+        submit_command(["--master", "local[2]", "train"])
+    with pytest.raises(ConfigError, match="runs `train` or `plan`"):
+        submit_command(["--", "demo"])
