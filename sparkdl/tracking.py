@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -20,6 +21,9 @@ log = logging.getLogger("sparkdl")
 
 MAX_PARAM_CHARS = 6000  # MLflow 3 accepts 6000-character param values
 CLIENT_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+
+_FLUENT_LOCK = threading.Lock()  # around MLflow's fluent (process-global) API
 
 
 class RunTracker:
@@ -71,7 +75,15 @@ class RunTracker:
 
             return _get_experiment_id()
         found = self._client.get_experiment_by_name(self.experiment)
-        return found.experiment_id if found is not None else self._client.create_experiment(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self._client.create_experiment(self.experiment)
+        except Exception:  # noqa: BLE001 - a concurrent fit (another thread) created it first: use that one
+            found = self._client.get_experiment_by_name(self.experiment)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._active():
@@ -147,15 +159,18 @@ class RunTracker:
             python_model = pyfunc_model(served)
             output = pd.DataFrame(served.predict_columns(input_example))
             signature = infer_signature(input_example, output)
-            previous = mlflow.get_tracking_uri()
-            mlflow.set_tracking_uri(self.tracking_uri)
-            try:
-                with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
-                    info = mlflow.pyfunc.log_model(name="model", python_model=python_model, signature=signature,
-                                                   input_example=input_example)
-                result.append(info.model_uri)
-            finally:
-                mlflow.set_tracking_uri(previous)
+            # log_model goes through MLflow's process-global tracking URI: fits running in other
+            # threads must not swap it between our set and our log (their runs live elsewhere).
+            with _FLUENT_LOCK:
+                previous = mlflow.get_tracking_uri()
+                mlflow.set_tracking_uri(self.tracking_uri)
+                try:
+                    with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
+                        info = mlflow.pyfunc.log_model(name="model", python_model=python_model, signature=signature,
+                                                       input_example=input_example)
+                    result.append(info.model_uri)
+                finally:
+                    mlflow.set_tracking_uri(previous)
 
         self._guard("log the model", send)
         return result[0] if result else None

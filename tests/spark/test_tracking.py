@@ -308,3 +308,40 @@ def test_a_png_model_serves_bytes_through_its_transform_fn(spark, mlflow_server)
         mlflow.set_tracking_uri(None)
     assert served["prediction"].tolist() == expected
     assert torch.tensor(served["probabilities"].tolist()).shape == (6, 10)
+
+
+def test_three_concurrent_fits_from_three_threads_each_get_their_own_run(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    """Two notebook cells (or threads) fitting at once: three 2-rank fits on 4 slots all finish, the
+    third waiting for slots, each with its own FINISHED MLflow run and its own metrics."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    df = digits_dataframe(spark).limit(600).cache()
+    df.count()
+    results: dict[int, object] = {}
+
+    def fit(index: int) -> None:
+        try:
+            results[index] = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=2, batch_size=32,
+                                            num_workers=2, strategy="data_parallel", seed=index,
+                                            tracking_uri=mlflow_server.uri, experiment="sparkdl-concurrent",
+                                            run_name=f"fit-{index}", progress=False).fit(df)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results[index] = exc
+
+    threads = [threading.Thread(target=fit, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    assert sorted(results) == [0, 1, 2]
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    runs = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("sparkdl-concurrent")
+                                                          .experiment_id])}
+    assert sorted(runs) == sorted(m.run_id for m in results.values())  # type: ignore[union-attr]
+    for model in results.values():
+        run = runs[model.run_id]  # type: ignore[union-attr]
+        assert run.info.status == "FINISHED" and run.data.metrics["epoch_loss"] > 0
+        assert run.data.tags["mlflow.runName"] == f"fit-{model.options['train.seed']}"  # type: ignore[union-attr]
