@@ -1,0 +1,82 @@
+"""A real Spark standalone cluster on 127.0.0.1 for tests: a Master and Workers started with the
+pyspark wheel's own bin/spark-class (no SPARK_HOME), each in its own process group, stopped (and
+their executors with them) at the end. The pytest process keeps its local-cluster session, so
+applications on this cluster run in subprocesses (spark-submit, or a Python driver script)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyspark
+
+SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def environment() -> dict[str, str]:
+    """Executors run this Python; pyspark's scripts are found next to it."""
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "SPARK_LOCAL_IP": "127.0.0.1"}
+
+
+class StandaloneCluster:
+    def __init__(self, workdir: Path, cores: int = 1, memory: str = "1g") -> None:
+        self.workdir = workdir
+        self.cores, self.memory = cores, memory
+        self.port = free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self._processes: list[subprocess.Popen[Any]] = []
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen[Any]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        process = subprocess.Popen([str(SPARK_CLASS), *args], stdout=log, stderr=subprocess.STDOUT,
+                                   env=environment(), start_new_session=True)
+        self._processes.append(process)
+        return process
+
+    def start_master(self) -> "StandaloneCluster":
+        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
+                    str(self.port), "--webui-port", str(free_port()))
+        self._wait_for("master", "I have been elected leader")
+        return self
+
+    def start_worker(self, index: int) -> None:
+        work = self.workdir / f"worker-{index}"
+        work.mkdir(exist_ok=True)
+        self._start(f"worker-{index}", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores",
+                    str(self.cores), "--memory", self.memory, "--work-dir", str(work), "--webui-port",
+                    str(free_port()), self.url)
+        self._wait_for(f"worker-{index}", "Successfully registered with master")
+
+    def _wait_for(self, name: str, line: str, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        log = self.workdir / f"{name}.log"
+        while time.monotonic() < deadline:
+            if log.exists() and line in log.read_text(errors="replace"):
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} did not log {line!r} within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        for process in reversed(self._processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self._processes:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        # Executors are children of the workers but in sessions of their own: none may outlive the test.
+        subprocess.run(["pkill", "-f", f"CoarseGrainedExecutorBackend.*{self.port}"], check=False)

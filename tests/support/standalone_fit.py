@@ -1,0 +1,82 @@
+"""Driver script of the standalone tests: one data-parallel fit on a spark:// master, its weights and
+history written to OUT (torch.save). With --kill-marker, the rank-1 executor's whole JVM
+(CoarseGrainedExecutorBackend, not only the Python worker) is killed with SIGKILL at rank 1's 8th
+step, once per marker file; with --checkpoint-dir the fit resumes from its checkpoints.
+
+    python standalone_fit.py MASTER OUT [--checkpoint-dir DIR] [--kill-marker PATH] [--slot-wait S]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+FEATURES = [f"f{i}" for i in range(6)]
+MARKER = {"path": ""}
+CALLS = {"n": 0}
+
+
+def net() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def executor_jvm(pid: int) -> int | None:
+    """The CoarseGrainedExecutorBackend among this process's ancestors."""
+    while pid > 1:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        if b"CoarseGrainedExecutorBackend" in cmdline:
+            return pid
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid
+    return None
+
+
+def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    CALLS["n"] += 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 1 and CALLS["n"] == 8 and MARKER["path"] and not os.path.exists(MARKER["path"]):
+        Path(MARKER["path"]).touch()
+        jvm = executor_jvm(os.getpid())
+        os.kill(jvm if jvm is not None else os.getpid(), signal.SIGKILL)
+    return nn.functional.cross_entropy(output, labels)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("master")
+    parser.add_argument("out")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--kill-marker", default="")
+    parser.add_argument("--slot-wait", type=float, default=60.0)
+    args = parser.parse_args()
+    from pyspark.sql import SparkSession
+
+    from sparkdl import TorchEstimator
+
+    spark = (SparkSession.builder.master(args.master).appName("sparkdl-standalone-test")
+             .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
+             .config("spark.task.maxFailures", "4").getOrCreate())
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(160, 6))
+    y = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 1).astype(int)
+    rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
+    df = spark.sparkContext.parallelize(rows, 2).toDF(FEATURES + ["label"]).cache()
+    MARKER["path"] = args.kill_marker
+    options = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=3) if args.checkpoint_dir else {}
+    model = TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=2, num_workers=2,
+                           optimizer="sgd", lr=0.1, momentum=0.9, seed=5, strategy="data_parallel", tracking=False,
+                           progress=False, loss=killing_loss, slot_wait_s=args.slot_wait, **options).fit(df)
+    torch.save({"state": model.torch_module().state_dict(), "history": model.history}, args.out)
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
