@@ -317,13 +317,13 @@ def test_three_concurrent_fits_from_three_threads_each_get_their_own_run(spark, 
 
     from mlflow import MlflowClient
 
-    df = digits_dataframe(spark).limit(600).cache()
+    df = digits_dataframe(spark).limit(400).cache()
     df.count()
     results: dict[int, object] = {}
 
     def fit(index: int) -> None:
         try:
-            results[index] = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=2, batch_size=32,
+            results[index] = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=32,
                                             num_workers=2, strategy="data_parallel", seed=index,
                                             tracking_uri=mlflow_server.uri, experiment="sparkdl-concurrent",
                                             run_name=f"fit-{index}", progress=False).fit(df)

@@ -49,6 +49,28 @@ def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output, labels)
 
 
+def rows_df(spark):  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(160, 6))
+    y = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 1).astype(int)
+    rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
+    return spark.sparkContext.parallelize(rows, 2).toDF(FEATURES + ["label"]).cache()
+
+
+def estimator(**options):  # type: ignore[no-untyped-def]
+    from sparkdl import TorchEstimator
+
+    return TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=2, num_workers=2,
+                          optimizer="sgd", lr=0.1, momentum=0.9, seed=5, strategy="data_parallel", tracking=False,
+                          progress=False, loss=killing_loss, **options)
+
+
+def reference_fit(spark):  # type: ignore[no-untyped-def]
+    """The uninterrupted run's weights, on any session (the tests' local-cluster one)."""
+    MARKER["path"] = ""
+    return estimator().fit(rows_df(spark)).torch_module().state_dict()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("master")
@@ -59,21 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     from pyspark.sql import SparkSession
 
-    from sparkdl import TorchEstimator
-
     spark = (SparkSession.builder.master(args.master).appName("sparkdl-standalone-test")
              .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
              .config("spark.task.maxFailures", "4").getOrCreate())
-    rng = np.random.default_rng(11)
-    x = rng.normal(size=(160, 6))
-    y = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 1).astype(int)
-    rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
-    df = spark.sparkContext.parallelize(rows, 2).toDF(FEATURES + ["label"]).cache()
     MARKER["path"] = args.kill_marker
     options = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=3) if args.checkpoint_dir else {}
-    model = TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=2, num_workers=2,
-                           optimizer="sgd", lr=0.1, momentum=0.9, seed=5, strategy="data_parallel", tracking=False,
-                           progress=False, loss=killing_loss, slot_wait_s=args.slot_wait, **options).fit(df)
+    model = estimator(slot_wait_s=args.slot_wait, **options).fit(rows_df(spark))
     torch.save({"state": model.torch_module().state_dict(), "history": model.history}, args.out)
     spark.stop()
 
