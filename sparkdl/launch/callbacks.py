@@ -14,25 +14,11 @@ Callback = Callable[[dict[str, Any]], Any]
 
 def resolve_callbacks(specs: Sequence[Any]) -> tuple[Callback, ...]:
     """Callables as given; "package.module:function" paths (TOML, the CLI) imported."""
-    import importlib
+    from sparkdl.launch.objectives import import_callable
 
-    resolved = []
-    for spec in specs:
-        if callable(spec):
-            resolved.append(spec)
-            continue
-        module_name, _, attribute = str(spec).partition(":")
-        try:
-            target: Any = importlib.import_module(module_name)
-            for part in attribute.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"train.callbacks entry {spec!r} cannot be imported: {exc}",
-                              hint="a 'package.module:function' importable on the driver") from None
-        if not callable(target):
-            raise ConfigError(f"train.callbacks entry {spec!r} is not callable")
-        resolved.append(target)
-    return tuple(resolved)
+    return tuple(spec if callable(spec) else
+                 import_callable(spec, "train.callbacks entry", ConfigError, "a 'package.module:function' importable "
+                                 "on the driver") for spec in specs)
 
 
 def callback_name(callback: Callback) -> str:

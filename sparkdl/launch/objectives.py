@@ -46,19 +46,24 @@ def build_model(model: Any, seed: int) -> nn.Module:
 
 def import_factory(path: str) -> Callable[[], nn.Module]:
     """The callable named by "package.module:function" (model.factory in TOML configs)."""
+    return import_callable(path, "model.factory", ModelError,
+                           "the module must be importable on the driver and the executors (installed, or shipped "
+                           "with --py-files)")
+
+
+def import_callable(path: str, option: str, error: type[Exception], hint: str) -> Callable[..., Any]:
+    """The callable a "package.module:function" option names, or `error` naming the option."""
     import importlib
 
-    module_name, _, attribute = path.partition(":")
+    module_name, _, attribute = str(path).partition(":")
     try:
         target: Any = importlib.import_module(module_name)
         for part in attribute.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:
-        raise ModelError(f"model.factory {path!r} cannot be imported: {exc}",
-                         hint="the module must be importable on the driver and the executors "
-                              "(installed, or shipped with --py-files)") from None
+        raise error(f"{option} {path!r} cannot be imported: {exc}", hint=hint) from None  # type: ignore[call-arg]
     if not callable(target):
-        raise ModelError(f"model.factory {path!r} is not callable")
+        raise error(f"{option} {path!r} is not callable")
     return target
 
 

@@ -171,10 +171,9 @@ class Hybrid(Strategy):
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
-        """One pipelined step (one micro-batch of an accumulation window: gradients are averaged
-        over the replicas and stepped on the window's last). With weights, each micro-batch's loss
-        is its weighted sum over the weight total of all replicas (times D, as gradients are
-        averaged over D replicas): the update is data parallel's sum(w * l) / sum(w) over the same rows."""
+        """One pipelined step (a micro-batch of an accumulation window: averaged and stepped on the
+        window's last). With weights, each micro-batch's loss is its weighted sum over the weight
+        total of all replicas, times D: data parallel's sum(w * l) / sum(w) over the same rows."""
         features = single_input(inputs, "hybrid")
         self._module.train()
         if micro.index == 0:
