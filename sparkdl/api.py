@@ -24,6 +24,7 @@ from sparkdl.launch.shipping import ship_by_value
 from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
 from sparkdl.serving import ServedModel
+from sparkdl.session import facts
 
 _log = logging.getLogger("sparkdl")
 
@@ -245,7 +246,7 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
         "dataset.inputs": "; ".join(f"{c.source}: {c.dtype}{list(c.shape)} ({c.kind})" for c in prepared.layout.inputs)
         or "-",
         "dataset.dropped_invalid_rows": prepared.dropped_rows,
-        "world.workers": config.launch.num_workers, "world.master": df.sparkSession.sparkContext.master,
+        "world.workers": config.launch.num_workers, "world.master": facts(df.sparkSession).master(),
     })
     params.update(versions())
     return redact(params)
@@ -373,7 +374,7 @@ def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = 
     out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True, metadata)])
     spark = df.sparkSession
     ship_by_value(module, served.transform_fn if served is not None else None)
-    module_bytes = spark.sparkContext.broadcast(dumps_any(module))
+    module_bytes = facts(spark).ship(dumps_any(module))
     carried = replace(served, module=None) if served is not None else None
     fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, prediction_col,
                          batch_size, carried)

@@ -10,6 +10,7 @@ from typing import Any
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError
+from sparkdl.session import facts, is_connect, warn_once
 
 _log = logging.getLogger("sparkdl")
 
@@ -216,6 +217,11 @@ def preflight(spark: Any, workers: int, gpus_per_worker: int = 0) -> None:
     Without the bridge (no jar, Spark Connect) nothing happens."""
     from sparkdl import jvm
 
+    if is_connect(spark):
+        warn_once("jvm-bridge", "Spark Connect session: the JVM bridge is off (no driver JVM on this side), so "
+                                "a lost executor is reported by the ranks' own errors, without Spark's executor "
+                                "events, and Preflight's dynamic-allocation and GPU checks do not run")
+        return
     jvm.attach(spark)
     report = jvm.preflight(spark, workers)
     skipped = {"slots"} | ({"task_gpus"} if gpus_per_worker else set())
@@ -268,7 +274,7 @@ def check_training_options(config: RunConfig, spark: Any, prepared: Any, out_sha
         check_monitored(early["metric"], [metric_name(m) for m in train.metrics], prepared.num_validation_rows > 0,
                         prepared.layout.label_dtype == "int64")
     if train.precision == "16" and not config.launch.gpus_per_worker \
-            and not float(spark.sparkContext.getConf().get("spark.task.resource.gpu.amount", "0") or 0):
+            and not float(facts(spark).conf("spark.task.resource.gpu.amount", "0") or 0):
         raise ConfigError("train.precision='16' needs CUDA GPUs, but the training tasks get none "
                           "(launch.gpus_per_worker=0, no spark.task.resource.gpu.amount)",
                           hint="use precision='bf16' (autocast on CPU and GPU), or set gpus_per_worker=1")

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, EmptyDataError, SparkdlError
+from sparkdl.session import facts
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".orc": "orc"}
 # Per-worker batch 32 on 2 workers is a global batch of 64: lr 1e-3 stops at ~0.927 test accuracy
@@ -40,16 +41,23 @@ def load_config(path: str, overrides: Sequence[str]) -> RunConfig:
     return RunConfig.from_toml(path, overrides)
 
 
-def get_spark(master: str | None) -> tuple[Any, bool]:
-    """(session, created_here). An active session wins; under spark-submit its master; else local[2]."""
+def get_spark(master: str | None, remote: str | None = None) -> tuple[Any, bool]:
+    """(session, created_here). An active session wins; then a Spark Connect server (--remote, or
+    pyspark's own SPARK_REMOTE); under spark-submit its master; else local[2]."""
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
     if active is not None:
-        if master and master != active.sparkContext.master:
-            print(f"note: reusing the active Spark session ({active.sparkContext.master}); --master ignored",
+        if master and master != facts(active).master():
+            print(f"note: reusing the active Spark session ({facts(active).master()}); --master ignored",
                   file=sys.stderr)
         return active, False
+    if remote or os.environ.get("SPARK_REMOTE"):
+        if master:
+            raise ConfigError("--master and a Spark Connect server (--remote or SPARK_REMOTE) are both given",
+                              hint="the Connect server has its own master: drop --master")
+        builder = SparkSession.builder.appName("sparkdl")
+        return (builder.remote(remote) if remote else builder).getOrCreate(), True
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("sparkdl")
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ or "--master" in os.environ.get("PYSPARK_SUBMIT_ARGS", "")
@@ -162,7 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.conf, args.overrides)
     check_output(config)
     fmt = input_format(config)
-    spark, created = get_spark(args.master)
+    spark, created = get_spark(args.master, args.remote)
     try:
         started = time.perf_counter()
         df = read_input(spark, config, fmt)
@@ -221,7 +229,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     spark = demo_session(args.master, args.workers)
     try:
-        print(f"spark master: {spark.sparkContext.master}", flush=True)
+        print(f"spark master: {facts(spark).master()}", flush=True)
         train_idx, test_idx = train_test_split_digits(seed=0)
         estimator = TorchEstimator(model=functools.partial(build_mlp, 64, (128,), 10), feature_cols=DIGITS_FEATURE_COLS,
                                    label_col="label", optimizer="adam", lr=DEMO_LR, batch_size=32,
@@ -242,7 +250,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     config = load_config(args.conf, args.overrides)
     fmt = input_format(config)
-    spark, created = get_spark(args.master)
+    spark, created = get_spark(args.master, args.remote)
     try:
         df = read_input(spark, config, fmt)
         factory, _, _ = model_factory(df, config)
@@ -272,6 +280,8 @@ def parser() -> argparse.ArgumentParser:
                        help="override one option; values are TOML literals (repeatable)")
     train.add_argument("--master", help="Spark master (default: spark-submit's, else local[2]; an active "
                                         "session is always reused)")
+    train.add_argument("--remote", metavar="sc://HOST:PORT", help="train through a Spark Connect server "
+                                                                  "(default: $SPARK_REMOTE when set)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="print the layout the planner would choose, and every alternative, "
                                        "without training")
@@ -280,6 +290,7 @@ def parser() -> argparse.ArgumentParser:
                       help="override one option (repeatable); train.strategy is treated as 'auto' (options only one "
                            "strategy has, or one worker, still decide it without the planner)")
     plan.add_argument("--master", help="Spark master (as for train)")
+    plan.add_argument("--remote", metavar="sc://HOST:PORT", help="Spark Connect server (as for train)")
     plan.add_argument("--out", metavar="PATH", help="also write the plan as JSON (train with --set train.plan_file=PATH)")
     plan.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="train on the bundled digits and print the test accuracy")

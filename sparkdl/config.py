@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config_values import (check_batch_size, check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
-from sparkdl.config_training import check_horovod_env, check_training_essentials
+from sparkdl.config_training import check_channel, check_horovod_env, check_training_essentials
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -204,6 +204,7 @@ class LaunchConfig:
     gpus_per_worker: int = 0  # GPUs per rank for the training stage only (stage-level ResourceProfile); 0: app's
     emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
     horovod_env: dict | None = None  # HOROVOD_* settings applied before hvd.init() (backend="horovod")
+    channel: str = "auto"  # where executors send progress and metrics back: "auto", "off" or this client's host
 
     def validate(self) -> None:
         positive_int("launch.num_workers", self.num_workers)
@@ -229,6 +230,7 @@ class LaunchConfig:
             parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
         choice("launch.backend", self.backend, BACKENDS)
         check_horovod_env(self.horovod_env, self.backend)
+        check_channel(self.channel)
         for key in ("timeout_s", "slot_wait_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or value <= 0:

@@ -167,6 +167,16 @@ _HOROVOD_CONTRACT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HORO
                      "HOROVOD_GLOO_RENDEZVOUS_PORT")  # comm/horovod.py sets these from the barrier job
 
 
+def check_channel(channel: Any) -> None:
+    """launch.channel: "auto", "off", or the host name / IP address executors reach this client at."""
+    text = channel if isinstance(channel, str) else ""
+    port_or_url = ":" in text and text.count(":") < 2  # an IPv6 address has two or more
+    if not text or any(c.isspace() or c in "/@" for c in text) or port_or_url:
+        raise ConfigError(f"launch.channel must be \"auto\", \"off\" or a host name or IP address, got {channel!r}",
+                          hint='"auto" (the default) finds the address itself; "off" when executors cannot reach '
+                               "this client (metrics then reach MLflow from the job's result, after training)")
+
+
 def check_horovod_env(env: Any, backend: str) -> None:
     """launch.horovod_env: HOROVOD_* names with scalar values, for the horovod backend, never one of
     the variables sparkdl sets for the rendezvous."""

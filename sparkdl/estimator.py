@@ -14,6 +14,7 @@ from sparkdl import api
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import SparkdlError
+from sparkdl.session import facts
 from sparkdl.storage import read_bytes, write_bytes
 
 FORMAT_VERSION = 1
@@ -128,7 +129,7 @@ class _TorchModelWriter(MLWriter):
         model = self.instance
         if model.torch_module() is None or model.layout is None:
             raise SparkdlError("cannot save a TorchModel that holds no trained module")
-        DefaultParamsWriter.saveMetadata(model, path, self.sparkSession.sparkContext,
+        DefaultParamsWriter.saveMetadata(model, path, facts(self.sparkSession).metadata_context(),
                                          extraMetadata={"sparkdlFormat": FORMAT_VERSION})
         state = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.torch_module().state_dict().items()}, state)
@@ -154,7 +155,7 @@ class _TorchModelReader(MLReader):
         import torch
 
         try:
-            metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
+            metadata = DefaultParamsReader.loadMetadata(path, facts(self.sparkSession).metadata_context())
         except Exception:  # noqa: BLE001 - Hadoop's "input path does not exist" arrives as a Py4J error
             raise SparkdlError(f"{path!r} is not a saved TorchModel (no Spark ML metadata there)",
                                hint="pass the directory written by TorchModel.save(path)") from None

@@ -293,24 +293,15 @@ def plan_ist(module: Any, config: RunConfig) -> tuple[Any, dict[str, str]]:
 def session_facts(spark: Any, workers: int) -> Any:
     """Spark's facts about the cluster a run of `workers` ranks would use, as planner data
     (planner.cluster.ClusterFacts): master, executors, task slots, executor memory, GPU amounts."""
-    from sparkdl.launch.driver import concurrent_slots
     from sparkdl.planner.cluster import ClusterFacts
+    from sparkdl.session import facts
 
-    conf = spark.sparkContext.getConf()
-    return ClusterFacts(master=spark.sparkContext.master, workers=workers, executors=spark_executors(spark),
-                        slots=concurrent_slots(spark), executor_memory=conf.get("spark.executor.memory", "1g"),
-                        gpus_per_executor=float(conf.get("spark.executor.resource.gpu.amount", "0")),
-                        gpus_per_task=float(conf.get("spark.task.resource.gpu.amount", "0")))
-
-
-def spark_executors(spark: Any) -> tuple[str, ...]:
-    """host:port of every executor, the driver excluded (empty under Spark Connect: no JVM view)."""
-    try:
-        infos = spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()  # noqa: SLF001
-        hosts = sorted(f"{e.host()}:{e.port()}" for e in infos)
-        return tuple(hosts[1:]) if len(hosts) > 1 else tuple(hosts)  # the first entry is the driver
-    except Exception:  # noqa: BLE001 - Spark Connect: no JVM view
-        return ()
+    session = facts(spark)
+    return ClusterFacts(master=session.master(), workers=workers, executors=session.executors(),
+                        slots=session.slots(wanted=workers),
+                        executor_memory=session.conf("spark.executor.memory", "1g") or "1g",
+                        gpus_per_executor=float(session.conf("spark.executor.resource.gpu.amount", "0") or 0),
+                        gpus_per_task=float(session.conf("spark.task.resource.gpu.amount", "0") or 0))
 
 
 def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False) -> Any:

@@ -1,47 +1,25 @@
-"""Read and write small files: model files through Spark's Hadoop filesystem layer, kept plans through pyarrow.
-
-TorchModel.save writes Spark ML metadata through Hadoop; its model files must land on the same
-filesystem (HDFS, S3A, ABFS, DBFS, a local disk), so they go through Hadoop too, via py4j.
+"""Read and write small files: model files where the session writes Spark ML metadata (Hadoop via
+py4j on a classic driver, pyarrow under Spark Connect: sparkdl/session.py), kept plans through pyarrow.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from sparkdl.errors import SparkdlError
-
-_PIECE = 16 << 20  # py4j copies byte arrays through its socket: bounded pieces keep memory flat
-
-
-def _filesystem(spark: Any, uri: str) -> tuple[Any, Any]:
-    jvm = spark.sparkContext._jvm  # noqa: SLF001 - Hadoop is reachable only through the gateway
-    path = jvm.org.apache.hadoop.fs.Path(uri)
-    return path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), path  # noqa: SLF001
+from sparkdl.session import facts
 
 
 def write_bytes(spark: Any, uri: str, payload: bytes) -> None:
-    fs, path = _filesystem(spark, uri)
     try:
-        out = fs.create(path, True)
-        try:
-            for start in range(0, len(payload), _PIECE):
-                out.write(bytearray(payload[start: start + _PIECE]))
-        finally:
-            out.close()
-    except Exception as exc:  # noqa: BLE001 - Py4J errors carry the Hadoop reason in their text
+        facts(spark).write_bytes(uri, payload)
+    except Exception as exc:  # noqa: BLE001 - Py4J and pyarrow errors carry the filesystem's reason in their text
         raise SparkdlError(f"cannot write {uri!r}: {_first_line(exc)}",
                            hint="check that the path is writable from the driver") from None
 
 
 def read_bytes(spark: Any, uri: str) -> bytes:
-    fs, path = _filesystem(spark, uri)
-    if not fs.exists(path):
-        raise FileNotFoundError(uri)
-    stream = fs.open(path)
-    try:
-        jvm = spark.sparkContext._jvm  # noqa: SLF001
-        return bytes(jvm.org.apache.commons.io.IOUtils.toByteArray(stream))
-    finally:
-        stream.close()
+    """The file's bytes; FileNotFoundError when it is not there."""
+    return facts(spark).read_bytes(uri)
 
 
 def _first_line(exc: BaseException) -> str:

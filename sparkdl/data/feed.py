@@ -23,6 +23,7 @@ from sparkdl.errors import (
     MissingColumnError,
     NullValuesError,
 )
+from sparkdl.session import facts
 
 if TYPE_CHECKING:
     from sparkdl.config import RunConfig
@@ -259,7 +260,7 @@ def split_and_shard(prepared: PreparedData, validation: PreparedData | None, *, 
     if num_val:
         layout = replace(layout, split_column=SPLIT_COLUMN)
         selected = selected.repartition(num_workers)  # a union cannot run in a barrier stage as is
-    elif selected.rdd.getNumPartitions() != num_workers or prepared.dropped_rows \
+    elif facts(selected.sparkSession).num_partitions(selected) != num_workers or prepared.dropped_rows \
             or _has_an_empty_partition(selected, num_workers):
         # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
         # exactly num_workers non-empty partitions keeps its partitioning and row order.

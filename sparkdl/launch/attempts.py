@@ -42,19 +42,17 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
     from dataclasses import replace
 
     from sparkdl.errors import TrainingError
-    from sparkdl.launch.channel import DriverChannel
     from sparkdl.launch.driver import submit
     from sparkdl.launch.monitor import RunMonitor
 
     config = spec.config
     monitor = RunMonitor(tracker, progress=config.tracking.progress, callbacks=callbacks)
-    host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
     attempts = max_attempts(spark, config)
     from sparkdl import jvm
 
     jvm.drain_events(spark)  # only this job's events explain its failure
     try:
-        with DriverChannel(host, monitor.on_message) as channel:
+        with open_channel(spark, config.launch.channel, monitor.on_message) as channel:
             try:
                 for attempt in range(1, attempts + 1):
                     try:
@@ -82,10 +80,37 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                 tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
                 raise
             channel.drain()
-            monitor.flush()
+            address = channel.address
+            monitor.replay(result[1], f"channel {address.host}:{address.port}" if address else "launch.channel is off")
     finally:
         monitor.close()
     return result
+
+
+class NoChannel:
+    """launch.channel = "off": nothing listens; the history returned with the result is all there is."""
+
+    address = None
+
+    def drain(self, timeout: float = 5.0) -> None:
+        """Nothing to wait for."""
+
+    def __enter__(self) -> NoChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def open_channel(spark: Any, channel: str, on_message: Any) -> Any:
+    """The driver channel of launch.channel: on the session's own address ("auto"), on a given host,
+    or none ("off")."""
+    if channel == "off":
+        return NoChannel()
+    from sparkdl.launch.channel import DriverChannel
+    from sparkdl.session import facts
+
+    return DriverChannel(facts(spark).channel_host() if channel == "auto" else channel, on_message)
 
 
 def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config: RunConfig, exc: Any) -> Any:
@@ -138,7 +163,9 @@ def max_attempts(spark: Any, config: RunConfig) -> int:
     if not config.train.checkpoint_dir:
         return 1
     try:
-        return max(1, int(spark.sparkContext.getConf().get("spark.stage.maxConsecutiveAttempts", "4")))
+        from sparkdl.session import facts
+
+        return max(1, int(facts(spark).conf("spark.stage.maxConsecutiveAttempts", "4") or 4))
     except (TypeError, ValueError):
         return 4
 

@@ -101,8 +101,11 @@ class DriverChannel:
     def __init__(self, host: str, on_message: Callable[[dict[str, Any]], None], *,
                  max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._on_message, self._max = on_message, max_frame_bytes
-        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        self._server = socket.create_server((host, 0), family=family, backlog=128)
+        try:
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            self._server = socket.create_server((host, 0), family=family, backlog=128)
+        except OSError:  # the address others see (NAT, a given launch.channel) need not be bindable here
+            self._server = socket.create_server(("", 0), backlog=128)
         self._server.settimeout(0.1)  # how often the accept loop looks for close()
         self._address = ChannelAddress(host, self._server.getsockname()[1], secrets.token_hex(32))
         self.refused = self.handler_errors = 0

@@ -17,6 +17,7 @@ from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
 from sparkdl.launch.spec import TrainSpec
 from sparkdl.launch.wire import RESULT_SCHEMA, collect_parts, loads_result, parse_failure
 from sparkdl.launch.worker import make_task
+from sparkdl.session import facts, is_local_master
 
 
 log = logging.getLogger("sparkdl")
@@ -26,31 +27,20 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def concurrent_slots(spark: SparkSession, profile: Any = None) -> int:
-    """Tasks Spark can run at once now, as its own barrier check counts them; under `profile` (a
-    stage-level ResourceProfile) its GPU amount bounds the count too."""
-    sc = spark.sparkContext
-    try:
-        jsc = sc._jsc.sc()  # noqa: SLF001 - Spark exposes this count only on the JVM side
-        manager = jsc.resourceProfileManager()
-        if profile is None:
-            java_profile = manager.defaultResourceProfile()
-        else:
-            java_profile = profile._java_resource_profile  # noqa: SLF001
-            manager.addResourceProfile(java_profile)  # idempotent; Spark counts only known profiles
-        return int(jsc.maxNumConcurrentTasks(java_profile))
-    except Exception:  # noqa: BLE001 - Spark Connect or an older Spark: fall back to the public figure
-        return int(sc.defaultParallelism)
+def concurrent_slots(spark: SparkSession, profile: Any = None, wanted: int = 0) -> int:
+    """Tasks Spark can run at once now (session.py: the JVM's barrier count, or under Spark Connect
+    the master URL, executor settings or a probe job of `wanted` tasks)."""
+    return facts(spark).slots(profile, wanted)
 
 
 def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float, profile: Any = None,
                  gpus_per_worker: int = 0) -> int:
     """Wait (executors may still be registering) up to wait_s for num_workers slots, else raise."""
     # Only a cluster manager adds executors over time; a local master's slot count is final.
-    master = spark.sparkContext.master
-    deadline = time.monotonic() + (0.0 if master.startswith("local[") or master == "local" else wait_s)
+    master = facts(spark).master()
+    deadline = time.monotonic() + (0.0 if is_local_master(master) else wait_s)
     while True:
-        slots = concurrent_slots(spark, profile)
+        slots = concurrent_slots(spark, profile, num_workers)
         if slots >= num_workers or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
@@ -78,13 +68,14 @@ def training_profile(spark: SparkSession, gpus_per_worker: int) -> Any:
 
 def ensure_training_slots(spark: SparkSession, world_size: int, launch: Any) -> Any:
     """ensure_slots under the training stage's ResourceProfile (GPUs included); returns that profile."""
-    master = spark.sparkContext.master
-    if launch.gpus_per_worker and (master == "local" or master.startswith("local[")):
+    session = facts(spark)
+    master = session.master()
+    if launch.gpus_per_worker and is_local_master(master):
         raise ConfigError(f"gpus_per_worker={launch.gpus_per_worker} needs stage-level scheduling, which "
                           f"Spark's {master} master does not have",
                           hint="run on a cluster manager (standalone, local-cluster, YARN, Kubernetes) whose "
                                "executors have GPUs, or set spark.task.resource.gpu.amount for the application")
-    executor_gpus = float(spark.sparkContext.getConf().get("spark.executor.resource.gpu.amount", "0"))
+    executor_gpus = float(session.conf("spark.executor.resource.gpu.amount", "0") or 0)
     if launch.gpus_per_worker and not executor_gpus:
         raise ConfigError(f"gpus_per_worker={launch.gpus_per_worker} asks GPUs for the training stage, but the "
                           "executors declare none (spark.executor.resource.gpu.amount is not set)",
@@ -99,7 +90,7 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
     """A task ResourceProfile with `gpus_per_task` GPUs (a fraction lets 1/amount tasks share one)."""
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
-    cpus = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
+    cpus = int(facts(spark).conf("spark.task.cpus", "1") or 1)
     requests = TaskResourceRequests().cpus(cpus).resource("gpu", float(gpus_per_task))
     return ResourceProfileBuilder().require(requests).build
 
@@ -110,31 +101,30 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
     since the entry point checked, and a barrier stage short of slots retries silently for minutes."""
     profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
     job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
-    sc = spark.sparkContext
-    sc.setJobGroup(f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} "
-                   f"({spec.world_size} workers)", interruptOnCancel=True)
+    group = f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} ({spec.world_size} workers)"
     try:
-        try:
-            rows = job.collect()
-        except Exception as exc:  # noqa: BLE001
-            if "BarrierJobUnsupportedRDDChainException" not in str(exc):
-                raise
-            # Spark refuses barrier stages over some RDD chains (union, partition pruning); it says so
-            # at submission, before any task runs. A shuffle boundary is always accepted.
-            log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is "
-                        "(e.g. a union); repartitioning it to %d partitions", spec.world_size)
-            job = df.repartition(spec.world_size).mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True,
-                                                             profile=profile)
-            rows = job.collect()
+        with facts(spark).job_group(*group):
+            rows = _collect(df, job, spec, profile)
     except Exception as exc:  # noqa: BLE001 - turned into one readable error below
         raise training_error(exc) from None
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-        sc.setLocalProperty("spark.job.description", None)
     return loads_result(collect_parts(rows), custom=spec.train_fn is not None)
 
 
 _CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")
+
+
+def _collect(df: DataFrame, job: DataFrame, spec: TrainSpec, profile: Any) -> list[Any]:
+    try:
+        return job.collect()
+    except Exception as exc:  # noqa: BLE001
+        if "BarrierJobUnsupportedRDDChainException" not in str(exc):
+            raise
+    # Spark refuses barrier stages over some RDD chains (union, partition pruning); it says so at
+    # submission, before any task runs. A shuffle boundary is always accepted.
+    log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is (e.g. a union); "
+                "repartitioning it to %d partitions", spec.world_size)
+    return df.repartition(spec.world_size).mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True,
+                                                      profile=profile).collect()
 
 
 def training_error(exc: BaseException) -> TrainingError:

@@ -28,6 +28,7 @@ class RunMonitor:
         self._last_step = 0
         self._points: list[tuple[dict[str, float], int]] = []
         self._last_flush = time.monotonic()
+        self._epochs_seen: set[int] = set()
 
     def on_message(self, message: dict[str, Any]) -> None:
         kind = message.get("kind")
@@ -65,6 +66,7 @@ class RunMonitor:
     def _on_epoch(self, message: dict[str, Any]) -> None:
         record = message.get("record", {})
         epoch = int(record.get("epoch", 0))
+        self._epochs_seen.add(epoch)
         names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "lr")
         point = {f"epoch_{k}": record[k] for k in names if k in record}
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
@@ -80,6 +82,19 @@ class RunMonitor:
 
             self.flush()  # a callback reading the MLflow run sees this epoch
             reply(run_callbacks(self.callbacks, record))
+
+    def replay(self, history: list[dict[str, Any]], channel: str) -> None:
+        """Log the epoch records that never arrived live (the executors could not reach `channel`,
+        or there was none) from the history the job returned."""
+        missing = [r for r in history if int(r.get("epoch", 0)) not in self._epochs_seen]
+        if not missing:
+            return
+        log.warning("sparkdl: %d of %d epoch records did not arrive live (%s); their metrics are logged from "
+                    "the job's result. Live progress, step metrics and callbacks need executors that reach "
+                    "this client: see launch.channel", len(missing), len(history), channel)
+        for record in missing:
+            self._on_epoch({"record": record})
+        self.flush()
 
     def flush(self) -> None:
         """Write the buffered metric points in one batch."""
