@@ -97,7 +97,7 @@ demo: venv check-java jvm
 # Horovod is built (about 6 minutes cold on 2 cores, seconds from the wheel cache) so that its
 # tests run; SPARKDL_REQUIRE_HOROVOD makes them fail rather than skip if it is missing.
 test: venv check-java jvm horovod
-	$(SPARK_ENV) SPARKDL_REQUIRE_HOROVOD=1 $(VPY) -m pytest tests -q -p no:cacheprovider
+	$(SPARK_ENV) SPARKDL_REQUIRE_HOROVOD=1 $(VPY) -m pytest tests -q -p no:cacheprovider --durations=25
 
 bench-ingest: venv check-java
 	$(SPARK_ENV) $(VPY) benchmarks/ingest.py

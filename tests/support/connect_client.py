@@ -1,11 +1,11 @@
 """Client script of the Spark Connect tests: everything a user does, through a Connect session only.
 Writes what it saw to OUT as JSON; tests/spark/test_connect.py asserts on it and on the MLflow runs.
 
-    python connect_client.py SC_URL MLFLOW_URI WORKDIR OUT CLI_CONF
+    python connect_client.py SC_URL MLFLOW_URI WORKDIR OUT
 
 Steps (each recorded under its name, or its error under "<name>_error"):
-fit (the digits, as the classic test) + transform accuracy, save/load, sparkdl.run, sparkdl.plan
-and `sparkdl plan` on the active session, a fit whose executors cannot reach this client's channel,
+fit (the digits, as the classic test) + transform accuracy, save/load, sparkdl.run, sparkdl.plan,
+the parquet file the test's `sparkdl train --remote` reads, a fit whose executors cannot reach this client's channel,
 three concurrent fits from three threads, and the slot probe.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -42,11 +43,11 @@ def custom_loop(ctx: Any) -> dict[str, Any]:
     return {"rank": ctx.rank, "size": ctx.world_size, "sum": total.item()}
 
 
-def main(url: str, mlflow_uri: str, workdir: str, out: str, cli_conf: str) -> None:
+def main(url: str, mlflow_uri: str, workdir: str, out: str) -> None:
     from pyspark.sql import SparkSession
 
     import sparkdl
-    from sparkdl import TorchEstimator, TorchModel, cli
+    from sparkdl import TorchEstimator, TorchModel
     from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe, train_test_split_digits
     from sparkdl.session import facts, is_connect
 
@@ -55,10 +56,12 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str, cli_conf: str) -> No
     results: dict[str, Any] = {"connect": is_connect(spark)}
 
     def step(name: str, action: Callable[[], Any]) -> None:
+        started = time.perf_counter()
         try:
             results[name] = action()
         except Exception:  # noqa: BLE001 - the test names the failed step with its traceback
             results[f"{name}_error"] = traceback.format_exc()
+        results.setdefault("seconds", {})[name] = round(time.perf_counter() - started, 1)
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
 
@@ -93,10 +96,10 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str, cli_conf: str) -> No
                                 loss="cross_entropy", num_workers=2, batch_size=32)
         return {"strategy": resolved.strategy, "explained": bool(resolved.explain())}
 
-    def cli_plan() -> int:
+    def write_parquet() -> str:  # the input of the test's `sparkdl train --remote`
         parquet = f"{workdir}/digits.parquet"
         digits_dataframe(spark).write.mode("overwrite").parquet(parquet)
-        return cli.main(["plan", "--conf", cli_conf, "--set", f"input.path={parquet}", "--out", f"{workdir}/plan.json"])
+        return parquet
 
     def unreachable_channel() -> dict[str, Any]:
         # TEST-NET-3 (RFC 5737) routes nowhere: the executors' connects fail, the fit must not
@@ -129,7 +132,7 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str, cli_conf: str) -> No
         step("save_load", save_load)
     step("run", lambda: sparkdl.run(custom_loop, num_workers=2))
     step("plan", plan)
-    step("cli_plan", cli_plan)
+    step("parquet", write_parquet)
     step("unreachable_channel", unreachable_channel)
     step("concurrent", concurrent)
     step("probe_slots", lambda: [facts(spark).probe_slots(2), facts(spark).probe_slots(6)])
@@ -137,4 +140,4 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str, cli_conf: str) -> No
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:5])
