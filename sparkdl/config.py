@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (check_batch_size, check_feature_spec, check_input_spec, check_types, choice, coerce,
+from sparkdl.config_values import (check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config_training import check_channel, check_horovod_env, check_training_essentials
 from sparkdl.errors import ConfigError

@@ -54,6 +54,19 @@ def local_master_slots(master: str, task_cpus: int) -> int | None:
     return None
 
 
+def static_slots(master: str, task_cpus: str | None, instances: str | None, cores: str | None,
+                 dynamic_allocation: str | None) -> int | None:
+    """Slots the conf values alone tell: a local master's, or static allocation's instances x cores
+    / task cpus; None when only the running cluster knows (dynamic allocation, unset values)."""
+    cpus = max(int(task_cpus or 1), 1)
+    local = local_master_slots(master, cpus)
+    if local is not None:
+        return local
+    if instances and cores and (dynamic_allocation or "false").strip().lower() != "true":
+        return int(instances) * (int(cores) // cpus)
+    return None
+
+
 def is_local_master(master: str) -> bool:
     """local / local[N]: the slot count is final (no cluster manager adds executors)."""
     return master == "local" or master.startswith("local[")
@@ -171,15 +184,9 @@ class ConnectSession:
     def slots(self, profile: Any = None, wanted: int = 0) -> int:
         """From the master URL or the static executor settings when they say it; else a tiny probe
         job of `wanted` tasks tells how many ran at the same time."""
-        task_cpus = int(self.conf("spark.task.cpus", "1") or 1)
-        known = local_master_slots(self.master(), task_cpus)
-        if known is not None:
-            return known
-        instances, cores = self.conf("spark.executor.instances"), self.conf("spark.executor.cores")
-        dynamic = (self.conf("spark.dynamicAllocation.enabled", "false") or "false").lower() == "true"
-        if instances and cores and not dynamic:
-            return int(instances) * (int(cores) // max(task_cpus, 1))
-        return self.probe_slots(max(wanted, 1))
+        known = static_slots(self.master(), self.conf("spark.task.cpus"), self.conf("spark.executor.instances"),
+                             self.conf("spark.executor.cores"), self.conf("spark.dynamicAllocation.enabled"))
+        return known if known is not None else self.probe_slots(max(wanted, 1))
 
     def probe_slots(self, tasks: int) -> int:
         """How many of `tasks` one-second tasks Spark ran at the same time (at most `tasks`)."""

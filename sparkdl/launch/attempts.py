@@ -56,7 +56,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
             try:
                 for attempt in range(1, attempts + 1):
                     try:
-                        result = submit(spark, job_df, replace(spec, channel=channel.address))
+                        result, history, output = submit(spark, job_df, replace(spec, channel=channel.address))
                         break
                     except TrainingError as failure:
                         channel.drain()
@@ -81,10 +81,11 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                 raise
             channel.drain()
             address = channel.address
-            monitor.replay(result[1], f"channel {address.host}:{address.port}" if address else "launch.channel is off")
+            monitor.replay(history, output, f"channel {address.host}:{address.port}" if address else
+                           "launch.channel is off")
     finally:
         monitor.close()
-    return result
+    return result, history
 
 
 class NoChannel:

@@ -296,6 +296,11 @@ class ChannelClient:
         self.dropped, self._ids = 0, itertools.count(1)  # _ids: request ids, for matching replies
         self._thread: threading.Thread | None = None  # started by the first message
 
+    @property
+    def failed(self) -> bool:
+        """The driver could not be reached (or stopped reading): nothing sent arrives any more."""
+        return self._failed
+
     def _drop(self) -> None:
         with self._lock:
             self.dropped += 1
@@ -360,7 +365,8 @@ class ChannelClient:
             with self._lock:
                 gave_up, self._failed = self._failed, True  # gave_up: close() timed out and cut the socket
             if not gave_up:
-                log.warning("sparkdl: driver channel unreachable (%s:%d: %s); metrics stay in the run history",
+                log.warning("sparkdl: driver channel unreachable (%s:%d: %s); the epoch metrics and rank 0's last "
+                            "output lines reach the driver with the job's result",
                             self._address.host, self._address.port, e)
             if item is not None:  # the message being written when it failed
                 self._drop()

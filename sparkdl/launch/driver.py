@@ -15,7 +15,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
 from sparkdl.launch.spec import TrainSpec
-from sparkdl.launch.wire import RESULT_SCHEMA, collect_parts, loads_result, parse_failure
+from sparkdl.launch.wire import RESULT_SCHEMA, collect_parts, loads_result, output_lines, parse_failure
 from sparkdl.launch.worker import make_task
 from sparkdl.session import facts, is_local_master
 
@@ -95,8 +95,9 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
     return ResourceProfileBuilder().require(requests).build
 
 
-def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]]]:
-    """Run the barrier job; returns (the trained state or train_fn's result, history). The slots are
+def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]], list[str]]:
+    """Run the barrier job; returns (the trained state or train_fn's result, history, the tail of
+    rank 0's output when the driver channel did not carry it). The slots are
     checked again right before it (one py4j call when they are there): executors may have gone
     since the entry point checked, and a barrier stage short of slots retries silently for minutes."""
     profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
@@ -107,7 +108,8 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
             rows = _collect(df, job, spec, profile)
     except Exception as exc:  # noqa: BLE001 - turned into one readable error below
         raise training_error(exc) from None
-    return loads_result(collect_parts(rows), custom=spec.train_fn is not None)
+    parts = collect_parts(rows)
+    return (*loads_result(parts, custom=spec.train_fn is not None), output_lines(parts))
 
 
 _CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")

@@ -83,9 +83,14 @@ class RunMonitor:
             self.flush()  # a callback reading the MLflow run sees this epoch
             reply(run_callbacks(self.callbacks, record))
 
-    def replay(self, history: list[dict[str, Any]], channel: str) -> None:
-        """Log the epoch records that never arrived live (the executors could not reach `channel`,
-        or there was none) from the history the job returned."""
+    def replay(self, history: list[dict[str, Any]], output: list[str], channel: str) -> None:
+        """What never arrived live (the executors could not reach `channel`, or there was none), from
+        the job's result: the epoch records' metrics, and the tail of rank 0's output (echoed, and
+        kept in the MLflow run as rank0_output.txt)."""
+        if output:
+            for line in output:
+                self._on_log({"rank": 0, "line": line})
+            self.tracker.log_text("\n".join(output) + "\n", "rank0_output.txt")
         missing = [r for r in history if int(r.get("epoch", 0)) not in self._epochs_seen]
         if not missing:
             return

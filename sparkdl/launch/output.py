@@ -1,7 +1,9 @@
 """Rank 0's stdout/stderr, line by line, to the driver's log over the driver channel
-(launch/channel.py): a tee that never blocks or breaks the training process. Stdlib only."""
+(launch/channel.py): a tee that never blocks or breaks the training process. The last lines are
+also kept, for the job's result when the channel is off or unreachable. Stdlib only."""
 from __future__ import annotations
 
+import collections
 import io
 import sys
 import threading
@@ -14,9 +16,11 @@ from sparkdl.launch.channel import ChannelClient
 class LineForwarder(io.TextIOBase):
     """Writes through to the original stream and sends each complete line to the driver."""
 
-    def __init__(self, original: TextIO, client: ChannelClient, name: str, *, max_line: int = 2000) -> None:
+    def __init__(self, original: TextIO, client: ChannelClient | None, name: str, *, max_line: int = 2000,
+                 tail: collections.deque[str] | None = None) -> None:
         super().__init__()
         self._original, self._client, self._name, self._max = original, client, name, max_line
+        self._tail = tail if tail is not None else collections.deque(maxlen=0)
         self._buf, self._extra, self._done = "", 0, False  # _extra: chars cut from the current line
         self._lock = threading.Lock()
 
@@ -42,7 +46,9 @@ class LineForwarder(io.TextIOBase):
             line += f" ... [cut: {self._extra} more chars]"
         self._buf, self._extra = "", 0
         if not self._done:
-            self._client.send("log", stream=self._name, line=line)
+            self._tail.append(line)
+            if self._client is not None:
+                self._client.send("log", stream=self._name, line=line)
 
     def flush(self) -> None:
         self._original.flush()
@@ -74,17 +80,20 @@ class LineForwarder(io.TextIOBase):
 
 
 @contextmanager
-def forward_output(client: ChannelClient, *, streams: tuple[str, ...] = ("stdout", "stderr")) -> Iterator[None]:
-    """Tee sys.stdout/sys.stderr to the driver for the duration of the block; always restores."""
+def forward_output(client: ChannelClient | None, *, streams: tuple[str, ...] = ("stdout", "stderr"),
+                   tail_lines: int = 200) -> Iterator[collections.deque[str]]:
+    """Tee sys.stdout/sys.stderr to the driver (when there is a client) for the duration of the
+    block, always restoring them; yields the last `tail_lines` lines, complete once the block ends."""
     unknown = set(streams) - {"stdout", "stderr"}
     if unknown:
         raise ValueError(f"forward_output: streams must be 'stdout'/'stderr', got {sorted(unknown)}")
     originals = {name: getattr(sys, name) for name in streams}
-    forwarders = {name: LineForwarder(orig, client, name) for name, orig in originals.items()}
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    forwarders = {name: LineForwarder(orig, client, name, tail=tail) for name, orig in originals.items()}
     for name, fw in forwarders.items():
         setattr(sys, name, fw)
     try:
-        yield
+        yield tail
     finally:
         for name, orig in originals.items():
             setattr(sys, name, orig)

@@ -15,7 +15,7 @@ import io
 import json
 import pickle
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import pyarrow as pa
 
@@ -59,6 +59,16 @@ def result_batches(rank: int, history: list[dict[str, Any]] | None, payload: byt
         for seq, start in enumerate(range(0, max(len(payload), 1), RESULT_CHUNK_BYTES)):
             out.append(result_batch(rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES]))
     return out
+
+
+def output_batch(rank: int, lines: Iterable[str]) -> pa.RecordBatch:
+    """The last lines of a rank's output, for a driver whose channel never got them."""
+    return result_batch(rank, "output", 0, "\n".join(lines).encode("utf-8", "replace"))
+
+
+def output_lines(parts: ResultParts) -> list[str]:
+    text = b"".join(p for _, _, p in sorted(parts.get("output", []))).decode("utf-8", "replace")
+    return text.splitlines()
 
 
 def collect_parts(rows: Any) -> ResultParts:

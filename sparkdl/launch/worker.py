@@ -17,7 +17,7 @@ import pyarrow as pa
 from sparkdl.comm.base import Communicator, WorldInfo
 from sparkdl.launch.context import WorkerContext, check_shards, rank_threads
 from sparkdl.launch.spec import TrainSpec
-from sparkdl.launch.wire import dumps_any, dumps_state, failure_text, result_batches
+from sparkdl.launch.wire import dumps_any, dumps_state, failure_text, output_batch, result_batches
 
 _PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                        "gloo/transport", "NCCL communicator was aborted", "Socket Timeout",
@@ -60,8 +60,10 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
         rank = context.partitionId()
         client = _channel_client(spec, rank)
         try:
-            with _forward_output(client, rank):
+            with _forward_output(client, rank) as output:
                 yield from run_rank(spec, context, batches, client)
+            if output is not None and (client is None or client.failed):
+                yield output_batch(rank, output)  # the driver saw none of it live
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named for the driver
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             peer = is_peer_failure(exc)
@@ -88,10 +90,11 @@ def _channel_client(spec: TrainSpec, rank: int) -> Any:
 
 
 def _forward_output(client: Any, rank: int) -> Any:
-    """Rank 0's stdout/stderr lines also go to the driver's log."""
+    """Rank 0's stdout/stderr lines also go to the driver's log (their tail to the job's result
+    when the channel is off or fails)."""
     from contextlib import nullcontext
 
-    if client is None or rank != 0:
+    if rank != 0:
         return nullcontext()
     from sparkdl.launch.output import forward_output
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkdl import TorchEstimator, TorchModel
-from sparkdl.datasets import (decode_digit_png, digits_images_dataframe, load_digits, synthetic_tokens_dataframe,
+from sparkdl.datasets import (decode_digit_png, digits_images_dataframe, synthetic_tokens_dataframe,
                               train_test_split_digits)
 
 from sparkdl_test_models import TOKEN_LEN as T, TOKEN_VOCAB as V, tiny_gpt as gpt  # noqa: N811

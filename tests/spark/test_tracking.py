@@ -345,3 +345,29 @@ def test_three_concurrent_fits_from_three_threads_each_get_their_own_run(spark, 
         run = runs[model.run_id]  # type: ignore[union-attr]
         assert run.info.status == "FINISHED" and run.data.metrics["epoch_loss"] > 0
         assert run.data.tags["mlflow.runName"] == f"fit-{model.options['train.seed']}"  # type: ignore[union-attr]
+
+
+def chatty_cross_entropy(output, labels):  # type: ignore[no-untyped-def]
+    import torch
+
+    print(f"loss on a batch of {len(labels)}")
+    return torch.nn.functional.cross_entropy(output, labels)
+
+
+def test_without_a_channel_epoch_metrics_and_rank_zeros_output_still_reach_the_run(spark, mlflow_server,  # type: ignore[no-untyped-def]
+                                                                                   tmp_path) -> None:
+    """launch.channel="off" (executors that cannot reach the driver): the epoch records and the tail
+    of rank 0's output come back with the job's result and are logged to the run afterwards."""
+    from mlflow import MlflowClient
+
+    df = digits_dataframe(spark).limit(256)
+    model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=2, batch_size=64, num_workers=2,
+                           strategy="data_parallel", loss=chatty_cross_entropy, channel="off",
+                           tracking_uri=mlflow_server.uri, experiment="sparkdl-no-channel", progress=False).fit(df)
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    run = client.get_run(model.run_id)
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(model.run_id, "epoch_loss")) == [0, 1]
+    assert "loss" not in run.data.metrics  # step metrics need the live channel
+    output = open(client.download_artifacts(model.run_id, "rank0_output.txt", str(tmp_path))).read()
+    assert output.count("loss on a batch of") == len(model.history) * model.history[0]["steps"]
