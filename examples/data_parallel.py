@@ -1,6 +1,6 @@
 """Data parallel: every worker holds the whole model and gradients are averaged every step.
 
-    python examples/data_parallel.py [--master local[2]] [--epochs 10]
+    python examples/data_parallel.py [--master local[2] | --remote sc://host:15002] [--epochs 10]
 
 Trains an MLP on the bundled 8x8 digits through the Spark ML estimator (pass strategy="auto", the
 default, to let the planner choose), then scores the held-out rows with transform().
@@ -23,11 +23,13 @@ def mlp() -> nn.Module:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--remote", help="a Spark Connect server instead (Databricks Connect, shared mode)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
 
-    spark = SparkSession.builder.master(args.master).getOrCreate()  # an active session (notebook) wins
+    builder = SparkSession.builder.remote(args.remote) if args.remote else SparkSession.builder.master(args.master)
+    spark = builder.getOrCreate()  # an active session (notebook) wins
     train_idx, test_idx = train_test_split_digits(seed=0)
     train = digits_dataframe(spark, indices=train_idx)
     test = digits_dataframe(spark, indices=test_idx)
