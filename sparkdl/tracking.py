@@ -167,7 +167,8 @@ class RunTracker:
                 try:
                     with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
                         info = mlflow.pyfunc.log_model(name="model", python_model=python_model, signature=signature,
-                                                       input_example=input_example)
+                                                       input_example=input_example,
+                                                       pip_requirements=model_requirements(served))
                     result.append(info.model_uri)
                 finally:
                     mlflow.set_tracking_uri(previous)
@@ -218,6 +219,33 @@ def _is_number(value: Any) -> bool:
 def _param_text(value: Any) -> str:
     text = str(list(value) if isinstance(value, tuple) else value)
     return text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - 20] + " ...[cut]"
+
+
+SERVING_PACKAGES = ("sparkdl-torch", "torch", "mlflow", "pandas", "numpy", "pyarrow", "cloudpickle")
+
+
+def model_requirements(served: Any) -> list[str]:
+    """The logged model's pip requirements: what serving it imports, plus the distributions that
+    provide the model's layer classes and transform_fn. Said here instead of letting MLflow infer
+    them, which loads the model in a subprocess and costs 2-4 s per fit."""
+    import importlib.metadata as metadata
+    import sys
+
+    roots = {type(m).__module__.split(".")[0] for m in served.module.modules()}
+    if served.transform_fn is not None:
+        roots.add(str(getattr(served.transform_fn, "__module__", "") or "").split(".")[0])
+    providers = metadata.packages_distributions()
+    names = list(SERVING_PACKAGES)
+    for root in sorted(roots - set(sys.stdlib_module_names)):
+        names += [d for d in providers.get(root, []) if d.lower() not in {n.lower() for n in names}]
+    requirements = []
+    for name in names:
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:  # e.g. sparkdl run from a source tree
+            continue
+        requirements.append(f"{name}=={version.split('+')[0]}")  # a local label (+cpu) is on no index
+    return requirements
 
 
 def versions() -> dict[str, str]:

@@ -79,6 +79,19 @@ def test_the_logged_model_predicts_like_transform(tracked) -> None:  # type: ign
     assert (probabilities.argmax(axis=1) == np.asarray(predicted)).all()
 
 
+def test_the_logged_model_lists_what_serving_needs(tracked, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """sparkdl says the pip requirements itself (MLflow's inference loads the model in a subprocess)."""
+    import mlflow.artifacts
+    import torch
+
+    model, _, server = tracked
+    local = mlflow.artifacts.download_artifacts(f"{model.model_uri}/requirements.txt", dst_path=str(tmp_path),
+                                                tracking_uri=server.uri)
+    lines = open(local).read().split()
+    assert f"torch=={torch.__version__.split('+')[0]}" in lines
+    assert {ln.split("==")[0] for ln in lines} >= {"sparkdl-torch", "mlflow", "pandas", "numpy", "pyarrow", "cloudpickle"}
+
+
 def test_the_loss_curve_png_is_an_artifact(tracked, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from mlflow import MlflowClient
 

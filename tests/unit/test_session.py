@@ -115,3 +115,4 @@ def test_rank_zeros_output_tail_without_a_channel() -> None:
     rows = output_batch(0, tail).to_pylist()
     assert output_lines(collect_parts(rows)) == ["line 3", "line 4", "unfinished"]
     assert output_lines(collect_parts([])) == []
+
