@@ -44,6 +44,7 @@ class WorkerContext:
     reporter: "Reporter | None" = None  # metrics and progress to the driver (rank 0)
     batch_shares: tuple[int, ...] | None = None  # rows per rank and step when shared by speed (launch.balance)
     spool_seconds: float = 0.0  # receiving this rank's partition from Spark and spooling it (epoch 1's extra)
+    task_started: float = 0.0  # time.perf_counter() when this rank's task began (for time_to_first_step_s)
 
     @property
     def rank(self) -> int:

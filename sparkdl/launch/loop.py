@@ -36,6 +36,8 @@ class _EpochTotals:
     step: int
     global_step: int
     transform_started: float = 0.0  # ctx.transform_seconds when the epoch began
+    data_seconds: float = 0.0  # waiting for the next batch (spool read, assembly, transform_fn not hidden by prefetch)
+    first_step_s: float | None = None  # task start to the end of the run's first step (a fresh run's epoch 0)
 
 
 def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointStore | None = None
@@ -184,8 +186,10 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
     accumulation window (accumulated gradients are not saved)."""
     device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
     accumulate, save_due = ctx.spec.config.train.accumulate_steps, False
+    fetch_started = time.perf_counter()
     for inputs, labels, weights in _triples(ctx, ctx.batches(epoch, start=totals.step)):
         step_started = time.perf_counter()
+        totals.data_seconds += step_started - fetch_started
         inputs, rows = to_device(inputs, device), batch_rows(inputs)
         labels = labels.to(device, non_blocking=True)
         weights = None if weights is None else weights.to(device, non_blocking=True)
@@ -195,6 +199,8 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         totals.samples += rows
         totals.step += 1
         totals.global_step += 1
+        if totals.global_step == 1 and ctx.task_started:
+            totals.first_step_s = time.perf_counter() - ctx.task_started
         if reporter is not None and reporter.due(totals.global_step, totals.step == steps):
             step_s = time.perf_counter() - step_started
             reporter.step(totals.global_step, {
@@ -206,6 +212,7 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
             save_due = False
             checkpoints.save(Position(epoch, totals.step, totals.global_step),  # type: ignore[union-attr]
                              _progress(ctx, strategy, history, float(totals.loss_sum.cpu()), totals.samples, stopper))
+        fetch_started = time.perf_counter()
 
 
 def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, Any, Any]]:
@@ -220,6 +227,9 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
     if layout is not None and (layout.tensor_inputs or layout.weight_column):
         return iter(batches)  # type: ignore[arg-type]
     return ((features, labels, None) for features, labels in batches)
+
+
+SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds")
 
 
 def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,
@@ -240,12 +250,16 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     if ctx.batch_shares:
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
     record.update(strategy.epoch_record())
-    local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent))
+    local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds)
+    if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
+        local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.spool_seconds)
     if ctx.spec.config.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     for name, values in _gather_metrics(ctx, local).items():
         if name == "bytes_sent":
             record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
+        elif name in SLOWEST_RANK:  # the slowest rank holds every rank back
+            record[name] = max(values)
         else:
             record[f"max_{name}_per_rank"] = max(values)
     return record

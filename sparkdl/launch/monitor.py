@@ -67,8 +67,9 @@ class RunMonitor:
         record = message.get("record", {})
         epoch = int(record.get("epoch", 0))
         self._epochs_seen.add(epoch)
-        names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "lr")
+        names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "lr", "data_seconds")
         point = {f"epoch_{k}": record[k] for k in names if k in record}
+        point.update({k: record[k] for k in ("time_to_first_step_s", "spool_seconds") if k in record})
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
         # like the other epoch curves
         validation = {k: v for k, v in record.items() if k.startswith("val_") and isinstance(v, (int, float))}

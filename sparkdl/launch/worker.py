@@ -128,7 +128,8 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         from sparkdl.launch.reporter import Reporter
 
         ctx = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, spool=spool,
-                            validation=validation, spool_seconds=spool_seconds, batch_shares=shares,
+                            validation=validation, spool_seconds=spool_seconds, task_started=spool_started,
+                            batch_shares=shares,
                             reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
         history: list[dict[str, Any]] | None = None
         if spec.train_fn is not None:

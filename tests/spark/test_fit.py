@@ -68,6 +68,10 @@ def test_digits_reach_accuracy_through_fit_and_transform(digits_model) -> None: 
     for key in ("loss", "samples_per_sec", "seconds", "bytes_sent", "steps"):
         assert key in history[0]
     assert history[0]["bytes_sent"] > 0
+    # the data path: time to the first step (spooling included) once, the wait for batches every epoch
+    assert history[0]["time_to_first_step_s"] >= history[0]["spool_seconds"] > 0
+    assert all("time_to_first_step_s" not in h for h in history[1:])
+    assert all(0 <= h["data_seconds"] < h["seconds"] for h in history)
 
 
 def test_save_load_gives_identical_predictions(digits_model, tmp_path) -> None:  # type: ignore[no-untyped-def]

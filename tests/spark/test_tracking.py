@@ -51,9 +51,12 @@ def test_metric_histories_have_increasing_steps(tracked) -> None:  # type: ignor
     for name in ("loss", "lr", "samples_per_sec", "step_time_s"):
         steps = [m.step for m in client.get_metric_history(model.run_id, name)]
         assert len(steps) >= 3 and steps == sorted(steps) and len(set(steps)) == len(steps), name
-    for name in ("epoch_loss", "epoch_val_loss", "epoch_val_accuracy", "epoch_samples_per_sec", "epoch_bytes_sent"):
+    for name in ("epoch_loss", "epoch_val_loss", "epoch_val_accuracy", "epoch_samples_per_sec", "epoch_bytes_sent",
+                 "epoch_data_seconds"):
         history = client.get_metric_history(model.run_id, name)
         assert [m.step for m in history] == [0, 1, 2], name
+    for name in ("time_to_first_step_s", "spool_seconds"):  # once per run, from the first epoch
+        assert [(m.step, m.value) for m in client.get_metric_history(model.run_id, name)] == [(0, model.history[0][name])]
     assert [h["val_accuracy"] for h in model.history][-1] > 0.5
     assert client.get_metric_history(model.run_id, "epoch_loss")[-1].value == pytest.approx(model.history[-1]["loss"])
 
