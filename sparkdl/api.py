@@ -104,7 +104,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     check_training_options(config, spark, prepared, out_shape or (out_width,))
     resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept, sample=sample)
     config = resolved.config or config
-    spec = _train_spec(model, config, prepared.layout, resolved)
+    spec = _train_spec(model, config, prepared.layout, resolved, prepared.num_rows + prepared.num_validation_rows)
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
     state, history = tracked_submit(spark, prepared.df, spec, tracker, callbacks=callbacks)
     _log_prediction(tracker, resolved, history)
@@ -192,7 +192,7 @@ def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPla
                       f"{type(plan).__name__}", hint="plan = sparkdl.plan(model, df, ...); TorchEstimator(..., plan=plan)")
 
 
-def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPlan) -> Any:
+def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPlan, rows: int) -> Any:
     from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
 
@@ -201,7 +201,7 @@ def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPl
     # Callbacks run on the driver (a notebook's plots): the executors only learn that there are some.
     shipped = replace(config, train=replace(train, callbacks=()))
     spec = TrainSpec(run_id=new_run_id(), config=shipped, layout=layout, model=model,
-                     strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks))
+                     strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks), rows=rows)
     check_picklable(spec)
     return spec
 

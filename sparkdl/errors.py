@@ -51,6 +51,10 @@ class InsufficientSlotsError(ResourceError):
     """More workers were asked for than Spark can run at once."""
 
 
+class SpoolSpaceError(ResourceError):
+    """An executor's spool directory (data.spool_dir) has too little free space for its partition."""
+
+
 class TrainingError(SparkdlError):
     """A worker failed during training; the message carries the failing rank's exception.
     `events`: what the JVM bridge's BarrierWatch saw during the job (executors lost, tasks failed

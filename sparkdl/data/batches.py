@@ -27,6 +27,7 @@ from sparkdl.data.arrow_rows import (Arrays, Block, ChunkWriter, SpoolColumn, in
 from sparkdl.data.assemble import Assemble, assembler
 from sparkdl.data.layout import FIXED, FeedLayout
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
+from sparkdl.data.spool_space import check_free_space, out_of_space
 from sparkdl.errors import EmptyDataError
 
 
@@ -195,9 +196,13 @@ class Spool:
 
     @classmethod
     def write(cls, batches: Iterable[pa.RecordBatch], layout: FeedLayout, directory: str | Path, *,
-              chunk_bytes: int = 64 << 20) -> Spool:
-        """Consume `batches` (a single-pass mapInArrow iterator) into a new file under `directory`."""
+              chunk_bytes: int = 64 << 20, expected_bytes: int = 0) -> Spool:
+        """Consume `batches` (a single-pass mapInArrow iterator) into a new file under `directory`;
+        `expected_bytes` (spool_space.spool_bytes of the rows expected) is checked against the free
+        space first, and a disk that fills up anyway is named (SpoolSpaceError)."""
         Path(directory).mkdir(parents=True, exist_ok=True)
+        if expected_bytes:
+            check_free_space(directory, expected_bytes)
         final = Path(directory) / f"sparkdl-spool-{uuid.uuid4().hex}.arrow"
         # A task killed mid-write leaves a .tmp name, never a truncated file that looks complete.
         partial = final.with_name(final.name + ".tmp")
@@ -209,8 +214,12 @@ class Spool:
                     chunks.add(*incoming_arrays(batch, layout))
                 chunks.flush()
             os.replace(partial, final)
-        except BaseException:
+        except BaseException as exc:
+            written = partial.stat().st_size if partial.exists() else 0
             partial.unlink(missing_ok=True)
+            full = out_of_space(exc, directory, expected_bytes, written)
+            if full is not None:
+                raise full from None
             raise
         return cls(final, layout)
 

@@ -23,6 +23,7 @@ class TrainSpec:
     channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
     strategy_layout: StrategyLayout = None  # HybridLayout / IstLayout from the resolved plan; None: data parallel
     driver_callbacks: bool = False  # train.callbacks run on the driver: rank 0 waits for their verdict every epoch
+    rows: int = 0  # training + validation rows over all ranks, as the driver counted them (0: not counted)
 
     @property
     def world_size(self) -> int:

@@ -184,13 +184,17 @@ def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: Exit
             pass
         return None, None
     from sparkdl.data.batches import Spool
+    from sparkdl.data.spool_space import spool_bytes
 
     directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+    # The average share (validation rows included): feed.split_and_shard's round-robin shards differ
+    # by a few rows; a kept, skewed partitioning is caught while writing instead.
+    expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
     if spec.layout.split_column is None:
-        return stack.enter_context(Spool.write(batches, spec.layout, directory)), None
+        return stack.enter_context(Spool.write(batches, spec.layout, directory, expected_bytes=expected)), None
     held_out: list[pa.RecordBatch] = []
     train = stack.enter_context(Spool.write(_split(batches, spec.layout.split_column, held_out), spec.layout,
-                                            directory))
+                                            directory, expected_bytes=expected))
     # Validation rows are few by design; they wait in memory until the training rows are spooled.
     return train, stack.enter_context(Spool.write(iter(held_out), spec.layout, directory))
 
