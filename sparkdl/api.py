@@ -23,6 +23,7 @@ from sparkdl.launch.stopping import stop_tags
 from sparkdl.launch.shipping import ship_by_value
 from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
+from sparkdl.phases import Phases
 from sparkdl.serving import ServedModel
 from sparkdl.session import facts
 
@@ -85,6 +86,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     from sparkdl.data.prepare import prepare_run
     from sparkdl.launch.driver import ensure_training_slots
 
+    phases = Phases()
     config.validate()
     check_weighted_loss(config)
     callbacks = resolve_callbacks(config.train.callbacks)  # driver only: never shipped
@@ -96,17 +98,23 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     spark = _spark(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
     preflight(spark, config.launch.num_workers, config.launch.gpus_per_worker)
+    phases.mark("slots")
     prepared = prepare_run(df, config, validation_df)
+    phases.mark("prepare")
     module, out_width, sample, out_shape = _probe(model, config, prepared)
     prepared = drop_labels_beyond_the_model(config, prepared, out_width)
     check_output_width(config, out_width, prepared.layout.num_classes, _label_shape(prepared.layout))
     check_enough_rows(config, prepared.num_rows)
     check_training_options(config, spark, prepared, out_shape or (out_width,))
+    phases.mark("checks")
     resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept, sample=sample)
     config = resolved.config or config
     spec = _train_spec(model, config, prepared.layout, resolved, prepared.num_rows + prepared.num_validation_rows)
+    phases.mark("plan")
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
+    phases.mark("tracking")
     state, history = tracked_submit(spark, prepared.df, spec, tracker, callbacks=callbacks)
+    phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
     module.load_state_dict(state)
@@ -117,11 +125,13 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
                           out_shape, config.data.prediction_col)
     model_uri = tracker.log_model(serving, input_example(df, prepared.layout, sample=prepared.sample)) \
         if tracker.run_id else None
+    phases.mark("log_model")
+    tracker.log_metric_points([(phases.metrics(), 0)])
     tracker.finish("FINISHED")
     return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
                      run_id=spec.run_id, plan=resolved, extra={"mlflow_run_id": tracker.run_id, "model_uri": model_uri,
                                                                 "tracking_uri": tracker.tracking_uri,
-                                                                "output_shape": out_shape})
+                                                                "output_shape": out_shape, "phases": phases.seconds})
 
 
 def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, tuple[int, ...]]:

@@ -46,6 +46,7 @@ class TorchEstimator(Estimator, MLWritable):
         model.explicit_dtypes = sorted(result.config.data.input_dtypes or {})
         model.output_shape = tuple(result.extra.get("output_shape", ()))
         model.plan = result.plan  # the layout it trained with: TorchEstimator(plan=model.plan) trains alike
+        model.fit_seconds = dict(result.extra.get("phases", {}))  # where the fit's wall time went (phases.py)
         return model
 
     def write(self) -> MLWriter:
@@ -68,6 +69,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.run_id = run_id  # the MLflow run of the fit (None when tracking was off or failed)
         self.options = dict(options or {})
         self.model_uri: str | None = None
+        self.fit_seconds: dict[str, float] = {}  # phase -> seconds of the fit that made it (not saved)
         self.plan: Any = None  # the ResolvedPlan of the fit (None after load)
         self.inference_gpus = 0.0  # GPUs per scoring task; a fraction shares a GPU between tasks
         self.inference_batch_size = 1024

@@ -387,3 +387,15 @@ def test_without_a_channel_epoch_metrics_and_rank_zeros_output_still_reach_the_r
     assert "loss" not in run.data.metrics  # step metrics need the live channel
     output = open(client.download_artifacts(model.run_id, "rank0_output.txt", str(tmp_path))).read()
     assert output.count("loss on a batch of") == len(model.history) * model.history[0]["steps"]
+
+
+def test_where_the_fit_time_went_is_on_the_model_and_the_run(tracked) -> None:  # type: ignore[no-untyped-def]
+    from mlflow import MlflowClient
+
+    model, _, server = tracked
+    phases = model.fit_seconds
+    assert list(phases) == ["slots", "prepare", "checks", "plan", "tracking", "job", "log_model"]
+    assert all(s >= 0 for s in phases.values()) and phases["job"] > 0
+    metrics = MlflowClient(tracking_uri=server.uri).get_run(model.run_id).data.metrics
+    assert metrics["fit_job_s"] == pytest.approx(phases["job"])
+    assert metrics["fit_total_s"] == pytest.approx(sum(phases.values()))
