@@ -185,7 +185,7 @@ class ConnectSession:
     """A Spark Connect client: conf values from the server, jobs for everything else."""
 
     connect = True
-    PROBE_SECONDS = 1.0  # how long each probe task holds its slot: long enough for all to overlap
+    PROBE_SECONDS = 2.0  # how long each probe task holds its slot: covers the spread of task start times
 
     def __init__(self, spark: Any) -> None:
         self.spark = spark
@@ -207,7 +207,7 @@ class ConnectSession:
         return known if known is not None else self.probe_slots(max(wanted, 1))
 
     def probe_slots(self, tasks: int) -> int:
-        """How many of `tasks` one-second tasks Spark ran at the same time (at most `tasks`)."""
+        """How many of `tasks` tasks, each holding its slot for PROBE_SECONDS, Spark ran at the same time (at most `tasks`)."""
         import pyarrow as pa
 
         seconds = self.PROBE_SECONDS
