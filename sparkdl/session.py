@@ -207,7 +207,8 @@ class ConnectSession:
         return known if known is not None else self.probe_slots(max(wanted, 1))
 
     def probe_slots(self, tasks: int) -> int:
-        """How many of `tasks` tasks, each holding its slot for PROBE_SECONDS, Spark ran at the same time (at most `tasks`)."""
+        """How many of `tasks` tasks, each holding its slot for PROBE_SECONDS, Spark ran at the same
+        time (at most `tasks`; never more than the slots, fewer only if start times spread wider)."""
         import pyarrow as pa
 
         seconds = self.PROBE_SECONDS
