@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,29 +35,47 @@ def report(ctx):
                                       "executor": ctx.world.executors[ctx.rank], "device": str(ctx.device),
                                       "visible": os.environ.get("CUDA_VISIBLE_DEVICES")})
 
-if mode == "too_many":  # 2 executors x 2 GPUs hold only 2 ranks of 2 GPUs each
+print("RESULT " + json.dumps(sparkdl.run(report, num_workers=4, progress=False, **options)))
+if mode == "stage":  # the same application: 2 executors x 2 GPUs hold only 2 ranks of 2 GPUs each
     try:
         sparkdl.run(report, num_workers=4, progress=False, gpus_per_worker=2)
     except sparkdl.SparkdlError as exc:
         print("REFUSED " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
-else:
-    print("RESULT " + json.dumps(sparkdl.run(report, num_workers=4, progress=False, **options)))
 spark.stop()
 '''
 
 
-@pytest.mark.parametrize("mode", ["application", "stage"])
-def test_every_rank_gets_its_own_gpu_address(tmp_path: Path, mode: str) -> None:
-    discover = tmp_path / "discover_gpus.sh"
+def discovery_script(directory: Path) -> Path:
+    discover = directory / "discover_gpus.sh"
     discover.write_text('#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
     discover.chmod(0o755)
-    script = tmp_path / "gpu_job.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(discover), mode], capture_output=True, text=True,
-                          timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    ranks = json.loads(lines[-1][len("RESULT "):])
+    return discover
+
+
+def run_script(directory: Path, source: str, *args: str) -> dict[str, list[Any]]:
+    """Run `source` in a subprocess (an application of its own); its "TAG {json}" lines by tag."""
+    script = directory / "gpu_job.py"
+    script.write_text(source)
+    done = subprocess.run([sys.executable, str(script), str(discovery_script(directory)), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tagged: dict[str, list[Any]] = {}
+    for line in done.stdout.splitlines():
+        tag, _, rest = line.partition(" ")
+        if tag.isupper() and rest.startswith(("[", "{")):
+            tagged.setdefault(tag, []).append(json.loads(rest))
+    return tagged
+
+
+@pytest.fixture(scope="module")
+def applications(tmp_path_factory) -> dict[str, dict[str, list[Any]]]:  # type: ignore[no-untyped-def]
+    """One application per mode; "stage" also tries a run its GPUs cannot hold."""
+    return {mode: run_script(tmp_path_factory.mktemp(mode), SCRIPT, mode) for mode in ("application", "stage")}
+
+
+@pytest.mark.parametrize("mode", ["application", "stage"])
+def test_every_rank_gets_its_own_gpu_address(applications, mode: str) -> None:  # type: ignore[no-untyped-def]
+    ranks = applications[mode]["RESULT"][-1]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert all(len(r["gpus"]) == 1 for r in ranks)
     # two executors with GPUs 0 and 1 each: every (executor, GPU) pair is used exactly once
@@ -77,7 +96,7 @@ from pyspark import TaskContext
 from pyspark.sql import SparkSession
 from sparkdl import TorchModel
 from sparkdl.data.layout import FeedLayout
-discover, amount = sys.argv[1], float(sys.argv[2])
+discover = sys.argv[1]
 spark = (SparkSession.builder.master("local-cluster[1,2,1024]").config("spark.ui.enabled", "false")
          .config("spark.executor.memory", "1g")
          .config("spark.worker.resource.gpu.amount", "2").config("spark.worker.resource.gpu.discoveryScript", discover)
@@ -99,46 +118,35 @@ class WhichGpu(torch.nn.Module):
 
 
 df = spark.range(0, 64, 1, 8).selectExpr("cast(id as float) as x")
-model = TorchModel(module=WhichGpu(), layout=FeedLayout(num_features=1, label_dtype=None, source_feature_cols=("x",)),
-                   output_kind="value")
-if amount:
-    model.setInferenceGpus(amount)
-rows = model.transform(df).select("prediction").collect()
-print("RESULT " + json.dumps(sorted(r.prediction for r in rows)))
+for amount in (0.0, 0.5):  # one application, both scoring stages
+    model = TorchModel(module=WhichGpu(), layout=FeedLayout(num_features=1, label_dtype=None,
+                                                            source_feature_cols=("x",)), output_kind="value")
+    if amount:
+        model.setInferenceGpus(amount)
+    rows = model.transform(df).select("prediction").collect()
+    print("RESULT " + json.dumps([amount, sorted(r.prediction for r in rows)]))
 spark.stop()
 '''
 
 
-def test_too_few_gpu_slots_are_refused_before_the_job(tmp_path: Path) -> None:
-    discover = tmp_path / "discover_gpus.sh"
-    discover.write_text('#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
-    discover.chmod(0o755)
-    script = tmp_path / "gpu_job.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(discover), "too_many"], capture_output=True, text=True,
-                          timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REFUSED ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    refused = json.loads(lines[-1][len("REFUSED "):])
+def test_too_few_gpu_slots_are_refused_before_the_job(applications) -> None:  # type: ignore[no-untyped-def]
+    refused = applications["stage"]["REFUSED"][-1]
     assert refused["type"] == "InsufficientSlotsError"
     assert "gpus_per_worker=2" in refused["message"] and "allow only 2" in refused["message"]
 
 
+@pytest.fixture(scope="module")
+def inference_scores(tmp_path_factory) -> dict[float, list[float]]:  # type: ignore[no-untyped-def]
+    results = run_script(tmp_path_factory.mktemp("inference"), INFERENCE_SCRIPT)["RESULT"]
+    return {amount: scores for amount, scores in results}
+
+
 @pytest.mark.parametrize("amount", [0.0, 0.5])
-def test_fractional_gpus_for_inference(tmp_path: Path, amount: float) -> None:
+def test_fractional_gpus_for_inference(inference_scores, amount: float) -> None:  # type: ignore[no-untyped-def]
     """transform in a CPU-default application: with setInferenceGpus(0.5) every scoring task gets one
     of the executor's two GPU addresses through a stage ResourceProfile (two tasks may share each);
     without it, none. Scoring runs on cuda:<address> only where CUDA exists."""
-    discover = tmp_path / "discover_gpus.sh"
-    discover.write_text('#!/usr/bin/env bash\necho \'{"name": "gpu", "addresses": ["0", "1"]}\'\n')
-    discover.chmod(0o755)
-    script = tmp_path / "gpu_inference.py"
-    script.write_text(INFERENCE_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(discover), str(amount)], capture_output=True,
-                          text=True, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    scores = json.loads(lines[-1][len("RESULT "):])
+    scores = inference_scores[amount]
     assert len(scores) == 64
     import torch
 

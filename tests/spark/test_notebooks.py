@@ -15,14 +15,21 @@ def test_the_notebooks_exist() -> None:
                                            "diloco.ipynb", "cnn_images.ipynb", "language_model.ipynb"}
 
 
+@pytest.fixture(scope="module")
+def calibration_cache(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    """One planner calibration cache for every kernel: all run the same local[2] session, so the
+    first notebook's measurement serves the others (each would otherwise run the probe job again)."""
+    return tmp_path_factory.mktemp("notebook-calibration")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calibration_cache: Path) -> None:
     import nbformat
     from nbclient import NotebookClient
 
     monkeypatch.setenv("SPARKDL_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("SPARKDL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPARKDL_CACHE_DIR", str(calibration_cache))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})

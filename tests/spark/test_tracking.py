@@ -84,13 +84,16 @@ def test_the_logged_model_predicts_like_transform(tracked) -> None:  # type: ign
 
 def test_the_logged_model_lists_what_serving_needs(tracked, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """sparkdl says the pip requirements itself (MLflow's inference loads the model in a subprocess)."""
-    import mlflow.artifacts
+    import mlflow
     import torch
 
     model, _, server = tracked
-    local = mlflow.artifacts.download_artifacts(f"{model.model_uri}/requirements.txt", dst_path=str(tmp_path),
-                                                tracking_uri=server.uri)
-    lines = open(local).read().split()
+    mlflow.set_tracking_uri(server.uri)  # a models:/ URI resolves through the global tracking URI
+    try:
+        local = mlflow.artifacts.download_artifacts(model.model_uri, dst_path=str(tmp_path))
+    finally:
+        mlflow.set_tracking_uri(None)
+    lines = open(f"{local}/requirements.txt").read().split()
     assert f"torch=={torch.__version__.split('+')[0]}" in lines
     assert {ln.split("==")[0] for ln in lines} >= {"sparkdl-torch", "mlflow", "pandas", "numpy", "pyarrow", "cloudpickle"}
 

@@ -166,7 +166,7 @@ def test_client_to_closed_port_drops_quietly_with_one_warning(caplog: pytest.Log
     assert client.send_now("error", message="boom") is False
     client.close()
     warnings = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
-    assert len(warnings) == 1 and "metrics stay in the run history" in warnings[0]
+    assert len(warnings) == 1 and "reach the driver with the job's result" in warnings[0]
 
 
 def test_full_queue_drops_instead_of_blocking() -> None:
