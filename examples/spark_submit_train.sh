@@ -9,13 +9,15 @@ epochs=${2:-3}
 python=${PYTHON:-$PWD/.venv/bin/python}
 rm -rf "$out" && mkdir -p "$out"
 
+# The input, written with pyarrow (no Spark needed): 64 double pixel columns in [0, 1] and a label.
 "$python" - "$out/digits.parquet" <<'PY'
 import sys
-from pyspark.sql import SparkSession
-from sparkdl.datasets import digits_dataframe
-spark = SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false").getOrCreate()
-digits_dataframe(spark).write.parquet(sys.argv[1])
-spark.stop()
+import pyarrow as pa, pyarrow.parquet as pq
+from sparkdl.datasets import DIGITS_FEATURE_COLS, load_digits
+pixels, labels = load_digits()
+columns = [pa.array(pixels[:, i].astype("float64") / 16.0) for i in range(pixels.shape[1])]
+columns.append(pa.array(labels, pa.int64()))
+pq.write_table(pa.Table.from_arrays(columns, names=[*DIGITS_FEATURE_COLS, "label"]), sys.argv[1])
 PY
 
 # `sparkdl submit <spark-submit options> -- train ...` runs spark-submit with sparkdl/cli.py as the

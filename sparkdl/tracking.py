@@ -6,6 +6,7 @@ model.history. mlflow is imported lazily: `import sparkdl` works without it.
 """
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -234,7 +235,7 @@ def model_requirements(served: Any) -> list[str]:
     roots = {type(m).__module__.split(".")[0] for m in served.module.modules()}
     if served.transform_fn is not None:
         roots.add(str(getattr(served.transform_fn, "__module__", "") or "").split(".")[0])
-    providers = metadata.packages_distributions()
+    providers = _distributions_by_module()
     names = list(SERVING_PACKAGES)
     for root in sorted(roots - set(sys.stdlib_module_names)):
         names += [d for d in providers.get(root, []) if d.lower() not in {n.lower() for n in names}]
@@ -246,6 +247,14 @@ def model_requirements(served: Any) -> list[str]:
             continue
         requirements.append(f"{name}=={version.split('+')[0]}")  # a local label (+cpu) is on no index
     return requirements
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions_by_module() -> Mapping[str, list[str]]:
+    """Top-level module -> the installed distributions providing it (a scan of every install: once)."""
+    import importlib.metadata as metadata
+
+    return metadata.packages_distributions()
 
 
 def versions() -> dict[str, str]:

@@ -62,7 +62,7 @@ def rows_df(spark):  # type: ignore[no-untyped-def]
 def fit(df, **options):  # type: ignore[no-untyped-def]
     settings = dict(model=net, feature_cols=FEATURES, label_col="label", batch_size=8, epochs=2, num_workers=2,
                     optimizer="sgd", lr=0.1, momentum=0.9, seed=5, strategy="data_parallel", tracking=False,
-                    progress=False, loss=killing_loss)
+                    progress=False, loss=killing_loss, peer_failure_delay_s=0.5)  # nobody needs to be heard first
     settings.update(options)
     return TorchEstimator(**settings).fit(df)
 

@@ -6,7 +6,8 @@ Writes what it saw to OUT as JSON; tests/spark/test_connect.py asserts on it and
 Steps (each recorded under its name, or its error under "<name>_error"):
 fit (the digits, as the classic test) + transform accuracy, save/load, sparkdl.run, sparkdl.plan,
 the parquet file the test's `sparkdl train --remote` reads, a fit whose executors cannot reach this client's channel,
-three concurrent fits from three threads, and the slot probe.
+three concurrent fits from three threads, the slot probe, and `sparkdl train --remote` once the
+client's own session is stopped.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str) -> None:
     from pyspark.sql import SparkSession
 
     import sparkdl
-    from sparkdl import TorchEstimator, TorchModel
+    from sparkdl import TorchEstimator, TorchModel, cli
     from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe, train_test_split_digits
     from sparkdl.session import facts, is_connect
 
@@ -137,6 +138,11 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str) -> None:
     step("concurrent", concurrent)
     step("probe_slots", lambda: [facts(spark).probe_slots(2), facts(spark).probe_slots(6)])
     spark.stop()
+    # no session left: `sparkdl train --remote` makes its own (and stops it)
+    step("cli_train", lambda: cli.main(["train", "--remote", url, "--conf", "conf/examples/digits.toml",
+                                        "--set", f"input.path={results['parquet']}",
+                                        "--set", f"output.model_path={workdir}/cli-model",
+                                        "--set", "train.epochs=2", "--set", "tracking.tracking=false"]))
 
 
 if __name__ == "__main__":
