@@ -49,10 +49,11 @@ def test_a_killed_executor_jvm_is_replaced_and_the_fit_resumes_exactly(spark, cl
     assert marker.exists(), "the executor was never killed"
     output = done.stdout + done.stderr
     assert "Lost executor" in output and "attempt 1 of 4 failed" in output
-    # The rank's Python worker outlives its JVM for a step or two (it notices on its next write to
-    # Spark), so the last complete checkpoint is step 6 or 9 of the 20.
+    # The rank's Python worker outlives its JVM for a few steps (it notices on its next write to
+    # Spark; longer on a loaded machine), so the last complete checkpoint is one of steps 6, 9, the
+    # epoch's end (10) or 12 of the 20 (every 3 steps and at each epoch's end).
     resumed_at = int(re.search(r"resumed from the checkpoint of step (\d+)", output).group(1))  # type: ignore[union-attr]
-    assert resumed_at in (6, 9, 12)
+    assert resumed_at in (6, 9, 10, 12)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert resumed["history"][0]["resumed_from_step"] == resumed_at
     # The uninterrupted reference: the same fit (two fixed partitions, same seed) on this process's
