@@ -7,7 +7,6 @@ for the driver's verdict after each epoch); replies are only ever sent for reque
 from __future__ import annotations
 
 import hmac
-import itertools
 import json
 import logging
 import queue
@@ -24,8 +23,8 @@ from typing import Any, BinaryIO, Callable
 log = logging.getLogger("sparkdl")
 MAX_FRAME_BYTES = 1 << 20
 HELLO_TIMEOUT_S = 5.0
-_HEADER = struct.Struct(">I")
-_STOP = object()  # queue sentinel
+FRAME_HEADER = struct.Struct(">I")
+_STOP = object()  # queue sentinel of the consumer thread
 
 
 @dataclass(frozen=True)
@@ -44,16 +43,16 @@ class FrameError(Exception):
 def encode_frame(obj: dict[str, Any]) -> bytes:
     """Length-prefixed JSON; default=str so a stray non-JSON value never raises in training code."""
     data = json.dumps(obj, default=str, separators=(",", ":")).encode("utf-8")
-    return _HEADER.pack(len(data)) + data
+    return FRAME_HEADER.pack(len(data)) + data
 
 
 def read_frame(stream: BinaryIO, max_bytes: int) -> dict[str, Any] | None:
     """One decoded frame from a buffered stream (socket.makefile("rb")), None on a clean EOF between
     frames; FrameError when the peer breaks the protocol."""
-    header = stream.read(_HEADER.size)
+    header = stream.read(FRAME_HEADER.size)
     if not header:
         return None
-    (size,) = _HEADER.unpack(header) if len(header) == _HEADER.size else (-1,)
+    (size,) = FRAME_HEADER.unpack(header) if len(header) == FRAME_HEADER.size else (-1,)
     if size > max_bytes:
         raise FrameError(f"frame of {size} bytes exceeds max_frame_bytes={max_bytes}")
     body = stream.read(size) if size > 0 else b""
@@ -78,7 +77,7 @@ class _Reply:
         frame = b""
         with suppress(TypeError, ValueError):  # e.g. a circular structure
             frame = encode_frame({**obj, "reply": self._id})  # the id last: obj cannot change it
-        if not 0 < len(frame) - _HEADER.size <= MAX_FRAME_BYTES:  # the worker would refuse it
+        if not 0 < len(frame) - FRAME_HEADER.size <= MAX_FRAME_BYTES:  # the worker would refuse it
             log.warning("sparkdl driver channel: reply to rank %d not encodable or too large; sent {}", self._rank)
             frame = encode_frame({"reply": self._id})
         with self._conn[0]:  # one writer at a time; the reader's close() waits for us
@@ -237,174 +236,3 @@ class DriverChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Urgent:
-    """A frame whose sender waits until it is written (send_now) or, with an rid, answered (request)."""
-
-    def __init__(self, frame: bytes, rid: int | None = None, deadline: float = 0.0) -> None:
-        self.frame, self.ok, self.done = frame, False, threading.Event()
-        self.rid, self.deadline, self.reply = rid, deadline, None
-
-
-class _Replies:
-    """Reply frames from the client socket, by a deadline. Bytes stay buffered until read_frame has a
-    whole frame, so a timeout mid-frame loses nothing (a makefile() stream is dead after a timeout)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock, self._buf, self._pos, self._deadline = sock, bytearray(), 0, 0.0
-
-    def read(self, n: int) -> bytes:  # all of BinaryIO that read_frame uses; the frame starts at _buf[0]
-        while len(self._buf) < self._pos + n:
-            self._sock.settimeout(max(1e-3, self._deadline - time.monotonic()))  # TimeoutError once due
-            if not (chunk := self._sock.recv(max(1 << 16, self._pos + n - len(self._buf)))):
-                break  # EOF: read_frame sees the short read
-            self._buf += chunk
-        self._pos += n
-        return bytes(self._buf[self._pos - n:self._pos])
-
-    def reply_to(self, rid: int, deadline: float) -> dict[str, Any] | None:
-        """The reply to request rid, skipping late replies to earlier (timed-out) requests; None: due."""
-        self._deadline, sock_timeout = deadline, self._sock.gettimeout()
-        try:
-            while True:
-                self._pos = 0
-                frame = read_frame(self, MAX_FRAME_BYTES)  # type: ignore[arg-type]
-                del self._buf[:self._pos]
-                if frame is None:
-                    raise ConnectionError("the driver closed the connection")
-                if frame.pop("reply", None) == rid:
-                    return frame
-        except TimeoutError:
-            return None  # its reply, if it comes, is skipped by a later request: the ids differ
-        finally:
-            self._sock.settimeout(sock_timeout)  # the sender's own, for sendall
-
-
-class ChannelClient:
-    """Executor side: sends never block or break training. A daemon thread owns the socket and
-    connects on the first message; if the driver is unreachable it warns once and drops messages
-    from then on (the run history returned with the task result still has the metrics)."""
-
-    def __init__(self, address: ChannelAddress, rank: int, *, connect_timeout: float = 10.0,
-                 queue_size: int = 10000) -> None:
-        self._address, self._rank, self._timeout = address, rank, connect_timeout
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._failed = self._closed = False
-        self.dropped, self._ids = 0, itertools.count(1)  # _ids: request ids, for matching replies
-        self._thread: threading.Thread | None = None  # started by the first message
-
-    @property
-    def failed(self) -> bool:
-        """The driver could not be reached (or stopped reading): nothing sent arrives any more."""
-        return self._failed
-
-    def _drop(self) -> None:
-        with self._lock:
-            self.dropped += 1
-
-    def _enqueue(self, kind: str, fields: dict[str, Any], wait: float | None,
-                 rid: int | None = None) -> _Urgent | None:
-        """Queue the message (wrapped as _Urgent when wait is set); None when it was dropped."""
-        if rid is None:  # a plain message must not pass for a request: its reply would be read as another's
-            fields.pop("request", None)
-        try:
-            frame = encode_frame({"kind": kind, **fields})
-        except (TypeError, ValueError):  # e.g. a circular structure
-            frame = b""
-        item = _Urgent(frame, rid, time.monotonic() + (wait or 0.0))
-        with self._lock:
-            ok = 0 < len(frame) - _HEADER.size <= MAX_FRAME_BYTES and not (self._failed or self._closed)
-            if ok and self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="sparkdl-channel-client")
-                self._thread.start()
-        with suppress(queue.Full):
-            if ok:
-                self._queue.put(item if wait is not None else frame, block=wait is not None, timeout=wait)
-                if self._failed:  # the sender died meanwhile: nobody reads the queue any more
-                    self._drop_queued()
-                return item
-        self._drop()
-        return None
-
-    def send(self, kind: str, **fields: Any) -> None:
-        """Queue {"kind": kind, **fields}; returns at once, dropping (and counting) if it cannot."""
-        self._enqueue(kind, fields, None)
-
-    def send_now(self, kind: str, timeout: float = 5.0, **fields: Any) -> bool:
-        """Send after what is already queued and wait until written; for a rank's dying error."""
-        deadline = time.monotonic() + timeout
-        item = self._enqueue(kind, fields, timeout)
-        return item is not None and item.done.wait(max(0.0, deadline - time.monotonic())) and item.ok
-
-    def request(self, kind: str, timeout: float, **fields: Any) -> dict[str, Any] | None:
-        """Send {"kind": kind, **fields} after what is queued and wait for the driver's reply; None if
-        the channel is down or closed, the frame unusable, or no reply came within timeout. Never raises."""
-        timeout = min(max(0.0, timeout), threading.TIMEOUT_MAX)  # also maps NaN to 0
-        deadline, rid = time.monotonic() + timeout, next(self._ids)
-        item = self._enqueue(kind, {**fields, "request": rid}, timeout, rid)
-        return item.reply if item is not None and item.done.wait(max(0.0, deadline - time.monotonic())) else None
-
-    def _run(self) -> None:
-        item: Any = None
-        try:
-            while (item := self._queue.get()) is not _STOP:
-                if self._sock is None:
-                    self._sock = socket.create_connection((self._address.host, self._address.port), self._timeout)
-                    self._sock.sendall(encode_frame({"hello": 1, "secret": self._address.secret, "rank": self._rank}))
-                    replies = _Replies(self._sock)
-                self._sock.sendall(item.frame if isinstance(item, _Urgent) else item)
-                if isinstance(item, _Urgent):
-                    if item.rid is not None:
-                        item.reply = replies.reply_to(item.rid, item.deadline)
-                    item.ok = True
-                    item.done.set()
-        except (OSError, FrameError) as e:
-            with self._lock:
-                gave_up, self._failed = self._failed, True  # gave_up: close() timed out and cut the socket
-            if not gave_up:
-                log.warning("sparkdl: driver channel unreachable (%s:%d: %s); the epoch metrics and rank 0's last "
-                            "output lines reach the driver with the job's result",
-                            self._address.host, self._address.port, e)
-            if item is not None:  # the message being written when it failed
-                self._drop()
-                if isinstance(item, _Urgent):
-                    item.done.set()
-            self._drop_queued()
-        finally:
-            if self._sock is not None:
-                self._sock.close()
-
-    def _drop_queued(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Urgent):
-                item.done.set()
-            if item is not _STOP:
-                self._drop()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Flush what is queued (up to timeout), then close. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed, thread = True, self._thread
-        if thread is None:
-            return
-        deadline = time.monotonic() + timeout
-        with suppress(queue.Full):
-            self._queue.put(_STOP, timeout=timeout)
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():  # driver too slow: give up on the rest rather than hang the task
-            with self._lock:
-                self._failed = True
-            with suppress(OSError, AttributeError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
-            self._drop_queued()
-            log.warning("sparkdl: driver channel did not take the last messages within %g s (%d dropped); "
-                        "metrics stay in the run history", timeout, self.dropped)

@@ -10,7 +10,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, TextIO
 
-from sparkdl.launch.channel import ChannelClient
+from sparkdl.launch.channel_client import ChannelClient
 
 
 class LineForwarder(io.TextIOBase):

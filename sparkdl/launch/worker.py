@@ -84,7 +84,7 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
 def _channel_client(spec: TrainSpec, rank: int) -> Any:
     if spec.channel is None:
         return None
-    from sparkdl.launch.channel import ChannelClient
+    from sparkdl.launch.channel_client import ChannelClient
 
     return ChannelClient(spec.channel, rank)
 

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from sparkdl.launch.channel import ChannelAddress, ChannelClient, DriverChannel, encode_frame, read_frame
+from sparkdl.launch.channel import ChannelAddress, DriverChannel, encode_frame, read_frame
+from sparkdl.launch.channel_client import ChannelClient
 from sparkdl.launch.output import LineForwarder, forward_output
 
 pytestmark = pytest.mark.timeout(20)  # a hang here is a bug: fail fast instead of at the 1200 s default

@@ -11,7 +11,8 @@ import pytest
 
 from sparkdl.config_training import check_channel
 from sparkdl.errors import ConfigError
-from sparkdl.launch.channel import ChannelAddress, ChannelClient
+from sparkdl.launch.channel import ChannelAddress
+from sparkdl.launch.channel_client import ChannelClient
 from sparkdl.launch.output import forward_output
 from sparkdl.launch.wire import collect_parts, output_batch, output_lines
 from sparkdl.session import (ConnectSession, Shipped, is_connect, is_local_master, local_master_slots, max_overlap,
