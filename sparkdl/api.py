@@ -109,7 +109,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("checks")
     resolved = resolve(module, config, prepared.layout, spark, prepared.num_rows, plan=kept, sample=sample)
     config = resolved.config or config
-    spec = _train_spec(model, config, prepared.layout, resolved, prepared.num_rows + prepared.num_validation_rows)
+    spec = _train_spec(model, config, prepared, resolved)
     phases.mark("plan")
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
     phases.mark("tracking")
@@ -202,16 +202,22 @@ def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPla
                       f"{type(plan).__name__}", hint="plan = sparkdl.plan(model, df, ...); TorchEstimator(..., plan=plan)")
 
 
-def _train_spec(model: Any, config: RunConfig, layout: Any, resolved: ResolvedPlan, rows: int) -> Any:
+def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedPlan) -> Any:
+    from sparkdl.data.epochs import check_shards
     from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
+
+    row_counts = prepared.training_shards(config.launch.num_workers)  # ranks stream epoch 1 on these counts
+    check_shards(row_counts, config.data)  # an empty shard or no full batch: raised here, before the job
+    layout, rows = prepared.layout, prepared.num_rows + prepared.num_validation_rows
 
     train = config.train
     ship_by_value(model, train.loss, train.optimizer, config.data.transform_fn, train.lr_schedule, *train.metrics)
     # Callbacks run on the driver (a notebook's plots): the executors only learn that there are some.
     shipped = replace(config, train=replace(train, callbacks=()))
     spec = TrainSpec(run_id=new_run_id(), config=shipped, layout=layout, model=model,
-                     strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks), rows=rows)
+                     strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks), rows=rows,
+                     row_counts=row_counts)
     check_picklable(spec)
     return spec
 
@@ -318,6 +324,9 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     if config.train.callbacks:
         raise ConfigError("train.callbacks are called with the built-in loop's epoch records, but sparkdl.run runs "
                           "your train_fn", hint="call your own code from train_fn, or train with fit / TorchEstimator")
+    if config.data.spool == "none":
+        raise ConfigError("data.spool='none' applies to fit: sparkdl.run spools each partition, since a custom "
+                          "loop may read its epochs in any order", hint="use spool='disk' or 'auto' with sparkdl.run")
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)

@@ -170,7 +170,10 @@ def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: in
                              f"{out_width} outputs", hint=f"make the last layer output {classes}")
     _log.warning("sparkdl: on_invalid='skip' dropped %d rows whose label is a class index >= the model's %d "
                  "outputs", dropped, out_width)
-    return replace(prepared, df=kept.repartition(config.launch.num_workers), num_rows=rows,
+    from sparkdl.data.shards import balanced
+
+    shuffled, counted_from = balanced(kept, config.launch.num_workers)
+    return replace(prepared, df=shuffled, counted_from=counted_from, shard_rows=None, num_rows=rows,
                    dropped_rows=prepared.dropped_rows + dropped,
                    layout=replace(prepared.layout, num_classes=out_width))
 

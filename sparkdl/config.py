@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config_values import (check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
-from sparkdl.config_training import check_channel, check_horovod_env, check_training_essentials
+from sparkdl.config_training import (SPOOL_MODES, check_channel, check_horovod_env, check_spool,
+                                     check_training_essentials)
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -52,6 +53,8 @@ class DataConfig:
     weight_col: str | None = None  # per-row weight: built-in losses become sum(w * l) / sum(w)
     transform_fn: Callable[..., Any] | None = None  # executors: dict of input columns -> dict of model inputs
     prefetch_batches: int = 2  # batches made ahead on a background thread when transform_fn is set (0 = off)
+    spool: str = "auto"  # "disk": epoch 1 streams, later epochs read a local spool; "none": one pass, no file
+    shuffle_buffer_rows: int = 0  # epoch 1's seeded shuffle buffer per rank (0 = about 64 MiB of rows)
 
     def validate(self) -> None:
         if self.input_cols is not None:
@@ -59,6 +62,8 @@ class DataConfig:
         else:
             check_feature_spec(self)
         positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
+        choice("data.spool", self.spool, SPOOL_MODES)
+        positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,7 @@ class RunConfig:
             raise ConfigError(f"train.stages={stages} does not divide launch.num_workers={workers}: hybrid runs "
                               "stages x replicas ranks",
                               hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
+        check_spool(self.data.spool, self.train.epochs)
         if hybrid and workers < 2:
             raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
                               hint="raise num_workers, or use strategy='data_parallel'")

@@ -167,6 +167,23 @@ _HOROVOD_CONTRACT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HORO
                      "HOROVOD_GLOO_RENDEZVOUS_PORT")  # comm/horovod.py sets these from the barrier job
 
 
+SPOOL_MODES = ("auto", "disk", "none")
+
+
+def spool_mode(spool: str, epochs: int) -> str:
+    """"disk" or "none" for data.spool: "auto" writes no spool for a one-epoch fit (nothing reads it)."""
+    if spool == "auto":
+        return "none" if epochs == 1 else "disk"
+    return spool
+
+
+def check_spool(spool: str, epochs: int) -> None:
+    if spool == "none" and epochs != 1:
+        raise ConfigError(f"data.spool='none' trains one pass straight from Spark, but train.epochs={epochs}",
+                          hint="use spool='disk' (or 'auto') for more epochs: epoch 1 still streams, later ones "
+                               "read the local spool written alongside; or epochs=1")
+
+
 def check_channel(channel: Any) -> None:
     """launch.channel: "auto", "off", or the host name / IP address executors reach this client at."""
     text = channel if isinstance(channel, str) else ""

@@ -108,7 +108,7 @@ def _take(block: Block, index: np.ndarray) -> Block:
     return np.take(block, index, axis=0) if isinstance(block, np.ndarray) else block.take(pa.array(index))
 
 
-def _batch_sizes(batch_size: int, steps: int, drop_last: bool, last: int | None) -> Iterator[int]:
+def batch_sizes(batch_size: int, steps: int, drop_last: bool, last: int | None) -> Iterator[int]:
     check_batch_size(batch_size)
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
@@ -150,7 +150,7 @@ def _iter_batches(rows: _Rows, epoch: int, *, batch_size: int, steps: int, shuff
     """`start`: batches to pass over first (a resumed epoch): their rows are drawn, so the rest are
     the same batches, but never gathered or assembled (no copy, no transform_fn)."""
     # Checked now rather than at the first next(), so a bad rank fails before its training loop.
-    sizes = _batch_sizes(batch_size, steps, drop_last, last_batch_size)
+    sizes = batch_sizes(batch_size, steps, drop_last, last_batch_size)
     if steps and rows.num_rows == 0:
         raise EmptyDataError(f"rank {rank} received no rows, but every rank must run {steps} steps "
                              "this epoch", hint="use fewer workers, or repartition the DataFrame so "
@@ -260,6 +260,21 @@ class Spool:
                             rank=rank, drop_last=plan.full_steps_only, last_batch_size=plan.last_batch_size(rank),
                             assemble=assemble, start=start)
 
+    def chunks(self) -> Iterator[Arrays]:
+        """The rows in the order they were written, chunk by chunk (views of a private mapping)."""
+        if self._num_rows is None:
+            raise ValueError(f"spool {self._path} is closed")
+        return iter(zip(*_map_rows(self._file, self._layout).columns))
+
+    def first_rows(self, count: int, rank: int) -> Iterator[Arrays]:
+        """The first `count` rows in written order, from the start again as often as needed."""
+        rows = _map_rows(self._file, self._layout)
+        if count and rows.num_rows == 0:
+            raise EmptyDataError(f"rank {rank} received no rows, but its steps need {count}",
+                                 hint="use fewer workers, or repartition the DataFrame so that every "
+                                      "partition holds rows")
+        return (rows.take_ranges(r) for r in _in_order_ranges(rows.num_rows, [count]))
+
     def close(self) -> None:
         """Close and delete the file; batches handed out earlier stay readable. Idempotent."""
         self._num_rows = None
@@ -271,6 +286,27 @@ class Spool:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class RowsInMemory:
+    """A spool's interface over record batches held in memory (validation rows under spool="none")."""
+
+    def __init__(self, batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> None:
+        self._rows, self._layout = _rows_of(batches, layout), layout
+
+    @property
+    def num_rows(self) -> int:
+        return self._rows.num_rows
+
+    def epoch_batches(self, epoch: int, plan: EpochPlan, *, rank: int, shuffle: bool, seed: int,
+                      assemble: Assemble | None = None, start: int = 0) -> Iterator[Any]:
+        return _iter_batches(self._rows, epoch, batch_size=plan.batch_size(rank), steps=plan.steps, shuffle=shuffle,
+                             seed=seed, rank=rank, drop_last=plan.full_steps_only,
+                             last_batch_size=plan.last_batch_size(rank), assemble=assemble or assembler(self._layout),
+                             start=start)
+
+    def close(self) -> None:
+        """Nothing to delete."""
 
 
 def _rows_of(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> _Rows:

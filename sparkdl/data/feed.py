@@ -15,6 +15,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from sparkdl.data.shards import balanced, partition_row_counts, shard_row_counts
 from sparkdl.data.layout import FEATURES_COLUMN, LABEL_COLUMN, SPLIT_COLUMN, WEIGHT_COLUMN, FeedLayout
 from sparkdl.errors import (
     ArrayLengthError,
@@ -39,6 +40,14 @@ class PreparedData:
     num_validation_rows: int = 0
     dropped_rows: int = 0  # invalid rows dropped under on_invalid="skip"
     sample: Any = None  # input_cols runs: the first prepared rows (a pyarrow Table) to probe the model with
+    shard_rows: tuple[int, ...] | None = None  # training rows per rank when already counted (a kept partitioning)
+    counted_from: Any = None  # data.shards.balanced's keyed input: counts the shards without the shuffle
+
+    def training_shards(self, workers: int) -> tuple[int, ...]:
+        """Training rows of every rank's shard (one small job unless already counted)."""
+        if self.shard_rows is not None:
+            return self.shard_rows
+        return shard_row_counts(self.df, workers, self.counted_from, self.layout.split_column)
 
 
 def label_is_integral(df: DataFrame, label_col: str | None) -> bool:
@@ -257,21 +266,21 @@ def split_and_shard(prepared: PreparedData, validation: PreparedData | None, *, 
         selected = selected.withColumn(SPLIT_COLUMN, held_out)
         num_val = int(round(num_rows * validation_fraction))
         num_rows -= num_val
+    kept_rows = None
+    if not num_val and not prepared.dropped_rows and \
+            facts(selected.sparkSession).num_partitions(selected) == num_workers:
+        # A DataFrame already split into exactly num_workers non-empty partitions keeps its
+        # partitioning and row order (one small job counts them, only in that case).
+        per_partition = partition_row_counts(selected)
+        if len(per_partition) == num_workers:
+            kept_rows = tuple(per_partition.get(p, 0) for p in range(num_workers))
+    counted_from = None
     if num_val:
         layout = replace(layout, split_column=SPLIT_COLUMN)
-        selected = selected.repartition(num_workers)  # a union cannot run in a barrier stage as is
-    elif facts(selected.sparkSession).num_partitions(selected) != num_workers or prepared.dropped_rows \
-            or _has_an_empty_partition(selected, num_workers):
-        # Round-robin repartitioning gives every rank an equal share; a DataFrame already split into
-        # exactly num_workers non-empty partitions keeps its partitioning and row order.
-        selected = selected.repartition(num_workers)
-    return replace(prepared, df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val)
-
-
-def _has_an_empty_partition(df: DataFrame, num_workers: int) -> bool:
-    """A DataFrame of exactly num_workers partitions keeps them (one per rank); an empty one would
-    leave a rank without rows. One small job, only in that case."""
-    return df.select(F.spark_partition_id().alias("p")).distinct().count() < num_workers
+    if kept_rows is None:  # a union cannot run in a barrier stage as is either
+        selected, counted_from = balanced(selected, num_workers)
+    return replace(prepared, df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val,
+                   shard_rows=kept_rows, counted_from=counted_from)
 
 
 def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,

@@ -47,6 +47,12 @@ class WorkerContext:
     task_started: float = 0.0  # time.perf_counter() when this rank's task began (for time_to_first_step_s)
 
     @property
+    def partition_seconds(self) -> float:
+        """Receiving this rank's partition (and spooling it): a streamed partition waits until it is in."""
+        seconds = getattr(self.spool, "seconds", None)
+        return float(seconds) if seconds is not None else self.spool_seconds
+
+    @property
     def rank(self) -> int:
         return self.world.rank
 

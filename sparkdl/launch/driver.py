@@ -125,8 +125,14 @@ def _collect(df: DataFrame, job: DataFrame, spec: TrainSpec, profile: Any) -> li
     # submission, before any task runs. A shuffle boundary is always accepted.
     log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is (e.g. a union); "
                 "repartitioning it to %d partitions", spec.world_size)
-    return df.repartition(spec.world_size).mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True,
-                                                      profile=profile).collect()
+    from dataclasses import replace
+
+    from sparkdl.data.shards import balanced, dealt_counts
+
+    dealt, _ = balanced(df, spec.world_size)
+    if spec.row_counts:  # counted per kept partition: dealt anew, the ranks' counts move with the rows
+        spec = replace(spec, row_counts=dealt_counts(spec.row_counts, spec.world_size))
+    return dealt.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile).collect()
 
 
 def training_error(exc: BaseException) -> TrainingError:

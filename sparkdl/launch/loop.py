@@ -252,7 +252,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds)
     if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
-        local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.spool_seconds)
+        local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
     if ctx.spec.config.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     for name, values in _gather_metrics(ctx, local).items():

@@ -24,6 +24,9 @@ class TrainSpec:
     strategy_layout: StrategyLayout = None  # HybridLayout / IstLayout from the resolved plan; None: data parallel
     driver_callbacks: bool = False  # train.callbacks run on the driver: rank 0 waits for their verdict every epoch
     rows: int = 0  # training + validation rows over all ranks, as the driver counted them (0: not counted)
+    # Every rank's training rows, counted by the driver (data/shards.py): the built-in loop then trains
+    # epoch 1 while its partition streams in. Empty: each rank spools its partition first and counts it.
+    row_counts: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -107,11 +107,16 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
     from sparkdl.launch.rendezvous import rendezvous
 
     with ExitStack() as stack:
-        # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
-        # picks at the rendezvous must be bound by gloo right after, not minutes later.
-        spool_started = time.perf_counter()
-        spool, validation = _spool_input(spec, batches, stack)
-        spool_seconds = time.perf_counter() - spool_started
+        task_started = time.perf_counter()
+        streaming = bool(spec.row_counts) and spec.train_fn is None and spec.layout is not None
+        if streaming:
+            # Rows stream in on a thread from now on; the rank trains as soon as its first batch is here.
+            spool, validation = _stream_input(spec, context.partitionId(), batches, stack)
+        else:
+            # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
+            # picks at the rendezvous must be bound by gloo right after, not minutes later.
+            spool, validation = _spool_input(spec, batches, stack)
+        spool_seconds = time.perf_counter() - task_started
         world = rendezvous(context)
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
@@ -121,14 +126,16 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         comm = _maybe_emulate(spec, comm)
         # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
         stack.push(lambda kind, exc, tb: report_error(client, exc) if isinstance(exc, Exception) else None)
-        row_counts = tuple(int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0))
+        row_counts = spec.row_counts if streaming else \
+            tuple(int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0))
         if spool is not None:
             check_shards(row_counts, spec.config.data)  # same verdict on every rank: nobody waits in a collective
         store, resume, shares = _agree_before_training(spec, comm, world, row_counts)
         from sparkdl.launch.reporter import Reporter
 
         ctx = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, spool=spool,
-                            validation=validation, spool_seconds=spool_seconds, task_started=spool_started,
+                            validation=validation, spool_seconds=0.0 if streaming else spool_seconds,
+                            task_started=task_started,
                             batch_shares=shares,
                             reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
         history: list[dict[str, Any]] | None = None
@@ -177,6 +184,49 @@ def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
     return EmulatedNetwork(comm, latency_s, bandwidth)
 
 
+def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch], stack: ExitStack
+                  ) -> tuple[Any, Any]:
+    """(StreamingSpool, its late validation rows or None): the partition arrives on a thread while
+    epoch 1 trains; spool="disk" writes the spool for later epochs alongside."""
+    from sparkdl.config_training import spool_mode
+    from sparkdl.data.epochs import epoch_plan
+    from sparkdl.data.stream import StreamedPartition, default_buffer_rows
+    from sparkdl.data.streaming_spool import StreamingSpool
+    from sparkdl.data.arrow_rows import spool_columns
+
+    data = spec.config.data
+    one_pass = spool_mode(data.spool, spec.config.train.epochs) == "none"
+    expected = spec.row_counts[rank]
+    # Under spool="none" a shard smaller than epoch 1's steps need wraps around copies of its first rows.
+    plan = epoch_plan(spec.row_counts, data)
+    needed = (plan.steps - 1) * plan.batch_size(rank) + plan.last_batch_size(rank) if plan.steps else 0
+    write = None if one_pass else _spool_writer(spec)
+    partition = StreamedPartition(batches, spec.layout, write=write, keep_rows=max(needed - expected, 0))
+    row_bytes = sum(c.row_bytes for c in spool_columns(spec.layout)) or 1024
+    buffer_rows = data.shuffle_buffer_rows or default_buffer_rows(row_bytes, data.batch_size)
+    source = stack.enter_context(_closing(StreamingSpool(partition, spec.layout, expected, buffer_rows, one_pass)))
+    return source, source.validation() if spec.layout.split_column is not None else None
+
+
+def _spool_writer(spec: TrainSpec) -> Any:
+    from sparkdl.data.batches import Spool
+    from sparkdl.data.spool_space import spool_bytes
+
+    directory = _spool_directory(spec)
+    expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
+    return lambda batches: Spool.write(batches, spec.layout, directory, expected_bytes=expected)
+
+
+def _closing(source: Any) -> Any:
+    from contextlib import closing
+
+    return closing(source)
+
+
+def _spool_directory(spec: TrainSpec) -> str:
+    return spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+
+
 def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> tuple[Any, Any]:
     """(training spool, validation spool or None); both None for a run without a DataFrame."""
     if spec.layout is None:
@@ -186,7 +236,7 @@ def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: Exit
     from sparkdl.data.batches import Spool
     from sparkdl.data.spool_space import spool_bytes
 
-    directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+    directory = _spool_directory(spec)
     # The average share (validation rows included): feed.split_and_shard's round-robin shards differ
     # by a few rows; a kept, skewed partitioning is caught while writing instead.
     expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
