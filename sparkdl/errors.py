@@ -55,6 +55,10 @@ class SpoolSpaceError(ResourceError):
     """An executor's spool directory (data.spool_dir) has too little free space for its partition."""
 
 
+class PartitionChangedError(SparkdlError):
+    """A rank received fewer rows than the driver counted, and spool="none" kept too few to fill its steps."""
+
+
 class TrainingError(SparkdlError):
     """A worker failed during training; the message carries the failing rank's exception.
     `events`: what the JVM bridge's BarrierWatch saw during the job (executors lost, tasks failed

@@ -36,8 +36,9 @@ def _error(directory: str | Path, needed: int, free: int, written: int | None = 
     return SpoolSpaceError(
         f"data.spool_dir {str(directory)!r} has {_size(free)} free{wrote}, but this rank's partition needs "
         f"about {_size(needed)} there to train",
-        hint="set data.spool_dir to a local disk with more room on every executor, or spread the rows over "
-             "more workers (num_workers) so that each partition is smaller")
+        hint="set data.spool_dir to a local disk with more room on every executor, train one pass without a "
+             "spool (data.spool='none', epochs=1), or spread the rows over more workers (num_workers) so that "
+             "each partition is smaller")
 
 
 def check_free_space(directory: str | Path, needed: int) -> None:

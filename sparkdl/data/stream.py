@@ -22,14 +22,12 @@ import pyarrow as pa
 
 from sparkdl.data.arrow_rows import Arrays, incoming_arrays, slice_rows
 from sparkdl.data.layout import FeedLayout
-from sparkdl.errors import EmptyDataError, SparkdlError
+from sparkdl.errors import EmptyDataError, PartitionChangedError
+
+__all__ = ["PartitionChangedError", "StreamedPartition", "cut", "epoch_rows", "shuffled", "skip"]
 
 _STREAM_BUFFER_BYTES = 64 << 20  # the default shuffle buffer: about this much of a rank's rows
 _QUEUED_BATCHES = 16  # Arrow batches received ahead of the loop (10k rows each by default)
-
-
-class PartitionChangedError(SparkdlError):
-    """A rank received fewer rows than the driver counted, and spool="none" kept none to wrap around."""
 
 
 def length(arrays: Arrays) -> int:

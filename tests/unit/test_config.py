@@ -368,3 +368,20 @@ def test_spark_conf_files_are_spark_defaults(repo_root: Path) -> None:
     gpu = dict(line.split(None, 1) for line in (repo_root / "conf" / "spark" / "gpu-cluster.conf").read_text()
                .splitlines() if line.strip() and not line.startswith("#"))
     assert gpu["spark.task.resource.gpu.amount"] == "1" and gpu["spark.dynamicAllocation.enabled"] == "false"
+
+
+def test_spool_modes_are_checked_with_the_epochs() -> None:
+    with pytest.raises(ConfigError, match=r"spool='none' trains one pass.*epochs=2") as info:
+        RunConfig.from_kwargs(feature_cols=["a"], epochs=2, spool="none").validate()
+    assert "spool='disk'" in info.value.hint
+    with pytest.raises(ConfigError, match="data.spool"):
+        RunConfig.from_kwargs(feature_cols=["a"], spool="ram").validate()
+    with pytest.raises(ConfigError, match="data.shuffle_buffer_rows"):
+        RunConfig.from_kwargs(feature_cols=["a"], shuffle_buffer_rows=-1).validate()
+    RunConfig.from_kwargs(feature_cols=["a"], epochs=1, spool="none", shuffle_buffer_rows=4096).validate()
+
+
+def test_auto_spool_writes_none_for_one_epoch() -> None:
+    from sparkdl.config_training import spool_mode
+
+    assert spool_mode("auto", 1) == "none" and spool_mode("auto", 3) == "disk" and spool_mode("disk", 1) == "disk"
