@@ -17,6 +17,9 @@ epoch_overlap: one rank (one torch thread) and a compute-heavy MLP (--hidden), -
   epoch 1:        epoch 1 of the same fit, training while the rows arrive.
 Target: epoch 1 <= 1.15 x max(delivery alone, compute alone), where spooling first costs their sum.
 
+delivery: Spark's own Arrow delivery of today's features column into a barrier stage, rows/s per
+rank, for each --delivery-batch-rows value of spark.sql.execution.arrow.maxRecordsPerBatch.
+
 Medians over --repeats. Prints one JSON object (with os.getloadavg() before and after) as the last
 line. Nothing here asserts a timing.
 """
@@ -117,6 +120,39 @@ def epoch_overlap(spark: Any, rows: int, features: int, hidden: int, repeats: in
             "sum_s": round(d + c, 3), "epoch1_over_max": round(e / max(d, c), 3), "target_ratio": 1.15}
 
 
+def _consume(batches: Any) -> Any:
+    import pyarrow as pa
+
+    started, rows = time.perf_counter(), 0
+    for batch in batches:
+        rows += batch.num_rows
+    yield pa.RecordBatch.from_pydict({"rows": [rows], "seconds": [time.perf_counter() - started]})
+
+
+def delivery(spark: Any, rows_per_rank: int, features: int, batch_rows: list[int], repeats: int) -> dict[str, Any]:
+    """Spark's own Arrow delivery of today's features column (one array<float>) into a barrier
+    stage, per spark.sql.execution.arrow.maxRecordsPerBatch: rows/s per rank."""
+    from pyspark.sql import functions as F
+
+    df = dataframe(spark, rows_per_rank, features, 2)
+    features_col = df.select(F.array(*[f"f{i}" for i in range(features)]).alias("features")).cache()
+    features_col.count()
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    previous = spark.conf.get(key)
+    rates: dict[int, list[float]] = {n: [] for n in batch_rows}
+    try:
+        for _ in range(repeats):
+            for n in batch_rows:  # alternating
+                spark.conf.set(key, str(n))
+                got = features_col.mapInArrow(_consume, "rows long, seconds double", barrier=True).collect()
+                rates[n].append(statistics.median(r["rows"] / r["seconds"] for r in got))
+    finally:
+        spark.conf.set(key, previous)
+        features_col.unpersist(), df.unpersist()
+    return {"rows_per_rank": rows_per_rank, "features": features,
+            "rows_per_s_per_rank": {str(n): round(statistics.median(v)) for n, v in rates.items()}}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--master", default="local[2]")
@@ -126,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--overlap-rows", type=int, default=200_000)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--skip-overlap", action="store_true")
+    parser.add_argument("--delivery-batch-rows", default="10000,50000,200000",
+                        help="maxRecordsPerBatch values to compare Spark's delivery under ('' = skip)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.rows_per_rank.split(",") if s]
     if not sizes or min(sizes) < 1 or min(args.features, args.repeats, args.overlap_rows, args.hidden) < 1:
@@ -139,6 +177,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     streamed(dataframe(spark, 1000, args.features, 2), args.features, 2)  # warm-up: workers, imports, calibration
     result: dict[str, Any] = {"benchmark": "streaming", "master": args.master, "repeats": args.repeats,
                               "time_to_first_step": time_to_first_step(spark, sizes, args.features, args.repeats)}
+    batch_rows = [int(n) for n in args.delivery_batch_rows.split(",") if n]
+    if batch_rows:
+        result["delivery"] = delivery(spark, max(sizes), args.features, batch_rows, args.repeats)
+        print(json.dumps(result["delivery"]), flush=True)
     if not args.skip_overlap:
         result["epoch_overlap"] = epoch_overlap(spark, args.overlap_rows, args.features, args.hidden, args.repeats)
     result["load_before"], result["load_after"] = [round(x, 2) for x in load_before], \

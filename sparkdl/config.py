@@ -329,7 +329,7 @@ class RunConfig:
             raise ConfigError(f"train.stages={stages} does not divide launch.num_workers={workers}: hybrid runs "
                               "stages x replicas ranks",
                               hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
-        check_spool(self.data.spool, self.train.epochs)
+        check_spool(self.data.spool, self.train)
         if hybrid and workers < 2:
             raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
                               hint="raise num_workers, or use strategy='data_parallel'")

@@ -170,18 +170,26 @@ _HOROVOD_CONTRACT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HORO
 SPOOL_MODES = ("auto", "disk", "none")
 
 
-def spool_mode(spool: str, epochs: int) -> str:
-    """"disk" or "none" for data.spool: "auto" writes no spool for a one-epoch fit (nothing reads it)."""
+def spool_mode(spool: str, train: Any) -> str:
+    """"disk" or "none" for data.spool. "auto" writes no spool for a one-epoch fit (nothing reads it)
+    unless batches are shared by speed: a fast rank's larger share wraps around its shard, which only
+    a spool can give again."""
     if spool == "auto":
-        return "none" if epochs == 1 else "disk"
+        return "none" if train.epochs == 1 and train.batch_balance != "speed" else "disk"
     return spool
 
 
-def check_spool(spool: str, epochs: int) -> None:
-    if spool == "none" and epochs != 1:
-        raise ConfigError(f"data.spool='none' trains one pass straight from Spark, but train.epochs={epochs}",
+def check_spool(spool: str, train: Any) -> None:
+    if spool != "none":
+        return
+    if train.epochs != 1:
+        raise ConfigError(f"data.spool='none' trains one pass straight from Spark, but train.epochs={train.epochs}",
                           hint="use spool='disk' (or 'auto') for more epochs: epoch 1 still streams, later ones "
                                "read the local spool written alongside; or epochs=1")
+    if train.batch_balance == "speed":
+        raise ConfigError("data.spool='none' keeps no rows to wrap around, but train.batch_balance='speed' gives "
+                          "fast ranks more rows per step than their shard holds",
+                          hint="use spool='disk' (or 'auto') with batch_balance='speed'")
 
 
 def check_channel(channel: Any) -> None:

@@ -60,7 +60,8 @@ class EpochPlan:
 
 
 def expected_row_counts(num_rows: int, workers: int) -> tuple[int, ...]:
-    """Rows per rank after a round-robin repartition (the driver's default): equal shares +-1."""
+    """Equal shares +-1: the planner's estimate before data/shards.py counts the real shards (which
+    differ from it by a few rows per input partition)."""
     base, extra = divmod(max(num_rows, 0), max(workers, 1))
     return tuple(base + (1 if rank < extra else 0) for rank in range(max(workers, 1)))
 

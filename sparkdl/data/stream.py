@@ -138,8 +138,10 @@ class Reserve:
         """The first `rows` rows, from the start again as often as needed."""
         if not self.count or (rows > self.count and self.count < received):
             raise PartitionChangedError(
-                f"rank {rank} received {received} training rows, fewer than the driver counted, and "
-                "spool='none' kept too few to fill its steps",
+                f"rank {rank} received {received} training rows and its steps need {rows} more, but "
+                f"spool='none' kept only {self.count} of its first rows to wrap around (the driver counted "
+                "more rows for it: the DataFrame changed between the count and the job, or batch_balance="
+                "'speed' gave it a larger share)",
                 hint="make the DataFrame deterministic (cache or checkpoint it first), or use spool='disk'")
         return cut(itertools.cycle(self.pieces), [rows])
 

@@ -37,6 +37,10 @@ class StreamingSpool:
         self._partition.finish()
         return self._partition.seconds
 
+    def finish(self) -> None:
+        """Wait for the rest of the partition (rows no step needed are received and spooled too)."""
+        self._partition.finish()
+
     def spool(self) -> Any:
         """The finished spool (after the whole partition arrived)."""
         if self._one_pass:

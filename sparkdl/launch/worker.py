@@ -148,6 +148,8 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             # Several ranks may each return part of the model (pipeline stages); merged on the driver.
             state, history = train(ctx, resume, store)
             payload = dumps_state(state) if state is not None else None
+        if streaming:
+            spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
         # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
         # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
         context.barrier() if hasattr(context, "barrier") else comm.barrier()
@@ -195,7 +197,7 @@ def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch],
     from sparkdl.data.arrow_rows import spool_columns
 
     data = spec.config.data
-    one_pass = spool_mode(data.spool, spec.config.train.epochs) == "none"
+    one_pass = spool_mode(data.spool, spec.config.train) == "none"
     expected = spec.row_counts[rank]
     # Under spool="none" a shard smaller than epoch 1's steps need wraps around copies of its first rows.
     plan = epoch_plan(spec.row_counts, data)

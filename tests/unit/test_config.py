@@ -382,6 +382,13 @@ def test_spool_modes_are_checked_with_the_epochs() -> None:
 
 
 def test_auto_spool_writes_none_for_one_epoch() -> None:
+    from sparkdl.config import TrainConfig
     from sparkdl.config_training import spool_mode
 
-    assert spool_mode("auto", 1) == "none" and spool_mode("auto", 3) == "disk" and spool_mode("disk", 1) == "disk"
+    one, three = TrainConfig(epochs=1), TrainConfig(epochs=3)
+    assert spool_mode("auto", one) == "none" and spool_mode("auto", three) == "disk"
+    assert spool_mode("disk", one) == "disk"
+    # shares by speed wrap fast ranks around their shards: only a spool gives those rows again
+    assert spool_mode("auto", TrainConfig(epochs=1, batch_balance="speed")) == "disk"
+    with pytest.raises(ConfigError, match="batch_balance='speed'"):
+        RunConfig.from_kwargs(feature_cols=["a"], epochs=1, spool="none", batch_balance="speed").validate()
