@@ -55,11 +55,15 @@ def mlp(features: int, hidden: int) -> Any:
                                  nn.Linear(hidden, 10))
 
 
+SHUFFLE = {"on": True}
+
+
 def streamed(df: Any, features: int, ranks: int, epochs: int = 1, hidden: int = 32,
              threads: int | None = None) -> list[dict[str, Any]]:
     from sparkdl import TorchEstimator
 
-    options = {"threads_per_worker": threads} if threads else {}
+    options: dict[str, Any] = {"threads_per_worker": threads} if threads else {}
+    options["shuffle"] = SHUFFLE["on"]
     model = TorchEstimator(model=mlp(features, hidden), feature_cols=[f"f{i}" for i in range(features)],
                            label_col="label", epochs=epochs, batch_size=256, num_workers=ranks,
                            strategy="data_parallel", optimizer="sgd", lr=0.01, tracking=False, progress=False,
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--overlap-rows", type=int, default=200_000)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--skip-overlap", action="store_true")
+    parser.add_argument("--skip-first-step", action="store_true")
+    parser.add_argument("--no-shuffle", action="store_true", help="shuffle=False in every fit")
     parser.add_argument("--delivery-batch-rows", default="10000,50000,200000",
                         help="maxRecordsPerBatch values to compare Spark's delivery under ('' = skip)")
     args = parser.parse_args(argv)
@@ -173,10 +179,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     spark = (SparkSession.builder.master(args.master).appName("sparkdl-bench-streaming")
              .config("spark.driver.memory", "8g").config("spark.ui.enabled", "false").getOrCreate())
+    SHUFFLE["on"] = not args.no_shuffle
     load_before = os.getloadavg()
     streamed(dataframe(spark, 1000, args.features, 2), args.features, 2)  # warm-up: workers, imports, calibration
     result: dict[str, Any] = {"benchmark": "streaming", "master": args.master, "repeats": args.repeats,
-                              "time_to_first_step": time_to_first_step(spark, sizes, args.features, args.repeats)}
+                              "shuffle": SHUFFLE["on"]}
+    if not args.skip_first_step:
+        result["time_to_first_step"] = time_to_first_step(spark, sizes, args.features, args.repeats)
     batch_rows = [int(n) for n in args.delivery_batch_rows.split(",") if n]
     if batch_rows:
         result["delivery"] = delivery(spark, max(sizes), args.features, batch_rows, args.repeats)

@@ -54,7 +54,8 @@ def partition_keys(workers: int) -> tuple[int, ...]:
 def _key_expression(workers: int) -> Any:
     keys = ", ".join(str(k) for k in partition_keys(workers))
     # Row i of input partition p goes to (i + p) mod workers: partitions' odd rows spread over ranks.
-    dealt = f"pmod((monotonically_increasing_id() & {(1 << 33) - 1}) + shiftright(monotonically_increasing_id(), 33), {workers})"
+    row, partition = f"(monotonically_increasing_id() & {(1 << 33) - 1})", "shiftright(monotonically_increasing_id(), 33)"
+    dealt = f"pmod({row} + {partition}, {workers})"
     return F.expr(f"element_at(array({keys}), cast({dealt} as int) + 1)")
 
 

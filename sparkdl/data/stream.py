@@ -55,23 +55,69 @@ def default_buffer_rows(row_bytes: int, batch_size: int) -> int:
 
 
 def shuffled(pieces: Iterable[Arrays], capacity: int, rng: np.random.Generator) -> Iterator[Arrays]:
-    """Rows of `pieces` in a seeded local shuffle: the buffer fills to exactly `capacity` rows, emits
-    a random half and keeps the rest; at the end it emits what it holds, permuted. Depends only on
-    the row sequence, never on how it is cut into pieces."""
-    capacity = max(int(capacity), 2)
+    """Rows of `pieces` in a seeded local shuffle: the buffer fills to exactly its size, emits a
+    random half and takes new rows into the emptied places; at the end it emits what it holds,
+    permuted. It starts at 1/16 of `capacity` and doubles with each fill, so the first batch waits
+    for a sliver of the buffer, not all of it. Depends only on the row sequence, never on how it is
+    cut into pieces."""
+    source = iter(pieces)
+    first = next(source, None)
+    if first is None:
+        return iter(())
+    rows = itertools.chain([first], source)
+    if all(isinstance(block, np.ndarray) for block in first):
+        return _shuffled_in_place(rows, max(int(capacity), 2), rng)
+    return _shuffled_by_concat(rows, max(int(capacity), 2), rng)
+
+
+def _first_size(capacity: int) -> int:
+    return max(capacity // 16, 2)
+
+
+def _shuffled_in_place(pieces: Iterable[Arrays], capacity: int, rng: np.random.Generator) -> Iterator[Arrays]:
+    """Fixed columns: one preallocated block per column; each row is copied in once and out once
+    (a concat-and-split buffer copied it four times, which cost epoch 1 a third of its speed)."""
+    buffer: list[np.ndarray] | None = None
+    size = _first_size(capacity)
+    free, filled = np.arange(size), 0  # the places to fill next, in order
+    for piece in pieces:
+        if buffer is None:
+            buffer = [np.empty((capacity, *block.shape[1:]), block.dtype) for block in piece]
+        position, rows = 0, length(piece)
+        while position < rows:
+            step = min(len(free) - filled, rows - position)
+            places = free[filled: filled + step]
+            for column, block in zip(buffer, piece):
+                column[places] = block[position: position + step]
+            filled, position = filled + step, position + step
+            if filled == len(free):
+                out = rng.permutation(size)[: size - size // 2]
+                yield tuple(column[out] for column in buffer)
+                grown = min(size * 2, capacity)
+                free, filled, size = np.concatenate([out, np.arange(size, grown)]), 0, grown
+    if buffer is not None:
+        held = np.setdiff1d(np.arange(size), free[filled:], assume_unique=True)
+        if len(held):
+            yield tuple(column[held[rng.permutation(len(held))]] for column in buffer)
+
+
+def _shuffled_by_concat(pieces: Iterable[Arrays], capacity: int, rng: np.random.Generator) -> Iterator[Arrays]:
+    """Any columns (Arrow blocks for bytes and variable-length rows): concatenate, permute, split."""
+    size = _first_size(capacity)
     held: list[Arrays] = []
     count = 0
     for piece in pieces:
         position, rows = 0, length(piece)
         while position < rows:
-            step = min(capacity - count, rows - position)
+            step = min(size - count, rows - position)
             held.append(slice_arrays(piece, position, position + step))
             count, position = count + step, position + step
-            if count == capacity:
-                buffer, order = concat(held), rng.permutation(capacity)
-                keep = capacity // 2
-                yield take(buffer, order[: capacity - keep])
-                held, count = [take(buffer, order[capacity - keep:])], keep
+            if count == size:
+                buffer, order = concat(held), rng.permutation(size)
+                keep = size // 2
+                yield take(buffer, order[: size - keep])
+                held, count = [take(buffer, order[size - keep:])], keep
+                size = min(size * 2, capacity)
     if count:
         yield take(concat(held), rng.permutation(count))
 

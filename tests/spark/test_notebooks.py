@@ -22,15 +22,23 @@ def calibration_cache(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     return tmp_path_factory.mktemp("notebook-calibration")
 
 
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+    """One sqlite MLflow store for every kernel: creating one runs MLflow's schema migrations (seconds),
+    and the notebooks' runs do not interfere (each has its own experiment or run ids)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('notebook-mlflow')}/mlflow.db"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calibration_cache: Path) -> None:
+def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calibration_cache: Path,
+                       mlflow_store: str) -> None:
     import nbformat
     from nbclient import NotebookClient
 
     monkeypatch.setenv("SPARKDL_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("SPARKDL_CACHE_DIR", str(calibration_cache))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError naming the cell on the first error

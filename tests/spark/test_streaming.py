@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pyspark.sql import functions as F
 from torch import nn
 
 from sparkdl import TorchEstimator

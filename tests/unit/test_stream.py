@@ -46,6 +46,22 @@ def test_the_shuffle_buffer_depends_on_the_rows_not_on_how_they_arrive() -> None
     assert max(np.flatnonzero(one == r)[0] - r for r in rows) < 1000
 
 
+def test_the_shuffle_buffer_takes_arrow_columns_too() -> None:
+    rows = np.arange(300)
+    texts = pa.array([str(v) for v in rows], pa.large_string())
+
+    def pieces(cuts: list[int]):  # type: ignore[no-untyped-def]
+        bounds = [0, *cuts, len(rows)]
+        return ((rows[a:b], texts.slice(a, b - a)) for a, b in zip(bounds[:-1], bounds[1:]))
+
+    one = list(shuffled(pieces([7, 150]), 40, np.random.default_rng(1)))
+    other = list(shuffled(pieces([299]), 40, np.random.default_rng(1)))
+    numbers = np.concatenate([p[0] for p in one])
+    np.testing.assert_array_equal(numbers, np.concatenate([p[0] for p in other]))
+    assert sorted(numbers.tolist()) == rows.tolist()
+    assert [s for p in one for s in p[1].to_pylist()] == [str(v) for v in numbers]  # rows stay whole
+
+
 def test_cut_gives_views_inside_a_piece_and_copies_across() -> None:
     rows = np.arange(10)
     batches = list(cut(_pieces(rows, [4]), [3, 3, 4]))
