@@ -98,7 +98,8 @@ def _shuffled_in_place(pieces: Iterable[Arrays], capacity: int, rng: np.random.G
     if buffer is not None:
         held = np.setdiff1d(np.arange(size), free[filled:], assume_unique=True)
         if len(held):
-            yield tuple(column[held[rng.permutation(len(held))]] for column in buffer)
+            order = held[rng.permutation(len(held))]  # one order for every column
+            yield tuple(column[order] for column in buffer)
 
 
 def _shuffled_by_concat(pieces: Iterable[Arrays], capacity: int, rng: np.random.Generator) -> Iterator[Arrays]:

@@ -46,6 +46,16 @@ def test_the_shuffle_buffer_depends_on_the_rows_not_on_how_they_arrive() -> None
     assert max(np.flatnonzero(one == r)[0] - r for r in rows) < 1000
 
 
+def test_the_shuffle_buffer_keeps_each_rows_columns_together() -> None:
+    rows = np.arange(5000)
+    features = np.stack([rows * 2, rows * 3], 1).astype(np.float32)
+    pieces = ((features[a:a + 700], rows[a:a + 700]) for a in range(0, 5000, 700))
+    out = list(shuffled(pieces, 1024, np.random.default_rng(0)))
+    got, labels = np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
+    assert sorted(labels.tolist()) == rows.tolist()
+    np.testing.assert_array_equal(got, np.stack([labels * 2, labels * 3], 1))  # every emission, the last too
+
+
 def test_the_shuffle_buffer_takes_arrow_columns_too() -> None:
     rows = np.arange(300)
     texts = pa.array([str(v) for v in rows], pa.large_string())
