@@ -8,6 +8,7 @@ chunk, zero-copy from Arrow; binary, string and variable-length columns stay Arr
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Union
 
@@ -140,6 +141,17 @@ def incoming_arrays(batch: pa.RecordBatch, layout: FeedLayout) -> Arrays:
     """One block per spool column of this record batch."""
     return tuple(_fixed_rows(_column(batch, c.name), c) if c.kind == FIXED else _variable_rows(_column(batch, c.name), c)
                  for c in spool_columns(layout))
+
+
+def split_validation(batches: Iterable[pa.RecordBatch], column: str,
+                     held_out: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The training rows of each batch (split column 0); its validation rows (1) go to `held_out`."""
+    import pyarrow.compute as pc
+
+    for batch in batches:
+        is_validation = pc.equal(batch.column(batch.schema.get_field_index(column)), 1)
+        held_out.append(batch.filter(is_validation))
+        yield batch.filter(pc.invert(is_validation))
 
 
 def spool_schema(layout: FeedLayout) -> pa.Schema:

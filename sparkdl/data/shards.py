@@ -15,8 +15,6 @@ from typing import Any
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from sparkdl.errors import EmptyDataError
-
 SHARD_KEY = "__sparkdl_shard"
 _SEED = 42  # HashPartitioning's Murmur3Hash seed (Spark's Partitioning.scala)
 _MASK = 0xFFFFFFFF
@@ -100,9 +98,3 @@ def partition_row_counts(df: DataFrame) -> dict[int, int]:
     rows = df.select(F.spark_partition_id().alias("p")).groupBy("p").count().collect()
     return {int(r["p"]): int(r["count"]) for r in rows}
 
-
-def check_counts(counts: tuple[int, ...]) -> None:
-    empty = [rank for rank, n in enumerate(counts) if n == 0]
-    if empty:
-        raise EmptyDataError(f"rank(s) {empty} would receive no training rows (rows per rank: {list(counts)})",
-                             hint="use fewer workers, or add rows")

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.arrow_rows import Arrays, incoming_arrays, slice_rows
+from sparkdl.data.arrow_rows import Arrays, incoming_arrays, slice_rows, split_validation
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import EmptyDataError, PartitionChangedError
 
@@ -219,15 +219,10 @@ class StreamedPartition:
 
     def _training_batches(self) -> Iterator[pa.RecordBatch]:
         split = self._layout.split_column
-        for batch in self._batches:
+        batches = self._batches if split is None else split_validation(self._batches, split, self.held_out)
+        for batch in batches:
             if self._stop.is_set():
                 return
-            if split is not None:
-                import pyarrow.compute as pc
-
-                is_validation = pc.equal(batch.column(batch.schema.get_field_index(split)), 1)
-                self.held_out.append(batch.filter(is_validation))
-                batch = batch.filter(pc.invert(is_validation))
             if not batch.num_rows:
                 continue
             arrays = incoming_arrays(batch, self._layout)

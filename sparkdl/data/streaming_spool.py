@@ -108,8 +108,8 @@ def _then(batches: Iterator[Any], done: Any) -> Iterator[Any]:
 
 
 class LateValidation:
-    """This rank's validation rows, ready once the partition has arrived: spooled (disk) or kept in
-    memory (spool="none"; validation rows are few by design)."""
+    """This rank's validation rows, ready once the partition has arrived; kept in memory under either
+    spool mode (validation rows are few by design)."""
 
     def __init__(self, source: StreamingSpool) -> None:
         self._source = source

@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 import traceback
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
@@ -206,27 +206,21 @@ def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch],
     partition = StreamedPartition(batches, spec.layout, write=write, keep_rows=max(needed - expected, 0))
     row_bytes = sum(c.row_bytes for c in spool_columns(spec.layout)) or 1024
     buffer_rows = data.shuffle_buffer_rows or default_buffer_rows(row_bytes, data.batch_size)
-    source = stack.enter_context(_closing(StreamingSpool(partition, spec.layout, expected, buffer_rows, one_pass)))
+    source = stack.enter_context(closing(StreamingSpool(partition, spec.layout, expected, buffer_rows, one_pass)))
     return source, source.validation() if spec.layout.split_column is not None else None
 
 
 def _spool_writer(spec: TrainSpec) -> Any:
+    """batches -> Spool under data.spool_dir, free space checked first against the average share
+    (validation rows included): the driver's shards differ by a few rows; a kept, skewed partitioning
+    is caught while writing instead."""
     from sparkdl.data.batches import Spool
     from sparkdl.data.spool_space import spool_bytes
 
-    directory = _spool_directory(spec)
+    directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
     expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
-    return lambda batches: Spool.write(batches, spec.layout, directory, expected_bytes=expected)
-
-
-def _closing(source: Any) -> Any:
-    from contextlib import closing
-
-    return closing(source)
-
-
-def _spool_directory(spec: TrainSpec) -> str:
-    return spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+    return lambda batches, check=True: Spool.write(batches, spec.layout, directory,
+                                                   expected_bytes=expected if check else 0)
 
 
 def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> tuple[Any, Any]:
@@ -235,29 +229,15 @@ def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: Exit
         for _ in batches:  # the placeholder input of a run without a DataFrame is drained
             pass
         return None, None
-    from sparkdl.data.batches import Spool
-    from sparkdl.data.spool_space import spool_bytes
-
-    directory = _spool_directory(spec)
-    # The average share (validation rows included): feed.split_and_shard's round-robin shards differ
-    # by a few rows; a kept, skewed partitioning is caught while writing instead.
-    expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
+    write = _spool_writer(spec)
     if spec.layout.split_column is None:
-        return stack.enter_context(Spool.write(batches, spec.layout, directory, expected_bytes=expected)), None
+        return stack.enter_context(write(batches)), None
+    from sparkdl.data.arrow_rows import split_validation
+
     held_out: list[pa.RecordBatch] = []
-    train = stack.enter_context(Spool.write(_split(batches, spec.layout.split_column, held_out), spec.layout,
-                                            directory, expected_bytes=expected))
+    train = stack.enter_context(write(split_validation(batches, spec.layout.split_column, held_out)))
     # Validation rows are few by design; they wait in memory until the training rows are spooled.
-    return train, stack.enter_context(Spool.write(iter(held_out), spec.layout, directory))
-
-
-def _split(batches: Iterable[pa.RecordBatch], column: str, held_out: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    import pyarrow.compute as pc
-
-    for batch in batches:
-        is_validation = pc.equal(batch.column(batch.schema.get_field_index(column)), 1)
-        held_out.append(batch.filter(is_validation))
-        yield batch.filter(pc.invert(is_validation))
+    return train, stack.enter_context(write(iter(held_out), check=False))
 
 
 def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
