@@ -113,7 +113,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("plan")
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
     phases.mark("tracking")
-    state, history = tracked_submit(spark, prepared.df, spec, tracker, callbacks=callbacks)
+    state, history = tracked_submit(spark, prepared.launch_df(), spec, tracker, callbacks=callbacks)
     phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
@@ -131,7 +131,8 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
                      run_id=spec.run_id, plan=resolved, extra={"mlflow_run_id": tracker.run_id, "model_uri": model_uri,
                                                                 "tracking_uri": tracker.tracking_uri,
-                                                                "output_shape": out_shape, "phases": phases.seconds})
+                                                                "output_shape": out_shape, "phases": phases.seconds,
+                                                                "delivery": "spark" if prepared.source is None else "parquet"})
 
 
 def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, tuple[int, ...]]:
@@ -217,7 +218,7 @@ def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: Resolved
     shipped = replace(config, train=replace(train, callbacks=()))
     spec = TrainSpec(run_id=new_run_id(), config=shipped, layout=layout, model=model,
                      strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks), rows=rows,
-                     row_counts=row_counts)
+                     row_counts=row_counts, source=prepared.source)
     check_picklable(spec)
     return spec
 
@@ -262,6 +263,7 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
         "dataset.inputs": "; ".join(f"{c.source}: {c.dtype}{list(c.shape)} ({c.kind})" for c in prepared.layout.inputs)
         or "-",
         "dataset.dropped_invalid_rows": prepared.dropped_rows,
+        "dataset.delivery": "spark" if prepared.source is None else f"parquet ({prepared.source.files} files)",
         "world.workers": config.launch.num_workers, "world.master": facts(df.sparkSession).master(),
     })
     params.update(versions())
@@ -334,11 +336,11 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         prepared = prepare_run(df, config, custom_loop=True)
         if prepared.num_rows < num_workers:
             check_enough_rows(config, prepared.num_rows)
-        job_df, layout = prepared.df, prepared.layout
+        job_df, layout, source = prepared.launch_df(), prepared.layout, prepared.source
     else:
-        job_df, layout = spark.range(0, num_workers, 1, num_workers), None
+        job_df, layout, source = spark.range(0, num_workers, 1, num_workers), None, None
     ship_by_value(train_fn, config.data.transform_fn)
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn)
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn, source=source)
     check_picklable(spec)
     check_backend(config)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),

@@ -173,7 +173,7 @@ def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: in
     from sparkdl.data.shards import balanced
 
     shuffled, counted_from = balanced(kept, config.launch.num_workers)
-    return replace(prepared, df=shuffled, counted_from=counted_from, shard_rows=None, num_rows=rows,
+    return replace(prepared, df=shuffled, counted_from=counted_from, shard_rows=None, source=None, num_rows=rows,
                    dropped_rows=prepared.dropped_rows + dropped,
                    layout=replace(prepared.layout, num_classes=out_width))
 

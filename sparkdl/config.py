@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config_values import (check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
-from sparkdl.config_training import (SPOOL_MODES, check_channel, check_horovod_env, check_spool,
+from sparkdl.config_training import (DELIVERY_MODES, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
                                      check_training_essentials)
 from sparkdl.errors import ConfigError
 
@@ -55,6 +55,7 @@ class DataConfig:
     prefetch_batches: int = 2  # batches made ahead on a background thread when transform_fn is set (0 = off)
     spool: str = "auto"  # "disk": epoch 1 streams, later epochs read a local spool; "none": one pass, no file
     shuffle_buffer_rows: int = 0  # epoch 1's seeded shuffle buffer per rank (0 = about 64 MiB of rows)
+    delivery: str = "auto"  # "parquet": ranks read a plain Parquet scan's files themselves; "spark"; "auto": when eligible
 
     def validate(self) -> None:
         if self.input_cols is not None:
@@ -64,6 +65,7 @@ class DataConfig:
         positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
         choice("data.spool", self.spool, SPOOL_MODES)
         positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)
+        choice("data.delivery", self.delivery, DELIVERY_MODES)
 
 
 @dataclass(frozen=True)

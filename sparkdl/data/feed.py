@@ -42,6 +42,16 @@ class PreparedData:
     sample: Any = None  # input_cols runs: the first prepared rows (a pyarrow Table) to probe the model with
     shard_rows: tuple[int, ...] | None = None  # training rows per rank when already counted (a kept partitioning)
     counted_from: Any = None  # data.shards.balanced's keyed input: counts the shards without the shuffle
+    # A plain Parquet scan the ranks read themselves (data/parquet_source.py): a ParquetShards, or None.
+    source: Any = None
+
+    def launch_df(self) -> DataFrame:
+        """What the barrier job maps over: the prepared rows, or under direct Parquet reads one
+        placeholder row per rank (each rank reads its own rows)."""
+        if self.source is None:
+            return self.df
+        workers = len(self.source.pieces)
+        return self.df.sparkSession.range(0, workers, 1, workers)
 
     def training_shards(self, workers: int) -> tuple[int, ...]:
         """Training rows of every rank's shard (one small job unless already counted)."""

@@ -1,6 +1,7 @@
 """The one preparation call of fit, plan and run: every option taken from the run's config, so the
 three cannot drift apart (validation rows, seed, invalid rows, classification), whichever layout
-the run uses (feature_cols: data/feed.py; input_cols: data/tensor_feed.py)."""
+the run uses (feature_cols: data/feed.py; input_cols: data/tensor_feed.py), and whoever delivers
+the rows (Spark, or the ranks reading a plain Parquet scan: data/parquet_source.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 from pyspark.sql import DataFrame
 
 from sparkdl.data.feed import PreparedData, is_classification, prepare
+from sparkdl.data.parquet_source import with_parquet_source
 from sparkdl.data.tensor_feed import prepare_tensors
 
 if TYPE_CHECKING:
@@ -21,7 +23,8 @@ def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | N
     if data.input_cols is not None:
         return prepare_tensors(df, data, classification=classification, num_workers=config.launch.num_workers,
                                validation_df=validation_df, seed=config.train.seed)
-    return prepare(df, data.feature_cols, data.label_col, classification=classification,
-                   num_workers=config.launch.num_workers, validation_df=validation_df,
-                   validation_fraction=data.validation_fraction, seed=config.train.seed,
-                   on_invalid=data.on_invalid, weight_col=data.weight_col)
+    prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
+                       num_workers=config.launch.num_workers, validation_df=validation_df,
+                       validation_fraction=data.validation_fraction, seed=config.train.seed,
+                       on_invalid=data.on_invalid, weight_col=data.weight_col)
+    return with_parquet_source(df, prepared, config)

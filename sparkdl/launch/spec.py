@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
+from sparkdl.data.parquet_shards import ParquetShards
 from sparkdl.layouts import StrategyLayout
 
 
@@ -27,6 +28,8 @@ class TrainSpec:
     # Every rank's training rows, counted by the driver (data/shards.py): the built-in loop then trains
     # epoch 1 while its partition streams in. Empty: each rank spools its partition first and counts it.
     row_counts: tuple[int, ...] = ()
+    # Direct Parquet delivery: the pieces every rank reads itself (the job's own input is one placeholder row).
+    source: ParquetShards | None = None
 
     @property
     def world_size(self) -> int:

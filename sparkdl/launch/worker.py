@@ -108,6 +108,8 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
 
     with ExitStack() as stack:
         task_started = time.perf_counter()
+        if spec.source is not None:
+            batches = _read_own_rows(spec, context.partitionId(), batches)
         streaming = bool(spec.row_counts) and spec.train_fn is None and spec.layout is not None
         if streaming:
             # Rows stream in on a thread from now on; the rank trains as soon as its first batch is here.
@@ -154,6 +156,16 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
         context.barrier() if hasattr(context, "barrier") else comm.barrier()
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
+
+
+def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Direct Parquet delivery: the job's input is one placeholder row per rank; the rank's rows
+    come from its pieces of the files (data/parquet_shards.py)."""
+    from sparkdl.data.parquet_shards import shard_batches
+
+    for _ in placeholder:
+        pass
+    return shard_batches(spec.source, rank, spec.layout)
 
 
 def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo, row_counts: tuple[int, ...]

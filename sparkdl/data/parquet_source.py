@@ -1,0 +1,197 @@
+"""Driver side of direct Parquet delivery (data.delivery): is this DataFrame a plain Parquet scan
+whose rows the executors can read themselves, and which rows does each rank read?
+
+Spark's semantics stay exact because only a scan that Spark would hand over unchanged qualifies:
+the optimized plan is a Parquet relation under projections of plain columns (no filter, join,
+limit, sample, cache, computed column or Delta-style format), the used columns are numeric scalars
+or arrays in every file, and the fit holds nothing back (no validation split, no dropped rows).
+Anything else is read through Spark as before. The row counts come from the files' footers, so
+the ranks' shares are known before the job without a counting job.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+from pyspark.sql import DataFrame
+
+from sparkdl.data.parquet_shards import ParquetShards, SourceColumn, assign_pieces
+from sparkdl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sparkdl.config import RunConfig
+    from sparkdl.data.feed import PreparedData
+
+_log = logging.getLogger("sparkdl")
+
+
+class NotEligible(Exception):
+    """Why a DataFrame is read through Spark (its message goes to the log, or to the user's error)."""
+
+
+def with_parquet_source(df: DataFrame, prepared: "PreparedData", config: "RunConfig") -> "PreparedData":
+    """`prepared` with `source` set when data.delivery allows it and the DataFrame qualifies; with
+    data.delivery="parquet" a DataFrame that does not qualify raises, saying why."""
+    mode = config.data.delivery
+    if mode == "spark":
+        return prepared
+    try:
+        shards = parquet_shards(df, prepared, config)
+    except NotEligible as why:
+        if mode == "parquet":
+            raise ConfigError(f"data.delivery='parquet' reads a plain Parquet scan directly, but {why}",
+                              hint="use data.delivery='auto' (Spark delivers what does not qualify) or 'spark'; "
+                                   "or write the prepared rows to Parquet first and fit on spark.read.parquet(path)"
+                              ) from None
+        _log.info("sparkdl: rows delivered by Spark (not direct Parquet reads): %s", why)
+        return prepared
+    _log.info("sparkdl: each rank reads its rows from %d Parquet file(s) directly (data.delivery=%r)",
+              shards.files, mode)
+    return replace(prepared, source=shards, shard_rows=shards.row_counts)
+
+
+def parquet_shards(df: DataFrame, prepared: "PreparedData", config: "RunConfig") -> ParquetShards:
+    data, layout = config.data, prepared.layout
+    if layout.tensor_inputs:
+        raise NotEligible("input_cols runs are delivered by Spark (direct reads cover feature_cols)")
+    if prepared.num_validation_rows or layout.split_column is not None:
+        raise NotEligible("a validation split is marked by Spark (validation_fraction / validation_df)")
+    if prepared.dropped_rows:
+        raise NotEligible("on_invalid='skip' dropped rows, which Spark filters")
+    if not hasattr(df, "_jdf"):
+        raise NotEligible("a Spark Connect DataFrame's plan cannot be inspected from the client")
+    used = list(layout.source_feature_cols) + [c for c in (layout.source_label_col, layout.source_weight_col) if c]
+    files = _plain_scan_files(df, used)
+    widths = _array_widths(_checked_files(files, used, data.delivery == "parquet"),
+                           layout.source_feature_cols, layout.num_features)
+    row_groups = _row_groups(files)
+    if not row_groups:
+        raise NotEligible("the scan's files hold no rows")
+    features = tuple(SourceColumn(name, widths[name]) for name in layout.source_feature_cols)
+    shards = ParquetShards(features=features, label=layout.source_label_col if layout.label_dtype else None,
+                           weight=layout.source_weight_col, pieces=assign_pieces(row_groups, config.launch.num_workers),
+                           files=len(files))
+    if shards.num_features != layout.num_features or sum(shards.row_counts) != prepared.num_rows:
+        raise NotEligible(f"the files hold {sum(shards.row_counts)} rows x {shards.num_features} features where "
+                          f"Spark counted {prepared.num_rows} x {layout.num_features}")
+    return shards
+
+
+def _class_name(java_object: Any) -> str:
+    return str(java_object.getClass().getSimpleName())
+
+
+def _seq(scala_seq: Any) -> list[Any]:
+    return [scala_seq.apply(i) for i in range(scala_seq.size())]
+
+
+def _plain_scan_files(df: DataFrame, used: list[str]) -> list[str]:
+    """The scan's files when the optimized plan is projections of plain columns over one Parquet
+    relation; raises NotEligible otherwise."""
+    node = df._jdf.queryExecution().optimizedPlan()
+    while _class_name(node) == "Project":
+        computed = [e for e in _seq(node.projectList()) if _class_name(e) != "AttributeReference"]
+        if computed:
+            raise NotEligible(f"the plan computes a column ({computed[0].sql()})")
+        node = node.child()
+    kind = _class_name(node)
+    if kind != "LogicalRelation":
+        raise NotEligible(f"the plan is not a plain file scan (its top operator below projections is {kind})")
+    relation = node.relation()
+    if _class_name(relation) != "HadoopFsRelation" or _class_name(relation.fileFormat()) != "ParquetFileFormat":
+        raise NotEligible(f"the relation is not a plain Parquet scan ({_class_name(relation)})")
+    partition_columns = {f.name() for f in _seq(relation.partitionSchema().fields().toSeq())} \
+        if relation.partitionSchema().nonEmpty() else set()
+    from_partitions = [c for c in used if c in partition_columns]
+    if from_partitions:
+        raise NotEligible(f"column {from_partitions[0]!r} is a partition column (in the directory names, not the files)")
+    return sorted(df.inputFiles())
+
+
+def local_path(uri: str) -> str:
+    """A path pyarrow opens: a local file path for file: URIs, else the URI itself."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return unquote(parsed.path)
+    return uri
+
+
+def _array_widths(widths: dict[str, int | None], feature_cols: tuple[str, ...], num_features: int) -> dict[str, int]:
+    """Every feature column's width: a list column's from the feature width the stats job checked
+    (every row of it has the same length); two or more such columns cannot be told apart."""
+    unknown = [c for c in feature_cols if widths[c] is None]
+    if len(unknown) > 1:
+        raise NotEligible(f"feature columns {unknown} are variable-length arrays in the files (one at most)")
+    known = sum(widths[c] or 1 for c in feature_cols if widths[c] is not None)
+    return {c: (num_features - known if widths[c] is None else widths[c]) for c in feature_cols}  # type: ignore[misc]
+
+
+def _checked_files(files: list[str], used: list[str], forced: bool) -> dict[str, int | None]:
+    """{used column: 0 for a scalar, the width of a fixed-size array, None for a list}, after every
+    file was found to hold every used column as a numeric scalar or array of the same kind."""
+    import pyarrow.parquet as pq
+
+    if not files:
+        raise NotEligible("the scan lists no files")
+    remote = [f for f in files if urlparse(f).scheme not in ("", "file")]
+    if remote and not forced:
+        raise NotEligible(f"{remote[0]} is not on a local file system (data.delivery='parquet' reads it through "
+                          "pyarrow.fs)")
+    widths: dict[str, int | None] = {}
+    for uri in files:
+        try:
+            schema = pq.read_schema(_readable(uri))
+        except (OSError, ValueError) as exc:
+            raise NotEligible(f"the driver cannot read {uri} with pyarrow ({exc})") from None
+        for name in used:
+            index = schema.get_field_index(name)
+            if index < 0:
+                raise NotEligible(f"{uri} has no column {name!r} (a schema merged or evolved by Spark)")
+            width = _numeric_width(schema.field(index).type, name)
+            if name in widths and widths[name] != width:
+                raise NotEligible(f"column {name!r} has different types in different files")
+            widths[name] = width
+    return widths
+
+
+def _numeric_width(arrow_type: Any, name: str) -> int | None:
+    """0 for a numeric scalar, None for a numeric list (its length is checked by the stats job, but
+    only a fixed-size list says it in the schema), raising for anything pyarrow would convert
+    differently from Spark (decimal, strings, structs such as ML vectors)."""
+    import pyarrow as pa
+
+    def numeric(t: Any) -> bool:
+        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+    if numeric(arrow_type):
+        return 0
+    if pa.types.is_fixed_size_list(arrow_type) and numeric(arrow_type.value_type):
+        return int(arrow_type.list_size)
+    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and numeric(arrow_type.value_type):
+        return None
+    raise NotEligible(f"column {name!r} has Parquet type {arrow_type}, which direct reads do not convert "
+                      "(numeric scalars and arrays only)")
+
+
+def _readable(uri: str) -> Any:
+    path = local_path(uri)
+    if "://" not in path:
+        return path
+    import pyarrow.fs as pafs
+
+    filesystem, inner = pafs.FileSystem.from_uri(path)
+    return filesystem.open_input_file(inner)
+
+
+def _row_groups(files: list[str]) -> list[tuple[str, int, int]]:
+    """(path, row group, rows) of every non-empty row group, in file order."""
+    import pyarrow.parquet as pq
+
+    groups = []
+    for uri in files:
+        metadata = pq.read_metadata(_readable(uri))
+        groups += [(local_path(uri), i, metadata.row_group(i).num_rows) for i in range(metadata.num_row_groups)
+                   if metadata.row_group(i).num_rows]
+    return groups
