@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=1_000_000, help="ingest: DataFrame rows")
     parser.add_argument("--features", type=int, default=64, help="ingest: float columns")
     parser.add_argument("--batch-size", type=int, default=256, help="ingest: rows per torch batch")
+    parser.add_argument("--source", choices=("cached", "parquet"), default="cached",
+                        help="ingest: the frame every tool reads, cached in Spark's memory or a Parquet scan")
     parser.add_argument("--step-rows", type=int, default=102_400, help="steps: DataFrame rows")
     parser.add_argument("--step-epochs", type=int, default=3, help="steps: epochs per run (first is warm-up)")
     parser.add_argument("--json-out", type=Path, default=REPO / "benchmarks" / "results" / "peers.json")

@@ -92,6 +92,14 @@ def make_frame(spark: Any, rows: int, features: int, classes: int = 10, seed: in
     return frame
 
 
+def as_parquet(spark: Any, frame: Any, directory: Any) -> Any:
+    """The cached frame written to Parquet once and read back uncached: every tool then reads the
+    same files through the same DataFrame (sparkdl's direct reads qualify: data.delivery)."""
+    frame.write.mode("overwrite").parquet(str(directory))
+    frame.unpersist()
+    return spark.read.parquet(str(directory))
+
+
 def run_workload(launcher: str, mode: str, timeout_s: float = 900, **options: Any) -> tuple[float, float, Any]:
     """Run `python -m peers_parts.workloads --mode MODE --opt value...` on WORLD ranks under the bare
     launcher ("torchrun": --standalone; "horovodrun": --gloo on localhost). Returns (wall clock at

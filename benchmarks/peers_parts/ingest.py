@@ -1,4 +1,5 @@
-"""Ingest part of the peers benchmark: rows/s from one cached Spark DataFrame into torch batches on
+"""Ingest part of the peers benchmark: rows/s from one Spark DataFrame (cached, or --source parquet: a
+Parquet scan) into torch batches on
 2 ranks, for sparkdl (epoch 1 = spool + first pass; epochs 2+ = replay from the spool),
 TorchDistributor's DataFrame path (private `_train_on_dataframe` + `_get_spark_partition_data_loader`,
 shipped with PySpark) and Petastorm's `make_spark_converter` (Parquet cache + reader).
@@ -200,6 +201,9 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
     # Python worker start and imports happen once per application, not per row: a small unrecorded round
     # pays them for every tool, so the first recorded round is not skewed against whichever runs first.
     warm = common.make_frame(spark, WARM_UP_ROWS, args.features)
+    source = getattr(args, "source", "cached")
+    if source == "parquet":
+        warm = common.as_parquet(spark, warm, Path(args.work_dir) / "ingest-warm")
     for tool, run_round in tools.items():
         if tool == "petastorm" and legacy:
             continue  # a fresh interpreter per round: nothing to warm in this one
@@ -210,6 +214,11 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
             common.log(f"ingest: {tool} warm-up failed: {str(exc)[:300]}")
     warm.unpersist()
     frame = common.make_frame(spark, args.rows, args.features)
+    if source == "parquet":
+        frame = common.as_parquet(spark, frame, Path(args.work_dir) / "ingest-frame")
+        notes.append("--source parquet: the DataFrame is spark.read.parquet of the rows written once (uncached), "
+                     "the same files for every tool; sparkdl's ranks read their rows directly (data.delivery='auto'), "
+                     "Spark's delivery and TorchDistributor read them through Spark.")
     try:
         for round_index in range(args.repeats):
             figures: dict[str, float] = {}
@@ -232,6 +241,8 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
     ratios = []
     for name, a, b, target in (("sparkdl epoch 1 / TorchDistributor loader", "sparkdl_epoch1",
                                 "torchdistributor_loader", 10),
+                               ("sparkdl epoch 1 / Spark's Arrow delivery of the feature column", "sparkdl_epoch1",
+                                "spark_arrow_delivery", 1.5),
                                ("Spark's Arrow delivery alone / TorchDistributor loader (info: epoch 1's ceiling)",
                                 "spark_arrow_delivery", "torchdistributor_loader", None),
                                ("sparkdl epochs 2+ / Petastorm reader epochs 2+", "sparkdl_epochs2plus",
@@ -262,7 +273,7 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
                    f"shard_count={common.WORLD}) in {common.WORLD} concurrent processes, over the cache; a pass "
                    "includes opening the reader (default workers_count=4 threads) as each epoch does with "
                    "num_epochs=1; row groups in reader order.")]
-    return {"part": "ingest", "figures": {name: common.median(values) for name, values in runs.items()},
+    return {"part": "ingest", "source": source, "figures": {name: common.median(values) for name, values in runs.items()},
             "runs": runs, "ratios": ratios, "notes": notes, "errors": errors}
 
 
@@ -273,6 +284,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--source", choices=("cached", "parquet"), default="cached",
+                        help="the frame every tool reads: cached in Spark's memory, or a Parquet scan")
     cli = parser.parse_args()
     if min(cli.rows, cli.features, cli.batch_size, cli.repeats) < 1:
         parser.error("--rows, --features, --batch-size and --repeats must be >= 1")

@@ -20,7 +20,9 @@ import pyarrow as pa
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import ArrayLengthError, NullValuesError, PartitionChangedError
 
-BATCH_ROWS = 10_000  # Spark's spark.sql.execution.arrow.maxRecordsPerBatch default, measured best (issue 20)
+# Rows per batch read: 65,536 read 1M x 64 floats at 2.8M rows/s per rank in-process, 10,000 (Spark's
+# maxRecordsPerBatch) at 1.9M: the per-batch cost is per column. The first batch still comes in ~25 ms.
+BATCH_ROWS = 65_536
 
 
 @dataclass(frozen=True)
@@ -140,19 +142,41 @@ def _values(column: pa.Array, name: str, width: int) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).reshape(len(column), width)
 
 
+_TRANSPOSE_ROWS = 1024  # rows per block of the transpose: a (columns x 1024) float32 tile stays in cache
+
+
+def _place_columns(features: np.ndarray, at: int, columns: list[np.ndarray]) -> int:
+    """Scalar columns into features[:, at:at + len(columns)]; the list is emptied. Writing each column
+    down a row-major block strides through memory (1.5M rows/s for 64 columns): the columns go to a
+    contiguous (columns, rows) block first, then over in cache-sized tiles (12M rows/s)."""
+    if not columns:
+        return at
+    stacked = np.empty((len(columns), features.shape[0]), np.float32)
+    for i, values in enumerate(columns):
+        stacked[i] = values
+    stop = at + len(columns)
+    for start in range(0, features.shape[0], _TRANSPOSE_ROWS):
+        features[start: start + _TRANSPOSE_ROWS, at:stop] = stacked[:, start: start + _TRANSPOSE_ROWS].T
+    columns.clear()
+    return stop
+
+
 def prepared_batch(batch: pa.RecordBatch, shards: ParquetShards, layout: FeedLayout) -> pa.RecordBatch:
     """One Parquet batch in the feed layout. The casts are Spark's (cast(x as float), as long): IEEE
     round-to-nearest for float32, truncation for whole-numbered doubles to int64 (validated whole)."""
     rows, width = batch.num_rows, shards.num_features
     features = np.empty((rows, width), np.float32)
     at = 0
+    scalars: list[np.ndarray] = []  # a run of scalar columns, put in place together
     for column in shards.features:
         values = _values(batch.column(column.name), column.name, column.width)
-        if column.width:
-            features[:, at: at + column.width] = values
-        else:
-            features[:, at] = values
-        at += column.width or 1
+        if not column.width:
+            scalars.append(values)
+            continue
+        at = _place_columns(features, at, scalars)
+        features[:, at: at + column.width] = values
+        at += column.width
+    _place_columns(features, at, scalars)
     arrays = [pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), width)]
     names = [layout.feature_column]
     if shards.label is not None and layout.label_dtype is not None:
