@@ -11,7 +11,7 @@ the ranks' shares are known before the job without a counting job.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
@@ -31,48 +31,78 @@ class NotEligible(Exception):
     """Why a DataFrame is read through Spark (its message goes to the log, or to the user's error)."""
 
 
-def with_parquet_source(df: DataFrame, prepared: "PreparedData", config: "RunConfig") -> "PreparedData":
-    """`prepared` with `source` set when data.delivery allows it and the DataFrame qualifies; with
-    data.delivery="parquet" a DataFrame that does not qualify raises, saying why."""
-    mode = config.data.delivery
-    if mode == "spark":
+@dataclass(frozen=True)
+class ParquetScan:
+    """A DataFrame found to be a plain Parquet scan, before its rows are dealt to the ranks."""
+    files: tuple[str, ...]
+    widths: dict[str, int | None]  # used column -> 0 scalar, fixed array width, None for a list
+    row_groups: tuple[tuple[str, int, int], ...]  # (path, row group, rows), in scan order
+
+
+def direct_candidate(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None = None) -> ParquetScan | None:
+    """The scan when data.delivery allows direct reads and the DataFrame qualifies so far (what the
+    plan and the footers tell, before any Spark job); None for delivery through Spark."""
+    if config.data.delivery == "spark":
+        return None
+    try:
+        return _scan(df, config, validation_df)
+    except NotEligible as why:
+        return _through_spark(config, why)
+
+
+def with_parquet_source(prepared: "PreparedData", scan: ParquetScan | None, config: "RunConfig") -> "PreparedData":
+    """`prepared` with `source` set when the candidate still qualifies after preparation (no rows
+    dropped, the counts agree); with data.delivery="parquet" a DataFrame that does not qualify
+    raises, saying why."""
+    if scan is None:
         return prepared
     try:
-        shards = parquet_shards(df, prepared, config)
+        shards = _shards(prepared, scan, config)
     except NotEligible as why:
-        if mode == "parquet":
-            raise ConfigError(f"data.delivery='parquet' reads a plain Parquet scan directly, but {why}",
-                              hint="use data.delivery='auto' (Spark delivers what does not qualify) or 'spark'; "
-                                   "or write the prepared rows to Parquet first and fit on spark.read.parquet(path)"
-                              ) from None
-        _log.info("sparkdl: rows delivered by Spark (not direct Parquet reads): %s", why)
-        return prepared
+        return _through_spark(config, why, prepared)
     _log.info("sparkdl: each rank reads its rows from %d Parquet file(s) directly (data.delivery=%r)",
-              shards.files, mode)
+              shards.files, config.data.delivery)
     return replace(prepared, source=shards, shard_rows=shards.row_counts)
 
 
-def parquet_shards(df: DataFrame, prepared: "PreparedData", config: "RunConfig") -> ParquetShards:
-    data, layout = config.data, prepared.layout
-    if layout.tensor_inputs:
+def _through_spark(config: "RunConfig", why: NotEligible, prepared: Any = None) -> Any:
+    if config.data.delivery == "parquet":
+        raise ConfigError(f"data.delivery='parquet' reads a plain Parquet scan directly, but {why}",
+                          hint="use data.delivery='auto' (Spark delivers what does not qualify) or 'spark'; "
+                               "or write the prepared rows to Parquet first and fit on spark.read.parquet(path)")
+    _log.info("sparkdl: rows delivered by Spark (not direct Parquet reads): %s", why)
+    return prepared
+
+
+def _scan(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None) -> ParquetScan:
+    data = config.data
+    if data.input_cols is not None:
         raise NotEligible("input_cols runs are delivered by Spark (direct reads cover feature_cols)")
-    if prepared.num_validation_rows or layout.split_column is not None:
+    if validation_df is not None or data.validation_fraction > 0:
         raise NotEligible("a validation split is marked by Spark (validation_fraction / validation_df)")
-    if prepared.dropped_rows:
-        raise NotEligible("on_invalid='skip' dropped rows, which Spark filters")
     if not hasattr(df, "_jdf"):
         raise NotEligible("a Spark Connect DataFrame's plan cannot be inspected from the client")
-    used = list(layout.source_feature_cols) + [c for c in (layout.source_label_col, layout.source_weight_col) if c]
+    label = data.label_col if data.label_col in df.columns else None
+    used = list(dict.fromkeys([*data.feature_cols, *(c for c in (label, data.weight_col) if c)]))
     files = _plain_scan_files(df, used)
-    widths = _array_widths(_checked_files(files, used, data.delivery == "parquet"),
-                           layout.source_feature_cols, layout.num_features)
+    widths = _checked_files(files, used, data.delivery == "parquet")
     row_groups = _row_groups(files)
     if not row_groups:
         raise NotEligible("the scan's files hold no rows")
+    return ParquetScan(tuple(files), widths, tuple(row_groups))
+
+
+def _shards(prepared: "PreparedData", scan: ParquetScan, config: "RunConfig") -> ParquetShards:
+    layout = prepared.layout
+    if prepared.dropped_rows:
+        raise NotEligible("on_invalid='skip' dropped rows, which Spark filters")
+    if prepared.num_validation_rows or layout.split_column is not None or layout.tensor_inputs:
+        raise NotEligible("the prepared rows carry a validation split or tensor inputs")
+    widths = _array_widths(scan.widths, layout.source_feature_cols, layout.num_features)
     features = tuple(SourceColumn(name, widths[name]) for name in layout.source_feature_cols)
     shards = ParquetShards(features=features, label=layout.source_label_col if layout.label_dtype else None,
-                           weight=layout.source_weight_col, pieces=assign_pieces(row_groups, config.launch.num_workers),
-                           files=len(files))
+                           weight=layout.source_weight_col,
+                           pieces=assign_pieces(scan.row_groups, config.launch.num_workers), files=len(scan.files))
     if shards.num_features != layout.num_features or sum(shards.row_counts) != prepared.num_rows:
         raise NotEligible(f"the files hold {sum(shards.row_counts)} rows x {shards.num_features} features where "
                           f"Spark counted {prepared.num_rows} x {layout.num_features}")
@@ -89,7 +119,16 @@ def _seq(scala_seq: Any) -> list[Any]:
 
 def _plain_scan_files(df: DataFrame, used: list[str]) -> list[str]:
     """The scan's files when the optimized plan is projections of plain columns over one Parquet
-    relation; raises NotEligible otherwise."""
+    relation; raises NotEligible otherwise (a plan this Spark version shapes differently, too)."""
+    from py4j.protocol import Py4JError
+
+    try:
+        return _inspected_scan_files(df, used)
+    except Py4JError as exc:
+        raise NotEligible(f"its plan could not be inspected ({str(exc).splitlines()[0][:200]})") from None
+
+
+def _inspected_scan_files(df: DataFrame, used: list[str]) -> list[str]:
     node = df._jdf.queryExecution().optimizedPlan()
     while _class_name(node) == "Project":
         computed = [e for e in _seq(node.projectList()) if _class_name(e) != "AttributeReference"]
@@ -102,8 +141,7 @@ def _plain_scan_files(df: DataFrame, used: list[str]) -> list[str]:
     relation = node.relation()
     if _class_name(relation) != "HadoopFsRelation" or _class_name(relation.fileFormat()) != "ParquetFileFormat":
         raise NotEligible(f"the relation is not a plain Parquet scan ({_class_name(relation)})")
-    partition_columns = {f.name() for f in _seq(relation.partitionSchema().fields().toSeq())} \
-        if relation.partitionSchema().nonEmpty() else set()
+    partition_columns = {str(name) for name in relation.partitionSchema().fieldNames()}
     from_partitions = [c for c in used if c in partition_columns]
     if from_partitions:
         raise NotEligible(f"column {from_partitions[0]!r} is a partition column (in the directory names, not the files)")

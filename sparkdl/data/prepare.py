@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from pyspark.sql import DataFrame
 
 from sparkdl.data.feed import PreparedData, is_classification, prepare
-from sparkdl.data.parquet_source import with_parquet_source
+from sparkdl.data.parquet_source import direct_candidate, with_parquet_source
 from sparkdl.data.tensor_feed import prepare_tensors
 
 if TYPE_CHECKING:
@@ -23,8 +23,10 @@ def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | N
     if data.input_cols is not None:
         return prepare_tensors(df, data, classification=classification, num_workers=config.launch.num_workers,
                                validation_df=validation_df, seed=config.train.seed)
+    scan = direct_candidate(df, config, validation_df)
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers, validation_df=validation_df,
                        validation_fraction=data.validation_fraction, seed=config.train.seed,
-                       on_invalid=data.on_invalid, weight_col=data.weight_col)
-    return with_parquet_source(df, prepared, config)
+                       on_invalid=data.on_invalid, weight_col=data.weight_col,
+                       count_kept_partitions=scan is None)  # direct reads count the rows from the footers
+    return with_parquet_source(prepared, scan, config)

@@ -71,6 +71,8 @@ def test_what_spark_would_change_is_delivered_by_spark(spark, tmp_path: Path) ->
     computed = df.withColumn("f0", F.col("f0") * 2)
     assert fit(computed, epochs=1).extra["delivery"] == "spark"
     assert fit(df, epochs=1, validation_fraction=0.2).extra["delivery"] == "spark"
+    df.write.partitionBy("label").parquet(str(tmp_path / "by-label"))  # the label lives in directory names
+    assert fit(spark.read.parquet(str(tmp_path / "by-label")), epochs=1).extra["delivery"] == "spark"
     with pytest.raises(ConfigError, match=r"data.delivery='parquet'.*filter|data.delivery='parquet'.*plain file scan"):
         fit(filtered, epochs=1, delivery="parquet")
     with pytest.raises(ConfigError, match="validation split"):
