@@ -4,7 +4,8 @@
         [--features 64] [--repeats 3] [--overlap-rows 200000] [--hidden 1024]
 
 time_to_first_step: for each --rows-per-rank, a cached DataFrame of that many rows x --features float
-columns per rank (2 ranks, kept partitioning: no shuffle), side by side in one run:
+columns per rank (2 ranks, kept partitioning: no shuffle; --source parquet: a Parquet scan the ranks
+read directly), side by side in one run:
   streamed: TorchEstimator.fit, 1 epoch (spool "auto" = "none"): the history's time_to_first_step_s
             (task start -> end of the first step) and spool_seconds (task start -> last row in);
   spooled:  what every fit did before: sparkdl.run, whose ranks spool the whole partition first;
@@ -38,11 +39,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+SOURCE = {"kind": "cached", "dir": ""}
+
+
 def dataframe(spark: Any, rows_per_rank: int, features: int, ranks: int) -> Any:
+    """The rows cached in Spark's memory, or (--source parquet) written to Parquet once and read back
+    uncached: the ranks then read their rows directly (data.delivery='auto')."""
     from pyspark.sql import functions as F
 
     columns = [F.rand(i).cast("float").alias(f"f{i}") for i in range(features)]
     df = spark.range(0, rows_per_rank * ranks, 1, ranks).select(*columns, (F.col("id") % 10).cast("int").alias("label"))
+    if SOURCE["kind"] == "parquet":
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="streaming-", dir=SOURCE["dir"] or None)
+        df.write.mode("overwrite").parquet(path)
+        return spark.read.parquet(path)
     df = df.cache()
     df.count()
     return df
@@ -168,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-overlap", action="store_true")
     parser.add_argument("--skip-first-step", action="store_true")
     parser.add_argument("--no-shuffle", action="store_true", help="shuffle=False in every fit")
+    parser.add_argument("--source", choices=("cached", "parquet"), default="cached",
+                        help="time to first step and overlap: a cached DataFrame, or a Parquet scan read directly")
     parser.add_argument("--delivery-batch-rows", default="10000,50000,200000",
                         help="maxRecordsPerBatch values to compare Spark's delivery under ('' = skip)")
     args = parser.parse_args(argv)
@@ -180,10 +194,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spark = (SparkSession.builder.master(args.master).appName("sparkdl-bench-streaming")
              .config("spark.driver.memory", "8g").config("spark.ui.enabled", "false").getOrCreate())
     SHUFFLE["on"] = not args.no_shuffle
+    SOURCE["kind"] = args.source
     load_before = os.getloadavg()
     streamed(dataframe(spark, 1000, args.features, 2), args.features, 2)  # warm-up: workers, imports, calibration
     result: dict[str, Any] = {"benchmark": "streaming", "master": args.master, "repeats": args.repeats,
-                              "shuffle": SHUFFLE["on"]}
+                              "shuffle": SHUFFLE["on"], "source": args.source}
     if not args.skip_first_step:
         result["time_to_first_step"] = time_to_first_step(spark, sizes, args.features, args.repeats)
     batch_rows = [int(n) for n in args.delivery_batch_rows.split(",") if n]

@@ -113,6 +113,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         streaming = bool(spec.row_counts) and spec.train_fn is None and spec.layout is not None
         if streaming:
             # Rows stream in on a thread from now on; the rank trains as soon as its first batch is here.
+            _share_the_gil(stack)
             spool, validation = _stream_input(spec, context.partitionId(), batches, stack)
         else:
             # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
@@ -196,6 +197,22 @@ def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
         print(f"sparkdl: EMULATED network: every message slowed to {latency_s * 1e3:g} ms latency and "
               f"{bandwidth * 8 / 1e9:g} Gbit/s (launch.emulate_network); timings are not this cluster's", flush=True)
     return EmulatedNetwork(comm, latency_s, bandwidth)
+
+
+_STREAMING_SWITCH_INTERVAL_S = 0.001
+
+
+def _share_the_gil(stack: ExitStack) -> None:
+    """A shorter GIL switch interval while the reader thread works beside the training loop: each
+    time the reader releases the GIL (a numpy copy, a Parquet read) it waits for the loop to hand it
+    back, up to the interval (5 ms by default) per call. Measured with a small MLP training beside
+    direct Parquet reads: the reader 0.94M rows/s at 5 ms, 2.4M at 1 ms, the loop's steps unchanged.
+    Restored afterwards: Python workers are reused by later tasks."""
+    import sys
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, _STREAMING_SWITCH_INTERVAL_S))
+    stack.callback(sys.setswitchinterval, previous)
 
 
 def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch], stack: ExitStack
