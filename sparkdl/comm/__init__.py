@@ -1,7 +1,7 @@
 """Communicators: one small interface (base.py), one file per backend, chosen by name."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from sparkdl.comm.base import Communicator, WorldInfo
 
@@ -23,12 +23,15 @@ def backend_class(backend: str) -> type[Communicator]:
 
 
 def create(backend: str, world: WorldInfo, timeout_s: float,
-           exchange: Callable[[str], list[str]] | None = None, env: dict[str, str] | None = None) -> Communicator:
+           exchange: Callable[[str], list[str]] | None = None, env: dict[str, str] | None = None,
+           listening: Any = None) -> Communicator:
     """Import the backend lazily so `import sparkdl` never needs Horovod. `env`: the backend's own
-    settings (launch.horovod_env)."""
+    settings (launch.horovod_env); `listening`: rank 0's handle from the backend's listen()."""
     cls = backend_class(backend)
     if backend in BOOTSTRAPS_THROUGH_SPARK:
         return cls(world, timeout_s, exchange=exchange, env=env)
+    if listening is not None:
+        return cls(world, timeout_s, listening=listening)  # type: ignore[call-arg]
     return cls(world, timeout_s)
 
 

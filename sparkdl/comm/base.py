@@ -51,6 +51,13 @@ class Communicator(abc.ABC):
 
     ops: frozenset[str] = frozenset()
 
+    @classmethod
+    def listen(cls, timeout_s: float) -> tuple[int, Any] | None:
+        """Rank 0, before the rendezvous: open what the others will connect to and return (its
+        port, a handle for the constructor), so that no rank connects before anything listens.
+        None (the default): rank 0 announces a free port and the backend binds it itself."""
+        return None
+
     def __init__(self, world: WorldInfo) -> None:
         self.world = world
         self.bytes_sent = 0

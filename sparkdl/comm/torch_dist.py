@@ -27,7 +27,16 @@ def cuda_index(address: str) -> int:
 class TorchDistCommunicator(Communicator):
     ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV, SUBGROUP})
 
-    def __init__(self, world: WorldInfo, timeout_s: float) -> None:
+    @classmethod
+    def listen(cls, timeout_s: float) -> tuple[int, Any]:
+        """A TCPStore server on a port the OS picks, opened before the rendezvous: a rank that
+        connected before rank 0 listened waited for the store client's 1 s retry (one second of
+        every fit's start on this machine), and the free port picked beforehand could be taken."""
+        store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        return int(store.port), store
+
+    def __init__(self, world: WorldInfo, timeout_s: float, listening: Any = None) -> None:
         super().__init__(world)
         self._timeout_s = timeout_s
         self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
@@ -38,13 +47,13 @@ class TorchDistCommunicator(Communicator):
         if dist.is_initialized():
             # A reused Python worker may still hold the group of a task that died mid-run.
             dist.destroy_process_group()
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{world.master_addr}:{world.master_port}",
-            rank=world.rank,
-            world_size=world.size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Rank 0 serves the store it opened in listen(); the others connect to it. Kept alive with
+        # the group (the store must outlive it).
+        self._store = listening if world.rank == 0 and listening is not None else \
+            dist.TCPStore(world.master_addr, world.master_port, world.size, world.rank == 0, timeout=timeout)
+        dist.init_process_group(backend=backend, store=self._store, rank=world.rank, world_size=world.size,
+                                timeout=timeout)
 
     @property
     def device(self) -> torch.device:

@@ -39,11 +39,13 @@ def task_gpus(context: BarrierContext) -> tuple[str, ...]:
     return tuple(gpu.addresses) if gpu is not None else ()
 
 
-def rendezvous(context: BarrierContext) -> WorldInfo:
+def rendezvous(context: BarrierContext, listening_port: int = 0) -> WorldInfo:
+    """`listening_port`: rank 0's port when its backend already listens there (Communicator.listen);
+    0: rank 0 announces a free port, which its backend binds after the rendezvous."""
     rank = context.partitionId()
     executors = tuple(info.address for info in context.getTaskInfos())
     hosts = tuple(address.rsplit(":", 1)[0] for address in executors)
-    port = free_port() if rank == 0 else 0
+    port = (listening_port or free_port()) if rank == 0 else 0
     messages = [json.loads(m) for m in context.allGather(json.dumps({"rank": rank, "port": port}))]
     master_port = next(m["port"] for m in messages if m["rank"] == 0)
     local_rank, local_size = local_ranks(hosts, rank)

@@ -120,11 +120,14 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             # picks at the rendezvous must be bound by gloo right after, not minutes later.
             spool, validation = _spool_input(spec, batches, stack)
         spool_seconds = time.perf_counter() - task_started
-        world = rendezvous(context)
+        launch = spec.config.launch
+        listening = comm_registry.backend_class(launch.backend).listen(launch.timeout_s) \
+            if context.partitionId() == 0 else None
+        world = rendezvous(context, listening[0] if listening else 0)
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
-        comm = comm_registry.create(spec.config.launch.backend, world, spec.config.launch.timeout_s,
-                                    exchange=context.allGather, env=spec.config.launch.horovod_env)
+        comm = comm_registry.create(launch.backend, world, launch.timeout_s, exchange=context.allGather,
+                                    env=launch.horovod_env, listening=listening[1] if listening else None)
         stack.callback(comm.close)
         comm = _maybe_emulate(spec, comm)
         # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
@@ -153,9 +156,14 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             payload = dumps_state(state) if state is not None else None
         if streaming:
             spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
-        # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
-        # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
-        context.barrier() if hasattr(context, "barrier") else comm.barrier()
+        if spec.train_fn is not None and hasattr(context, "barrier"):
+            # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
+            # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
+            context.barrier()
+        else:
+            # Spark's barrier wakes a rank that waits in it only once a second (its RPC is polled):
+            # the built-in loop's backend is alive, and its barrier returns at once.
+            comm.barrier()
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
 
 
