@@ -124,7 +124,7 @@ def candidates(spark: Any, directory: str, names: list[str]) -> dict[str, Callab
     from sparkdl.data.feed import features_expression
     from sparkdl.data.layout import FeedLayout
     from sparkdl.data.parquet_shards import ParquetShards, SourceColumn, assign_pieces
-    from sparkdl.data.parquet_source import _plain_scan_files, _row_groups
+    from sparkdl.data.parquet_source import scan_row_groups
 
     width = len(names)
     scan = spark.read.parquet(directory)
@@ -133,9 +133,9 @@ def candidates(spark: Any, directory: str, names: list[str]) -> dict[str, Callab
     cached.count()
     spark.udf.registerJavaFunction("sparkdl_pack_f32", "ai.sparkdl.bridge.PackFloat32", "binary")
     packed_df = array_df.selectExpr("sparkdl_pack_f32(features) AS features", "label")
-    files = _plain_scan_files(scan, names + ["label"])
-    shards = ParquetShards(tuple(SourceColumn(n) for n in names), "label", None,
-                           assign_pieces(_row_groups(files), WORLD), len(files))
+    groups = scan_row_groups(scan, names + ["label"])
+    shards = ParquetShards(tuple(SourceColumn(n) for n in names), "label", None, assign_pieces(groups, WORLD),
+                           len({path for path, _, _ in groups}))
     layout = FeedLayout(num_features=width, label_dtype="int64")
     placeholder = spark.range(0, WORLD, 1, WORLD)
 

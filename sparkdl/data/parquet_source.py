@@ -85,8 +85,9 @@ def _scan(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None) -
     label = data.label_col if data.label_col in df.columns else None
     used = list(dict.fromkeys([*data.feature_cols, *(c for c in (label, data.weight_col) if c)]))
     files = _plain_scan_files(df, used)
-    widths = _checked_files(files, used, data.delivery == "parquet")
-    row_groups = _row_groups(files)
+    footers = _footers(files, data.delivery == "parquet")
+    widths = _checked_columns(footers, used)
+    row_groups = row_groups_of(footers)
     if not row_groups:
         raise NotEligible("the scan's files hold no rows")
     return ParquetScan(tuple(files), widths, tuple(row_groups))
@@ -166,9 +167,8 @@ def _array_widths(widths: dict[str, int | None], feature_cols: tuple[str, ...], 
     return {c: (num_features - known if widths[c] is None else widths[c]) for c in feature_cols}  # type: ignore[misc]
 
 
-def _checked_files(files: list[str], used: list[str], forced: bool) -> dict[str, int | None]:
-    """{used column: 0 for a scalar, the width of a fixed-size array, None for a list}, after every
-    file was found to hold every used column as a numeric scalar or array of the same kind."""
+def _footers(files: list[str], forced: bool) -> list[tuple[str, Any]]:
+    """(uri, pyarrow FileMetaData) of every file, each footer read once."""
     import pyarrow.parquet as pq
 
     if not files:
@@ -177,12 +177,21 @@ def _checked_files(files: list[str], used: list[str], forced: bool) -> dict[str,
     if remote and not forced:
         raise NotEligible(f"{remote[0]} is not on a local file system (data.delivery='parquet' reads it through "
                           "pyarrow.fs)")
-    widths: dict[str, int | None] = {}
+    footers = []
     for uri in files:
         try:
-            schema = pq.read_schema(_readable(uri))
+            footers.append((uri, pq.read_metadata(_readable(uri))))
         except (OSError, ValueError) as exc:
             raise NotEligible(f"the driver cannot read {uri} with pyarrow ({exc})") from None
+    return footers
+
+
+def _checked_columns(footers: list[tuple[str, Any]], used: list[str]) -> dict[str, int | None]:
+    """{used column: 0 for a scalar, the width of a fixed-size array, None for a list}, after every
+    file was found to hold every used column as a numeric scalar or array of the same kind."""
+    widths: dict[str, int | None] = {}
+    for uri, metadata in footers:
+        schema = metadata.schema.to_arrow_schema()
         for name in used:
             index = schema.get_field_index(name)
             if index < 0:
@@ -223,13 +232,12 @@ def _readable(uri: str) -> Any:
     return filesystem.open_input_file(inner)
 
 
-def _row_groups(files: list[str]) -> list[tuple[str, int, int]]:
+def row_groups_of(footers: list[tuple[str, Any]]) -> list[tuple[str, int, int]]:
     """(path, row group, rows) of every non-empty row group, in file order."""
-    import pyarrow.parquet as pq
+    return [(local_path(uri), i, metadata.row_group(i).num_rows) for uri, metadata in footers
+            for i in range(metadata.num_row_groups) if metadata.row_group(i).num_rows]
 
-    groups = []
-    for uri in files:
-        metadata = pq.read_metadata(_readable(uri))
-        groups += [(local_path(uri), i, metadata.row_group(i).num_rows) for i in range(metadata.num_row_groups)
-                   if metadata.row_group(i).num_rows]
-    return groups
+
+def scan_row_groups(df: DataFrame, used: list[str]) -> list[tuple[str, int, int]]:
+    """The row groups of a plain Parquet scan (benchmarks build their own ParquetShards from it)."""
+    return row_groups_of(_footers(_plain_scan_files(df, used), forced=True))
