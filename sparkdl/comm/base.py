@@ -51,6 +51,8 @@ class Communicator(abc.ABC):
 
     ops: frozenset[str] = frozenset()
 
+    listens: bool = False  # listen() opens something: rank 0 can announce its port before anyone connects
+
     @classmethod
     def listen(cls, timeout_s: float) -> tuple[int, Any] | None:
         """Rank 0, before the rendezvous: open what the others will connect to and return (its

@@ -26,6 +26,7 @@ def cuda_index(address: str) -> int:
 
 class TorchDistCommunicator(Communicator):
     ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV, SUBGROUP})
+    listens = True
 
     @classmethod
     def listen(cls, timeout_s: float) -> tuple[int, Any]:

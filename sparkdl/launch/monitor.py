@@ -29,12 +29,22 @@ class RunMonitor:
         self._points: list[tuple[dict[str, float], int]] = []
         self._last_flush = time.monotonic()
         self._epochs_seen: set[int] = set()
+        self._rendezvous_ports: dict[str, int] = {}  # stage attempt -> rank 0's port
 
     def on_message(self, message: dict[str, Any]) -> None:
         kind = message.get("kind")
         handler = getattr(self, f"_on_{kind}", None)
         if handler is not None:
             handler(message)
+
+    def _on_rendezvous(self, message: dict[str, Any]) -> None:
+        """Rank 0 says where it listens; the other ranks ask (launch/rendezvous.rendezvous_through_driver)."""
+        key = str(message.get("key"))
+        if message.get("port"):
+            self._rendezvous_ports[key] = int(message["port"])
+        reply = message.get("reply")
+        if reply is not None:
+            reply({"port": self._rendezvous_ports.get(key, 0)})
 
     def _on_start(self, message: dict[str, Any]) -> None:
         hosts = message.get("hosts", [])

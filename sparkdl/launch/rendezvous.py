@@ -1,4 +1,5 @@
-"""Rendezvous inside a barrier stage: every rank learns the world through one allGather.
+"""Rendezvous inside a barrier stage: every rank learns the world through one allGather (or, for
+the built-in loop with a driver channel, rank 0's port from the driver while the allGather runs).
 
 Rank 0 picks a free port on its own host; hosts come from the barrier task infos, so ranks on the
 same executor host get distinct local ranks. Never imports pyspark.sql (worker-side module).
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from typing import Any, Protocol, Sequence
 
 from sparkdl.comm.base import WorldInfo
@@ -42,12 +45,58 @@ def task_gpus(context: BarrierContext) -> tuple[str, ...]:
 def rendezvous(context: BarrierContext, listening_port: int = 0) -> WorldInfo:
     """`listening_port`: rank 0's port when its backend already listens there (Communicator.listen);
     0: rank 0 announces a free port, which its backend binds after the rendezvous."""
+    port = (listening_port or free_port()) if context.partitionId() == 0 else 0
+    return _world(context, _gathered_port(context.allGather(_message(context, port))))
+
+
+def rendezvous_through_driver(context: BarrierContext, listening_port: int, client: Any,
+                              poll_s: float = 0.005) -> tuple[WorldInfo, threading.Thread]:
+    """The rendezvous without waiting for Spark's barrier: rank 0 (already listening) tells the
+    driver channel its port, the others ask the driver for it. Spark's allGather still runs, on a
+    thread, on every rank: a rank whose channel is down takes the port from it, and the barrier
+    completes for everyone, so no rank can hang in it. Join the returned thread before the task
+    makes any other barrier call or ends.
+
+    Why: Spark's BarrierTaskContext waits for a barrier with Thread.sleep(1000) between checks, so
+    a rank waiting in allGather returns up to a second after the last rank arrived (every fit's start)."""
+    rank, key = context.partitionId(), _barrier_key(context)
+    gathered: list[int] = []
+    port = listening_port if rank == 0 else 0
+    thread = threading.Thread(target=lambda: gathered.append(_gathered_port(context.allGather(_message(context, port)))),
+                              name="sparkdl-rendezvous", daemon=True)
+    thread.start()
+    if rank == 0:
+        if client is not None:
+            client.send("rendezvous", key=key, port=port)
+        return _world(context, port), thread
+    while thread.is_alive() and client is not None and not client.failed:
+        reply = client.request("rendezvous", timeout=1.0, key=key)
+        if reply and reply.get("port"):
+            return _world(context, int(reply["port"])), thread
+        time.sleep(poll_s)
+    thread.join()
+    return _world(context, gathered[0]), thread
+
+
+def _barrier_key(context: BarrierContext) -> str:
+    """This stage attempt (a resubmitted job or a retried stage is a new one): ports never leak across."""
+    stage = getattr(context, "stageId", lambda: 0)()
+    attempt = getattr(context, "stageAttemptNumber", lambda: 0)()
+    return f"{stage}.{attempt}"
+
+
+def _message(context: BarrierContext, port: int) -> str:
+    return json.dumps({"rank": context.partitionId(), "port": port})
+
+
+def _gathered_port(messages: list[str]) -> int:
+    return int(next(m["port"] for m in map(json.loads, messages) if m["rank"] == 0))
+
+
+def _world(context: BarrierContext, master_port: int) -> WorldInfo:
     rank = context.partitionId()
     executors = tuple(info.address for info in context.getTaskInfos())
     hosts = tuple(address.rsplit(":", 1)[0] for address in executors)
-    port = (listening_port or free_port()) if rank == 0 else 0
-    messages = [json.loads(m) for m in context.allGather(json.dumps({"rank": rank, "port": port}))]
-    master_port = next(m["port"] for m in messages if m["rank"] == 0)
     local_rank, local_size = local_ranks(hosts, rank)
     return WorldInfo(
         rank=rank,

@@ -104,7 +104,6 @@ def _forward_output(client: Any, rank: int) -> Any:
 def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
              client: Any = None) -> Iterator[pa.RecordBatch]:
     from sparkdl import comm as comm_registry
-    from sparkdl.launch.rendezvous import rendezvous
 
     with ExitStack() as stack:
         task_started = time.perf_counter()
@@ -121,9 +120,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             spool, validation = _spool_input(spec, batches, stack)
         spool_seconds = time.perf_counter() - task_started
         launch = spec.config.launch
-        listening = comm_registry.backend_class(launch.backend).listen(launch.timeout_s) \
-            if context.partitionId() == 0 else None
-        world = rendezvous(context, listening[0] if listening else 0)
+        world, listening = _rendezvous(spec, context, client, stack)
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
         comm = comm_registry.create(launch.backend, world, launch.timeout_s, exchange=context.allGather,
@@ -175,6 +172,27 @@ def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBa
     for _ in placeholder:
         pass
     return shard_batches(spec.source, rank, spec.layout)
+
+
+def _rendezvous(spec: TrainSpec, context: Any, client: Any, stack: ExitStack) -> tuple[WorldInfo, Any]:
+    """(the world, rank 0's listening handle or None). A backend that listens before the rendezvous
+    lets the built-in loop learn rank 0's port from the driver channel instead of waiting for
+    Spark's allGather (launch/rendezvous.py says why); a train_fn may use Spark's barrier itself and
+    Horovod bootstraps over it, so they gather through Spark only."""
+    from sparkdl import comm as comm_registry
+    from sparkdl.launch.rendezvous import rendezvous, rendezvous_through_driver
+
+    launch = spec.config.launch
+    backend = comm_registry.backend_class(launch.backend)
+    listening = backend.listen(launch.timeout_s) if backend.listens and context.partitionId() == 0 else None
+    port = listening[0] if listening else 0
+    if backend.listens and spec.train_fn is None and launch.backend not in comm_registry.BOOTSTRAPS_THROUGH_SPARK:
+        world, _ = rendezvous_through_driver(context, port, client)
+        # Not joined: every rank's request is in by the time any rank trained, so the barrier is
+        # complete on Spark's side; its thread returns on Spark's next poll (up to 1 s), which a
+        # short fit would otherwise wait for at its end.
+        return world, listening
+    return rendezvous(context, port), listening
 
 
 def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo, row_counts: tuple[int, ...]
