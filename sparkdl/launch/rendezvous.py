@@ -55,7 +55,8 @@ def rendezvous_through_driver(context: BarrierContext, listening_port: int, clie
     driver channel its port, the others ask the driver for it. Spark's allGather still runs, on a
     thread, on every rank: a rank whose channel is down takes the port from it, and the barrier
     completes for everyone, so no rank can hang in it. Join the returned thread before the task
-    makes any other barrier call or ends.
+    makes any other Spark barrier call (two at once on one task break Spark's barrier epochs);
+    it need not be joined before the task ends (the barrier is complete once every rank called it).
 
     Why: Spark's BarrierTaskContext waits for a barrier with Thread.sleep(1000) between checks, so
     a rank waiting in allGather returns up to a second after the last rank arrived (every fit's start)."""

@@ -120,7 +120,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             spool, validation = _spool_input(spec, batches, stack)
         spool_seconds = time.perf_counter() - task_started
         launch = spec.config.launch
-        world, listening = _rendezvous(spec, context, client, stack)
+        world, listening = _rendezvous(spec, context, client)
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
         comm = comm_registry.create(launch.backend, world, launch.timeout_s, exchange=context.allGather,
@@ -174,7 +174,7 @@ def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBa
     return shard_batches(spec.source, rank, spec.layout)
 
 
-def _rendezvous(spec: TrainSpec, context: Any, client: Any, stack: ExitStack) -> tuple[WorldInfo, Any]:
+def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, Any]:
     """(the world, rank 0's listening handle or None). A backend that listens before the rendezvous
     lets the built-in loop learn rank 0's port from the driver channel instead of waiting for
     Spark's allGather (launch/rendezvous.py says why); a train_fn may use Spark's barrier itself and
