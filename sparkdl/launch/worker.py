@@ -153,14 +153,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             payload = dumps_state(state) if state is not None else None
         if streaming:
             spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
-        if spec.train_fn is not None and hasattr(context, "barrier"):
-            # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
-            # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
-            context.barrier()
-        else:
-            # Spark's barrier wakes a rank that waits in it only once a second (its RPC is polled):
-            # the built-in loop's backend is alive, and its barrier returns at once.
-            comm.barrier()
+        _last_barrier(spec, context, comm)
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
 
 
@@ -172,6 +165,17 @@ def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBa
     for _ in placeholder:
         pass
     return shard_batches(spec.source, rank, spec.layout)
+
+
+def _last_barrier(spec: TrainSpec, context: Any, comm: Communicator) -> None:
+    if spec.train_fn is not None and hasattr(context, "barrier"):
+        # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
+        # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
+        context.barrier()
+    else:
+        # Spark's barrier wakes a rank that waits in it only once a second (its RPC is polled):
+        # the built-in loop's backend is alive, and its barrier returns at once.
+        comm.barrier()
 
 
 def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, Any]:
