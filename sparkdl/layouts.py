@@ -189,6 +189,9 @@ class HybridLayout:
     boundary_bytes: float = 0.0
     input_dtype: str = "float32"  # of the first stage's input (int64 for token ids)
     label_shape: tuple[int, ...] = ()  # per row: () for one label, (T,) for per-position labels
+    # Several inputs (or keyword inputs) of the first stage's first layer: (keyword or "", per-row
+    # shape, dtype) each, in forward() order; empty for one input (input_shape/input_dtype).
+    input_specs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
     def placed(self, executors: tuple[str, ...]) -> "HybridLayout":
         """This layout with its grid placed on the ranks' executors (DT-FM, place_on_executors above):

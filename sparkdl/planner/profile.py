@@ -82,9 +82,15 @@ class ModelInput:
         return cls(shape=shape, dtype=dtype, sample=inputs, label=label, label_shape=label_shape)
 
     @property
-    def single(self) -> bool:
-        """One input tensor (what a pipeline's first stage can receive)."""
-        return self.sample is None or isinstance(self.sample, torch.Tensor) or len(self.sample) == 1
+    def specs(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """Several (or keyword) inputs: (keyword or "", per-row shape, dtype) of each, in forward()
+        order, what a pipeline's first stage rebuilds an empty batch from; () for one tensor."""
+        if self.sample is None or isinstance(self.sample, torch.Tensor):
+            return ()
+        tensors = _tensors(self.sample)
+        names = list(self.sample) if isinstance(self.sample, dict) else [""] * len(tensors)
+        return tuple((name, tuple(int(n) for n in t.shape[1:]), str(t.dtype).replace("torch.", ""))
+                     for name, t in zip(names, tensors))
 
     def rows(self, count: int, generator: torch.Generator | None = None) -> Any:
         if self.sample is None:

@@ -101,11 +101,6 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: "ModelInput |
     microbatches = config.train.microbatches
     profile_rows = max(1, min(PROFILE_ROWS_MAX, math.ceil(min(candidates) * batch / max(microbatches, 1))))
     model_input = ModelInput.of(num_features)
-    if not model_input.single:
-        raise ConfigError("strategy='hybrid' feeds one input tensor to the pipeline's first stage, but input_cols "
-                          f"gives the model {len(model_input.sample)} inputs",
-                          hint="use one input column (or build the inputs into one tensor with transform_fn), "
-                               "or strategy='data_parallel'")
     profile = profile_sequential(model, model_input, rows=profile_rows, precision=config.train.precision)
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if config.launch.max_memory_per_rank is not None else None
@@ -134,6 +129,7 @@ def plan_hybrid(model: nn.Module, config: RunConfig, num_features: "ModelInput |
             boundary_shapes=tuple(profile.layers[c - 1].out_shape for c in cuts[1:-1]),
             boundary_dtypes=tuple(profile.layers[c - 1].out_dtype for c in cuts[1:-1]),
             input_shape=model_input.shape, input_dtype=model_input.dtype, label_shape=model_input.label_shape,
+            input_specs=model_input.specs,
             label_dtype=label_dtype, microbatches=m,
             schedule=schedule, grid=default_grid(stages, workers // stages), executor_links=tuple(links or ()),
             stage_grad_bytes=tuple(4.0 * sum(layer.params for layer in profile.layers[a:b])

@@ -23,7 +23,8 @@ from torch import nn
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
 from sparkdl.layouts import HybridLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_triple, evaluation_sums
-from sparkdl.strategies.inputs import single_input, weight_total, weighted_terms
+from sparkdl.strategies.inputs import (InputSpec, call_model, flat_inputs, input_spec, rebuilt_inputs, to_device,
+                                       weight_total, weighted_terms)
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.schedules import SCHEDULES
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
@@ -174,14 +175,15 @@ class Hybrid(Strategy):
         """One pipelined step (a micro-batch of an accumulation window: averaged and stepped on the
         window's last). With weights, each micro-batch's loss is its weighted sum over the weight
         total of all replicas, times D: data parallel's sum(w * l) / sum(w) over the same rows."""
-        features = single_input(inputs, "hybrid")
+        spec, features = input_spec(inputs), flat_inputs(inputs)
         self._module.train()
         if micro.index == 0:
             self._optimizer.zero_grad()
-        inputs, targets, target_weights, keep_alive, pending = self._gather_batch(features, labels, weights)
-        sizes = microbatch_sizes(features.shape[0] * self.layout.stages, self.layout.microbatches)
+        gathered, targets, target_weights, keep_alive, pending = self._gather_batch(features, labels, weights)
+        sizes = microbatch_sizes(features[0].shape[0] * self.layout.stages, self.layout.microbatches)
         total = sum(sizes)
-        input_chunks = torch.split(inputs, sizes) if inputs is not None else None
+        input_chunks = None if gathered is None else \
+            [rebuilt_inputs(spec, list(parts)) for parts in zip(*(torch.split(t, sizes) for t in gathered))]
         target_chunks = torch.split(targets, sizes) if targets is not None else None
         weight_chunks = torch.split(target_weights, sizes) if target_weights is not None else None
         # Weighted accumulation: sum(w * l) per micro-batch, normalised by the window's total at its end.
@@ -280,10 +282,10 @@ class Hybrid(Strategy):
             self._stage_group.allreduce(total, op="sum")
         return total[0].clamp_min(torch.finfo(torch.float32).tiny)
 
-    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _forward(self, x: Any) -> tuple[torch.Tensor, int]:
         self._meter.started()
         with torch.autograd.graph.saved_tensors_hooks(self._meter.pack, lambda t: t), self.steps.autocast():
-            y = self._module(x)
+            y = call_model(self._module, x)  # the first stage's first layer takes the model's inputs
         return y, self._meter.current
 
     def incoming_buffer(self, kind: str, rows: int) -> torch.Tensor | None:
@@ -298,32 +300,33 @@ class Hybrid(Strategy):
         return torch.empty((rows, *self.layout.boundary_shapes[boundary]),
                            dtype=_dtype(self.layout.boundary_dtypes[boundary]), device=self.comm.device)
 
-    def _gather_batch(self, features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor],
-                                 list[Any]]:
-        """Features of the replica's K batches on its first stage, labels (and weights) on its last,
-        in stage order."""
+    def _gather_batch(self, features: list[torch.Tensor], labels: torch.Tensor, weights: torch.Tensor | None
+                      ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None,
+                                 list[torch.Tensor], list[Any]]:
+        """Each input tensor of the replica's K batches on its first stage, labels (and weights) on
+        its last, in stage order."""
         keep_alive: list[torch.Tensor] = []
         pending: list[Any] = []
-        outgoing = [(features, self._first_rank, _TAG_FEATURES, self.stage != 0)]
-        outgoing += [(labels, self._last_rank, _TAG_LABELS, self.stage != self.last)]
+        outgoing = [(tensor, self._first_rank, _tag(_TAG_FEATURES, j), self.stage != 0)
+                    for j, tensor in enumerate(features)]
+        outgoing += [(labels, self._last_rank, _tag(_TAG_LABELS), self.stage != self.last)]
         if weights is not None:
-            outgoing.append((weights, self._last_rank, _TAG_WEIGHTS, self.stage != self.last))
+            outgoing.append((weights, self._last_rank, _tag(_TAG_WEIGHTS), self.stage != self.last))
         for tensor, dst, tag, send in outgoing:
             if send:
                 tensor = tensor.contiguous()
                 keep_alive.append(tensor)
-                pending.append(self.comm.send(tensor, dst, _tag(tag)))
+                pending.append(self.comm.send(tensor, dst, tag))
         ranks = self.layout.grid[self.replica]
 
         def collect(mine: torch.Tensor, own_stage: int, tag: int) -> torch.Tensor:
-            return torch.cat([mine if k == own_stage else self.comm.recv(torch.empty_like(mine), ranks[k], _tag(tag))
+            return torch.cat([mine if k == own_stage else self.comm.recv(torch.empty_like(mine), ranks[k], tag)
                               for k in range(self.layout.stages)])
 
-        inputs = collect(features, 0, _TAG_FEATURES) if self.stage == 0 else None
-        targets = collect(labels, self.last, _TAG_LABELS) if self.stage == self.last else None
-        target_weights = collect(weights, self.last, _TAG_WEIGHTS) if self.stage == self.last and weights is not None \
-            else None
+        inputs = [collect(t, 0, _tag(_TAG_FEATURES, j)) for j, t in enumerate(features)] if self.stage == 0 else None
+        targets = collect(labels, self.last, _tag(_TAG_LABELS)) if self.stage == self.last else None
+        target_weights = collect(weights, self.last, _tag(_TAG_WEIGHTS)) \
+            if self.stage == self.last and weights is not None else None
         return inputs, targets, target_weights, keep_alive, pending
 
     # -- reporting, validation, results -------------------------------------------------------
@@ -342,37 +345,39 @@ class Hybrid(Strategy):
     def evaluate(self, batches: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None]], loss_fn: LossFn,
                  classification: bool, metrics: Any = None) -> torch.Tensor:
         """Each rank's validation rows go through its replica's pipeline (forward only)."""
-        device = self.comm.device
-        parts = [(single_input(x, "hybrid").to(device), y.to(device), None if w is None else w.to(device))
+        device, spec = self.comm.device, self._input_spec()
+        parts = [(flat_inputs(to_device(x, device)), y.to(device), None if w is None else w.to(device))
                  for x, y, w in map(as_triple, batches)]
-        features = torch.cat([f for f, _, _ in parts]) if parts else \
-            torch.empty((0, *self.layout.input_shape), dtype=_dtype(self.layout.input_dtype), device=device)
+        features = [torch.cat([f[j] for f, _, _ in parts]) if parts else
+                    torch.empty((0, *shape), dtype=_dtype(dtype), device=device) for j, (_, shape, dtype) in enumerate(spec)]
         labels = torch.cat([l for _, l, _ in parts]) if parts else \
             torch.empty((0, *self.layout.label_shape), dtype=_dtype(self.layout.label_dtype), device=device)
         weighted = bool(parts) and parts[0][2] is not None
-        facts = self.comm.allgather_object((int(features.shape[0]), weighted))
+        facts = self.comm.allgather_object((int(features[0].shape[0]), weighted))
         weighted = any(w for _, w in facts)
         weights = torch.cat([w for _, _, w in parts]) if parts and weighted else \
-            torch.empty((features.shape[0],), dtype=torch.float32, device=device) if weighted else None
+            torch.empty((features[0].shape[0],), dtype=torch.float32, device=device) if weighted else None
         ranks = self.layout.grid[self.replica]
         rows = [int(facts[r][0]) for r in ranks]
         pending: list[Any] = []
-        outgoing = [(features.contiguous(), self._first_rank, _TAG_FEATURES, self.stage != 0),
-                    (labels.contiguous(), self._last_rank, _TAG_LABELS, self.stage != self.last)]
+        outgoing = [(f.contiguous(), self._first_rank, _tag(_TAG_FEATURES, j), self.stage != 0)
+                    for j, f in enumerate(features)]
+        outgoing += [(labels.contiguous(), self._last_rank, _tag(_TAG_LABELS), self.stage != self.last)]
         if weights is not None:
-            outgoing.append((weights.contiguous(), self._last_rank, _TAG_WEIGHTS, self.stage != self.last))
+            outgoing.append((weights.contiguous(), self._last_rank, _tag(_TAG_WEIGHTS), self.stage != self.last))
         for tensor, dst, tag, send in outgoing:  # `outgoing` keeps the tensors alive until the sends complete
             if send and tensor.shape[0]:
-                pending.append(self.comm.send(tensor, dst, _tag(tag)))
+                pending.append(self.comm.send(tensor, dst, tag))
         if self.stage == 0:
-            features = torch.cat([features if k == 0 else self._recv_rows(ranks[k], rows[k], features, _TAG_FEATURES)
-                                  for k in range(self.layout.stages)])
+            features = [torch.cat([f if k == 0 else self._recv_rows(ranks[k], rows[k], f, _tag(_TAG_FEATURES, j))
+                                   for k in range(self.layout.stages)]) for j, f in enumerate(features)]
         if self.stage == self.last:
-            labels = torch.cat([labels if k == self.last else self._recv_rows(ranks[k], rows[k], labels, _TAG_LABELS)
+            labels = torch.cat([labels if k == self.last else
+                                self._recv_rows(ranks[k], rows[k], labels, _tag(_TAG_LABELS))
                                 for k in range(self.layout.stages)])
             if weights is not None:
                 weights = torch.cat([weights if k == self.last else
-                                     self._recv_rows(ranks[k], rows[k], weights, _TAG_WEIGHTS)
+                                     self._recv_rows(ranks[k], rows[k], weights, _tag(_TAG_WEIGHTS))
                                      for k in range(self.layout.stages)])
         total = sum(rows)
         sums = torch.zeros(4, dtype=torch.float64)
@@ -381,10 +386,10 @@ class Hybrid(Strategy):
         with torch.no_grad():
             for index, start in enumerate(range(0, total, _EVAL_ROWS)):
                 count = min(_EVAL_ROWS, total - start)
-                x = features[start: start + count] if self.stage == 0 else \
+                x = rebuilt_inputs(spec, [f[start: start + count] for f in features]) if self.stage == 0 else \
                     self.comm.recv(self.incoming_buffer("F", count), self._prev, _tag(_TAG_ACTIVATION, index))
                 with self.steps.autocast():
-                    y = self._module(x)
+                    y = call_model(self._module, x)
                 if self._next is not None:
                     sent = y.to(_dtype(self.layout.boundary_dtypes[self.stage])).contiguous()
                     self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, index)).wait()
@@ -399,11 +404,14 @@ class Hybrid(Strategy):
             work.wait()
         return sums
 
-    def _recv_rows(self, src: int, rows: int, like: torch.Tensor, kind: int) -> torch.Tensor:
+    def _recv_rows(self, src: int, rows: int, like: torch.Tensor, tag: int) -> torch.Tensor:
         buffer = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
         if rows:
-            self.comm.recv(buffer, src, _tag(kind))
+            self.comm.recv(buffer, src, tag)
         return buffer
+
+    def _input_spec(self) -> InputSpec:
+        return self.layout.input_specs or (("", self.layout.input_shape, self.layout.input_dtype),)
 
     def result_state(self) -> dict[str, torch.Tensor] | None:
         """Replica 0's ranks each return their stage; the driver merges them into the full model."""

@@ -19,11 +19,48 @@ Inputs = Any  # torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor
 
 
 def call_model(module: nn.Module, inputs: Inputs) -> Any:
+    """An nn.Sequential given several inputs (or keyword inputs) hands them to its first layer and
+    runs the rest on what that returns: Sequential.forward takes one tensor, and this is how a
+    multi-input model stays cuttable into pipeline stages."""
+    if isinstance(module, nn.Sequential) and len(module) and _structured(inputs):
+        output = call_model(module[0], inputs)
+        for layer in list(module)[1:]:
+            output = layer(output)
+        return output
     if isinstance(inputs, dict):
         return module(**inputs)
     if isinstance(inputs, (tuple, list)):
         return module(*inputs)
     return module(inputs)
+
+
+def _structured(inputs: Inputs) -> bool:
+    return isinstance(inputs, dict) or (isinstance(inputs, (tuple, list)) and len(inputs) != 1)
+
+
+InputSpec = tuple[tuple[str, tuple[int, ...], str], ...]  # (keyword or "" when positional, per-row shape, dtype)
+
+
+def input_spec(inputs: Inputs) -> InputSpec:
+    """The structure of a batch's inputs, without its rows (a single tensor: one unnamed entry)."""
+    names = list(inputs) if isinstance(inputs, dict) else [""] * len(flat_inputs(inputs))
+    return tuple((name, tuple(int(n) for n in t.shape[1:]), str(t.dtype).replace("torch.", ""))
+                 for name, t in zip(names, flat_inputs(inputs)))
+
+
+def flat_inputs(inputs: Inputs) -> list[torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def rebuilt_inputs(spec: InputSpec, tensors: list[torch.Tensor]) -> Inputs:
+    """`tensors` (in flat_inputs order) back in the structure `spec` describes."""
+    if len(spec) == 1 and not spec[0][0]:
+        return tensors[0]
+    if spec and spec[0][0]:
+        return {name: t for (name, _, _), t in zip(spec, tensors)}
+    return tuple(tensors)
 
 
 def to_device(inputs: Inputs, device: Any) -> Inputs:
@@ -40,17 +77,6 @@ def batch_rows(inputs: Inputs) -> int:
     elif isinstance(inputs, (tuple, list)):
         inputs = inputs[0]
     return int(inputs.shape[0])
-
-
-def single_input(inputs: Inputs, what: str) -> torch.Tensor:
-    """The one tensor a pipeline's first stage receives."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs
-    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-    if len(values) != 1:
-        raise ValueError(f"{what} takes one input tensor per row (a pipeline's first stage receives it); "
-                         f"this batch has {len(values)} inputs")
-    return values[0]
 
 
 def takes_weight(loss_fn: Callable[..., Any]) -> bool:

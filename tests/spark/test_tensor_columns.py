@@ -35,6 +35,22 @@ class TwoTower(nn.Module):
         return self.head(torch.cat([torch.relu(self.q(query)), torch.relu(self.d(doc))], dim=1))
 
 
+class Towers(nn.Module):
+    """The first layer of a Sequential that takes the model's two keyword inputs (what a pipeline's
+    first stage receives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.d = nn.Linear(4, 16), nn.Linear(4, 16)
+
+    def forward(self, query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.relu(self.q(query)), torch.relu(self.d(doc))], dim=1)
+
+
+def sequential_towers() -> nn.Module:
+    return nn.Sequential(Towers(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
 def token_rows(df) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
     rows = df.toArrow()
     return tuple(torch.tensor(np.stack(rows.column(c).to_pylist()), dtype=torch.long)  # type: ignore[return-value]
@@ -160,6 +176,37 @@ def test_weighted_data_parallel_equals_one_weighted_full_batch_step(spark, tower
     y, w = torch.tensor(rows.column("y").to_numpy()), torch.tensor(rows.column("w").to_numpy())
     assert_one_sgd_step(trained, start, lambda m: (F.cross_entropy(m(q, d), y, reduction="none") * w).sum() / w.sum(),
                         atol=1e-5)
+
+
+def test_hybrid_takes_two_keyword_inputs_with_weights_and_equals_the_full_batch_step(spark, towers) -> None:  # type: ignore[no-untyped-def]
+    one = towers.limit(64).repartition(2).cache()
+    torch.manual_seed(0)
+    start = sequential_towers()
+    trained = TorchEstimator(model=start, input_cols={"query": "q_vec", "doc": "d_vec"}, label_col="y", weight_col="w",
+                             strategy="hybrid", stages=2, microbatches=4, epochs=1, batch_size=32, optimizer="sgd",
+                             lr=0.5, shuffle=False, seed=0, **COMMON).fit(one)
+    rows = one.toArrow()
+    q = torch.tensor(np.stack(rows.column("q_vec").to_pylist()), dtype=torch.float32)
+    d = torch.tensor(np.stack(rows.column("d_vec").to_pylist()), dtype=torch.float32)
+    y, w = torch.tensor(rows.column("y").to_numpy()), torch.tensor(rows.column("w").to_numpy())
+
+    def weighted(model: nn.Module) -> torch.Tensor:
+        logits = model[1:](model[0](query=q, doc=d))
+        return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum()
+
+    assert_one_sgd_step(trained, start, weighted, atol=1e-5)
+    assert trained.history[-1]["max_activation_bytes_per_rank"] > 0  # it ran as a pipeline
+    predicted = [r["prediction"] for r in trained.transform(one).select("prediction").collect()]
+    assert len(predicted) == 64 and set(predicted) <= {0, 1}
+
+
+def test_hybrid_on_two_inputs_learns_and_validates(towers) -> None:  # type: ignore[no-untyped-def]
+    model = TorchEstimator(model=sequential_towers, input_cols={"query": "q_vec", "doc": "d_vec"}, label_col="y",
+                           weight_col="w", strategy="hybrid", stages=2, epochs=12, batch_size=32, lr=1e-2, seed=0,
+                           validation_fraction=0.2, metrics=["accuracy"], **COMMON).fit(towers)
+    assert accuracy(model, towers) >= 0.9
+    assert model.history[-1]["val_accuracy"] >= 0.55  # validation rows keep their (noisy) training labels
+    assert math.isfinite(model.history[-1]["val_loss"])
 
 
 def test_custom_loop_batches_carry_the_input_structure(spark, towers) -> None:  # type: ignore[no-untyped-def]

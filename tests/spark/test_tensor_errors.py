@@ -8,8 +8,7 @@ from pyspark.sql import functions as F
 from torch import nn
 
 from sparkdl import TorchEstimator
-from sparkdl.errors import (ArrayLengthError, ColumnTypeError, ConfigError, ModelError, NullValuesError,
-                            SparkdlError)
+from sparkdl.errors import ArrayLengthError, ColumnTypeError, ConfigError, ModelError, NullValuesError
 
 COMMON = dict(num_workers=2, tracking=False, progress=False, epochs=1, batch_size=8)
 
@@ -134,19 +133,6 @@ def test_ist_refuses_tensor_columns(frame) -> None:  # type: ignore[no-untyped-d
     with pytest.raises(ConfigError, match="strategy='ist' trains MLPs on one float feature vector"):
         fit(frame, model=lambda: nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3)), input_cols=["vec"],
             strategy="ist")
-
-
-def test_hybrid_refuses_two_inputs(frame) -> None:  # type: ignore[no-untyped-def]
-    class Two(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(4, 3)
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return self.a(x) + y.float()[:, :3]
-
-    with pytest.raises(SparkdlError, match="hybrid"):
-        fit(frame, model=Two, input_cols=["vec", "ids"], strategy="hybrid")
 
 
 # --- what each column type becomes (positive cases, one custom-loop job each) -----------------------

@@ -33,9 +33,9 @@ def _emulated_rank(comm: Any) -> dict[str, float]:
 def test_every_operation_takes_latency_plus_bytes_over_bandwidth() -> None:
     results = run_world(2, _emulated_rank)
     for rank, result in enumerate(results):
-        # allreduce with W = 2: 2 (W - 1) = 2 latencies + 100,000 bytes / 1 MB/s
-        # (minus what the real allreduce already took, a few ms at most here)
-        assert 0.1 <= result["emulated_allreduce_s"] <= 0.12 + 1e-9
+        # allreduce with W = 2: 2 (W - 1) = 2 latencies + 100,000 bytes / 1 MB/s, minus what the real
+        # allreduce already took (how long that is depends on the machine's load: not asserted)
+        assert 0.0 <= result["emulated_allreduce_s"] <= 0.12 + 1e-9
         assert result["allreduce_s"] >= 0.12
         # a message: the sender pays one latency + 10 kB / 1 MB/s; the receiver nothing
         assert result["emulated_send_s"] == pytest.approx(0.01 + 0.01 if rank == 0 else 0.0)

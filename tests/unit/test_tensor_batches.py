@@ -193,3 +193,22 @@ def test_layouts_round_trip_through_json() -> None:
 
     spec = layout(keyword=True, transformed=True)
     assert FeedLayout.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_a_sequential_hands_several_inputs_to_its_first_layer() -> None:
+    from sparkdl.strategies.inputs import call_model, flat_inputs, input_spec, rebuilt_inputs
+
+    class Pair(nn.Module):
+        def forward(self, query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+            return torch.cat([query, 2 * doc], dim=1)
+
+    model = nn.Sequential(Pair(), nn.Flatten())
+    q, d = torch.ones(3, 2), torch.zeros(3, 1, dtype=torch.int64)
+    by_keyword = call_model(model, {"doc": d, "query": q})
+    assert torch.equal(by_keyword, call_model(model, (q, d))) and by_keyword.shape == (3, 3)
+    assert torch.equal(call_model(nn.Sequential(nn.Identity()), (q,)), q)  # one positional input: forward(x)
+    for inputs in ({"query": q, "doc": d}, (q, d)):
+        rebuilt = rebuilt_inputs(input_spec(inputs), flat_inputs(inputs))
+        assert type(rebuilt) is type(inputs) and torch.equal(call_model(model, rebuilt), by_keyword)
+    assert rebuilt_inputs(input_spec(q), flat_inputs(q)) is q
+    assert input_spec({"query": q, "doc": d}) == (("query", (2,), "float32"), ("doc", (1,), "int64"))
