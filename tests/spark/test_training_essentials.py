@@ -141,6 +141,52 @@ def test_early_stopping_on_a_rising_val_loss_restores_the_best_epoch_on_every_st
     assert val_loss == pytest.approx(history[0]["val_loss"], rel=1e-5)
 
 
+def test_diloco_takes_a_schedule_accumulation_and_early_stopping(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    """DiLoCo's inner optimizers follow the schedule (warm-up then cosine, as in the paper), stepped
+    once per accumulation window; early stopping ends every rank at the same epoch on the best
+    global model, with the MLflow tags."""
+    import math
+
+    from mlflow.tracking import MlflowClient
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(256, 8))
+    y = (x[:, 0] > 0).astype(int)
+    rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
+    cols = [f"f{i}" for i in range(8)]
+    train = spark.createDataFrame(rows[:192], cols + ["label"]).repartition(2).cache()
+    flipped = [(*r[:-1], 1 - r[-1]) for r in rows[192:]]  # learning the rule makes this val loss rise
+    validation = spark.createDataFrame(flipped, cols + ["label"]).cache()
+    epochs, accumulate = 10, 2
+    model = TorchEstimator(model=lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)),
+                           feature_cols=cols, label_col="label", epochs=epochs, batch_size=16, lr=0.05, optimizer="sgd",
+                           strategy="data_parallel", sync="diloco", sync_every=4, accumulate_steps=accumulate, lr_schedule="cosine",
+                           warmup_steps=6, min_lr=0.005, log_every=1, validation_df=validation,
+                           early_stopping={"metric": "val_loss", "patience": 2, "restore_best": True},
+                           tracking_uri=mlflow_server.uri, experiment="sparkdl-essentials", **COMMON).fit(train)
+    history = model.history
+    best = min(range(len(history)), key=lambda e: history[e]["val_loss"])
+    assert len(history) < epochs and history[-1]["stopped_by"] == "early_stopping"
+    assert history[-1]["epoch"] == best + 2 and history[-1]["best_epoch"] == best
+    vx = torch.tensor([r[:-1] for r in flipped], dtype=torch.float32)
+    vy = torch.tensor([r[-1] for r in flipped])
+    with torch.no_grad():
+        assert float(F.cross_entropy(model.torch_module()(vx), vy)) == pytest.approx(history[best]["val_loss"], rel=1e-5)
+
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(model.run_id)
+    assert run.data.tags["stopped_by"] == "early_stopping" and run.data.tags["stopped_after_epoch"] == str(best + 2)
+    steps = history[0]["steps"]
+    per_epoch = math.ceil(steps / accumulate)
+    curve = LrCurve("cosine", total_steps=epochs * per_epoch, warmup_steps=6, min_factor=0.1)
+    points = {p.step: p.value for p in client.get_metric_history(model.run_id, "lr")}
+    assert len(points) >= len(history) * steps - 1
+    for step, lr in points.items():  # the inner lr after `step` loader steps: one optimizer step per window
+        epoch, within = divmod(step - 1, steps)
+        done = epoch * per_epoch + (per_epoch if within + 1 == steps else (within + 1) // accumulate)
+        assert lr == pytest.approx(0.05 * curve(done), rel=1e-6, abs=1e-12), step
+
+
 def test_training_options_are_checked_before_any_job(digits_df) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="no validation rows"):
         TorchEstimator(model=mlp, feature_cols=PIXELS, epochs=2, tracking=False, early_stopping={"patience": 1},
