@@ -103,6 +103,9 @@ def time_to_first_step(spark: Any, sizes: list[int], features: int, repeats: int
     out = []
     for rows in sizes:
         df = dataframe(spark, rows, features, 2)
+        # Spark retires a Python worker idle for a minute (writing 20M rows takes longer): a fresh one
+        # pays for importing torch (and torch._dynamo on the first optimizer), which is not the data path.
+        streamed(dataframe(spark, 1000, features, 2), features, 2)
         runs: dict[str, list[float]] = {k: [] for k in ("streamed_ttfs", "streamed_spool", "spooled_ttfs",
                                                         "spooled_spool")}
         for _ in range(repeats):  # alternating, so that load drifts hit both alike
