@@ -25,7 +25,7 @@ __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "Input
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-STRATEGIES = ("data_parallel", "hybrid", "ist", "auto")
+STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "auto")
 SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16")

@@ -153,7 +153,7 @@ def check_training_essentials(train: Any) -> None:
     check_metrics(train.metrics)
     early_stopping_options(train.early_stopping)
     check_callbacks(train.callbacks)
-    if train.precision == "16" and train.strategy in ("hybrid", "ist"):
+    if train.precision == "16" and train.strategy in ("hybrid", "ist", "sharded"):
         raise ConfigError(f"train.precision='16' (fp16 with a gradient scaler) is data-parallel only, but "
                           f"train.strategy={train.strategy!r}",
                           hint="use precision='bf16' (no scaler needed), or strategy='data_parallel'")

@@ -256,12 +256,21 @@ def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
     `priced`: the planner chose this strategy and already priced its memory per rank against the
     budget (an IST rank keeps optimizer state for its subnet only, which the whole-model check of
     data parallel would overstate)."""
-    from sparkdl.planner.stages import check_data_parallel_memory, describe, plan_hybrid
+    from sparkdl.planner.stages import check_data_parallel_memory, check_sharded_memory, describe, plan_hybrid
 
     inputs = inputs if inputs is not None else model_input(layout)
     if config.train.strategy == "hybrid":
         hybrid, profile, memory = plan_hybrid(module, config, inputs, layout.label_dtype or "float32", links)
         return hybrid, describe(hybrid, profile, memory)
+    if config.train.strategy == "sharded":
+        from torch import nn
+
+        estimate = check_sharded_memory(module, config, inputs)
+        layers = len(module) if isinstance(module, nn.Sequential) and len(module) else 1
+        params = {"sharded.ranks": str(config.launch.num_workers), "sharded.layers": str(layers)}
+        if estimate is not None:
+            params["sharded.memory_per_rank_bytes"] = str(estimate.total)
+        return None, params
     if not (priced and config.train.strategy == "ist"):
         check_data_parallel_memory(module, config, inputs)
     if config.train.strategy == "ist":

@@ -94,6 +94,19 @@ class Communicator(abc.ABC):
     def barrier(self) -> None:
         """Return once every rank has called it."""
 
+    def reduce_scatter(self, tensor: "torch.Tensor", op: str = "avg") -> "torch.Tensor":
+        """A 1-D tensor whose length is a multiple of the world size, reduced over all ranks; returns
+        this rank's contiguous 1/W of the result (a new tensor). This default allreduces the whole
+        buffer (twice a ring reduce-scatter's bytes); backends with the collective override it."""
+        self.allreduce(tensor, op=op)
+        return tensor.view(self.size, -1)[self.rank].clone()
+
+    def allgather_into(self, shard: "torch.Tensor") -> "torch.Tensor":
+        """Every rank's 1-D shard (same length everywhere), concatenated in rank order."""
+        import torch
+
+        return torch.cat(self.allgather(shard))
+
     def allgather_object(self, obj: Any) -> list[Any]:
         """Small picklable objects from every rank, built on allgather of byte tensors."""
         import pickle

@@ -82,6 +82,18 @@ class EmulatedNetwork(Communicator):
         self._delay(before, self.size - 1, started)
         return out
 
+    def reduce_scatter(self, tensor: "torch.Tensor", op: str = "avg") -> "torch.Tensor":
+        before, started = self.inner.bytes_sent, time.perf_counter()
+        out = self.inner.reduce_scatter(tensor, op)
+        self._delay(before, self.size - 1, started)
+        return out
+
+    def allgather_into(self, shard: "torch.Tensor") -> "torch.Tensor":
+        before, started = self.inner.bytes_sent, time.perf_counter()
+        out = self.inner.allgather_into(shard)
+        self._delay(before, self.size - 1, started)
+        return out
+
     def barrier(self) -> None:
         started = time.perf_counter()
         self.inner.barrier()

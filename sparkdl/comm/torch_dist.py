@@ -87,6 +87,24 @@ class TorchDistCommunicator(Communicator):
     def barrier(self) -> None:
         dist.barrier()
 
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "avg") -> torch.Tensor:
+        # gloo and NCCL both have the collective (torch 2.13 names it *_single): (W-1)/W of the buffer.
+        self._charge((self.size - 1) * tensor.numel() * tensor.element_size() // self.size)
+        out = torch.empty(tensor.numel() // self.size, dtype=tensor.dtype, device=tensor.device)
+        collective = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        collective(out, tensor.contiguous(), op=dist.ReduceOp.SUM)
+        if op == "avg":
+            out.div_(self.size)
+        elif op != "sum":
+            raise ConfigError(f"reduce_scatter op {op!r} is not supported", hint="use sum or avg")
+        return out
+
+    def allgather_into(self, shard: torch.Tensor) -> torch.Tensor:
+        self._count_allgather(shard.numel() * shard.element_size())
+        out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard.contiguous())
+        return out
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         self._count_send(tensor.numel() * tensor.element_size())
         return dist.isend(tensor.contiguous(), dst=dst, tag=tag)

@@ -66,6 +66,42 @@ def hybrid_memory(profile: ModelProfile, config: RunConfig, cuts: list[int], mic
             for k in range(stages)]
 
 
+def sharded_memory(profile: ModelProfile, config: RunConfig, workers: int) -> MemoryEstimate:
+    """Sharded data parallel (strategies/sharded.py): 1/W of the parameters, gradients and optimizer
+    state, plus one layer's gathered parameters and gradients in fp32 while it computes; the
+    activations are each layer's input for the whole batch plus the largest layer's own."""
+    largest = max((layer.params for layer in profile.layers), default=0)
+    batch = config.data.batch_size
+    boundaries = sum(layer.out_bytes for layer in profile.layers[:-1])
+    return MemoryEstimate(
+        state_bytes=int(profile.params * optimizer_bytes_per_param(config) / max(workers, 1)) + 8 * largest,
+        activation_bytes=int((boundaries + max((layer.saved_bytes for layer in profile.layers), default=0)) * batch))
+
+
+def check_sharded_memory(model: nn.Module, config: RunConfig, num_features: "ModelInput | int"
+                         ) -> MemoryEstimate | None:
+    """With a memory budget set, refuse a sharded run whose per-rank share does not fit."""
+    if config.launch.max_memory_per_rank is None:
+        return None
+    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank")
+    workers = config.launch.num_workers
+    if isinstance(model, nn.Sequential):
+        estimate = sharded_memory(profile_sequential(model, ModelInput.of(num_features),
+                                                     rows=min(config.data.batch_size, PROFILE_ROWS_MAX)), config,
+                                  workers)
+    else:
+        params = sum(p.numel() for p in model.parameters())  # one layer: gathered whole for the step
+        estimate = MemoryEstimate(int(params * optimizer_bytes_per_param(config) / max(workers, 1)) + 8 * params, 0)
+    if estimate.total > budget:
+        raise ResourceError(
+            f"sharded data parallel needs about {_mib(estimate.total)} per rank over {workers} ranks "
+            f"({_mib(estimate.state_bytes)} sharded state and one gathered layer + {_mib(estimate.activation_bytes)} "
+            f"activations), over launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}",
+            hint="use more workers (each holds 1/W of the state), strategy='hybrid' (activations of a "
+                 "micro-batch per stage), or raise max_memory_per_rank")
+    return estimate
+
+
 def check_data_parallel_memory(model: nn.Module, config: RunConfig, num_features: "ModelInput | int"
                                ) -> MemoryEstimate | None:
     """With a memory budget set, refuse a data-parallel run whose model state does not fit one rank."""

@@ -5,7 +5,8 @@ from sparkdl.strategies.base import Strategy
 
 STRATEGIES: dict[str, str] = {"data_parallel": "sparkdl.strategies.data_parallel:DataParallel",
                               "hybrid": "sparkdl.strategies.hybrid:Hybrid",
-                              "ist": "sparkdl.strategies.ist:Ist"}
+                              "ist": "sparkdl.strategies.ist:Ist",
+                              "sharded": "sparkdl.strategies.sharded:Sharded"}
 
 
 def strategy_class(name: str) -> type[Strategy]:

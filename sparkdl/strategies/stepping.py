@@ -72,11 +72,16 @@ class OptimizerSteps:
             objective = self.scaler.scale(objective)
         objective.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
-        """Unscale, clip to grad_clip, step (skipped by the scaler on inf/NaN gradients), then the lr."""
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+             sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Unscale, clip to grad_clip, step (skipped by the scaler on inf/NaN gradients), then the lr.
+        `sum_over_ranks`: the gradients are shards of one model (sharded data parallel): the norm
+        clipped is the whole model's, from the shards' squared norms summed over the ranks."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        if self.grad_clip > 0:
+        if self.grad_clip > 0 and sum_over_ranks is not None:
+            clip_sharded(list(params), self.grad_clip, sum_over_ranks)
+        elif self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params), self.grad_clip)
         stepped = True
         if self.scaler is not None:
@@ -107,3 +112,18 @@ class OptimizerSteps:
                 group["lr"] = lr
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def clip_sharded(shards: list[torch.Tensor], max_norm: float, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> None:
+    """clip_grad_norm_'s rule (scale by max_norm / (norm + 1e-6) when above) over gradients spread
+    across ranks: every rank computes the same global norm."""
+    grads = [p.grad for p in shards if p.grad is not None]
+    squares = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
+    for grad in grads:
+        squares += grad.detach().float().pow(2).sum()
+    norm = float(sum_over_ranks(squares)[0]) ** 0.5
+    factor = max_norm / (norm + 1e-6)
+    if factor < 1.0:
+        for grad in grads:
+            grad.mul_(factor)

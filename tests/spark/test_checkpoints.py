@@ -79,7 +79,9 @@ def fit(df, **options):  # type: ignore[no-untyped-def]
     # one pass, no spool: the retried attempt streams its partition from Spark again and skips the
     # checkpointed steps' batches (drawn through the shuffle buffer, never assembled)
     ({"epochs": 1, "spool": "none"}, 1),
-], ids=["data_parallel", "diloco", "ist", "hybrid", "warmup_accumulate", "one_pass"])
+    # every rank saves and resumes its own shard of the parameters and the optimizer state
+    ({"strategy": "sharded"}, 1),
+], ids=["data_parallel", "diloco", "ist", "hybrid", "warmup_accumulate", "one_pass", "sharded"])
 def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsys, options,  # type: ignore[no-untyped-def]
                                                          killed_rank) -> None:
     df = rows_df(spark)

@@ -1,0 +1,288 @@
+"""Sharded data parallel (ZeRO stage 3, Rajbhandari et al. 2020): every rank keeps 1/W of each
+top-level layer's parameters, of their gradients and of the optimizer state; a layer's full
+parameters exist only while it computes.
+
+One step, on each rank's own batch (as data parallel):
+- forward, layer by layer, without autograd: all-gather the layer's parameters, run it, free them,
+  keep the layer's input (and the RNG state it ran under);
+- the last layer runs with autograd: gather, loss, backward, reduce-scatter its gradients into this
+  rank's shard (the average over ranks, as data parallel's allreduce), free;
+- back through the earlier layers: gather, run again from the kept input under the same RNG state
+  (dropout draws the same mask; BatchNorm's running statistics are put back, so they move once),
+  backward with the gradient the next layer sent, reduce-scatter, free;
+- the optimizer steps on the shards (element-wise optimizers give data parallel's update exactly;
+  gradient clipping uses the whole model's norm).
+Each layer's parameters cross the network three times per step (two all-gathers, one
+reduce-scatter: 1.5x data parallel's allreduce) and every layer but the last runs its forward
+twice. torch's FSDP2 (`fully_shard`) is not used: it talks to torch.distributed directly, so it
+would bypass the Communicator (Horovod, byte counts, the emulated network); gloo has had the two
+collectives since torch 2.6 and TorchDistCommunicator uses them.
+
+The model is cut at its top-level layers (an nn.Sequential's children; any other module is one
+layer: its state is still sharded, its parameters are gathered whole for the step). The trained
+model is returned in pieces: each rank returns the whole parameters it owns (about 1/W of them),
+the driver merges them by name.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST, Communicator
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.base import LossFn, OptimizerFactory
+from sparkdl.strategies.data_parallel import DataParallel, broadcast_module
+from sparkdl.strategies.inputs import call_model, loss_and_weight_sum
+from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
+
+
+class _Layer:
+    """One top-level layer: this rank's flat shard of its trainable parameters (padded to a
+    multiple of W), gathered into the parameters' own storage only while it computes."""
+
+    def __init__(self, module: nn.Module, comm: Communicator) -> None:
+        self.module, self.comm = module, comm
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.shapes = [p.shape for p in self.params]
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard_size = -(-self.numel // comm.size)
+        flat = torch.zeros(self.shard_size * comm.size, dtype=torch.float32, device=comm.device)
+        if self.params:
+            flat[: self.numel] = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        self.shard = nn.Parameter(flat.view(comm.size, -1)[comm.rank].clone())
+        self.release()
+
+    def gather(self) -> None:
+        if not self.params:
+            return
+        full = self.comm.allgather_into(self.shard.detach())
+        offset = 0
+        for param, shape in zip(self.params, self.shapes):
+            count = shape.numel()
+            param.data = full[offset: offset + count].view(shape).to(param.dtype)
+            offset += count
+
+    def release(self) -> None:
+        for param in self.params:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            param.grad = None
+
+    def scatter_gradients(self) -> None:
+        """This rank's shard of the gradients averaged over ranks, added to what it holds (the
+        earlier micro-batches of an accumulation window)."""
+        if not self.params:
+            return
+        flat = torch.zeros(self.shard_size * self.comm.size, dtype=torch.float32, device=self.shard.device)
+        offset = 0
+        for param in self.params:
+            if param.grad is not None:
+                flat[offset: offset + param.numel()] = param.grad.reshape(-1).float()
+            offset += param.numel()
+        mine = self.comm.reduce_scatter(flat, op="avg")
+        self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
+
+
+class _Gathering(nn.Module):
+    """The sharded model as one module for validation and inference: each layer's parameters are
+    gathered for its forward only."""
+
+    def __init__(self, layers: list[_Layer]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.children_ = nn.ModuleList([layer.module for layer in layers])  # train()/eval() reach them
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+        for layer in self.layers:
+            layer.gather()
+            try:
+                x = call_model(layer.module, x)
+            finally:
+                layer.release()
+        return x
+
+
+class Sharded(DataParallel):
+    name = "sharded"
+    requires = frozenset({ALLREDUCE, ALLGATHER, BROADCAST})
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        self._model = model.to(self.comm.device)
+        broadcast_module(self.comm, self._model)
+        modules = list(model) if isinstance(model, nn.Sequential) and len(model) else [model]
+        _refuse_shared_parameters(modules)
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._layers = [_Layer(module, self.comm) for module in modules]
+        self._owners = _owners([p for layer in self._layers for p in layer.params], self.comm.size)
+        self._params = [layer.shard for layer in self._layers]
+        self._optimizer = make_optimizer(self._params)
+        self.steps.attach(self._optimizer)
+        self._loss_fn = loss_fn
+        self._diloco, self._backend_averages = False, False
+        self._grad_bytes = sum(layer.numel * 4 for layer in self._layers)
+        self._gathering = _Gathering(self._layers)
+
+    def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
+                   micro: Accumulation = SINGLE) -> torch.Tensor:
+        started = time.perf_counter()
+        self._model.train()
+        if micro.index == 0:
+            self._optimizer.zero_grad()
+        *earlier, last = self._layers
+        kept: list[tuple[Any, Any]] = []
+        x = inputs
+        with torch.no_grad():
+            for layer in earlier:
+                kept.append((x, _rng_state(self.comm.device)))
+                layer.gather()
+                with self.steps.autocast():
+                    x = call_model(layer.module, x)
+                layer.release()
+        x = _requiring_grad(x) if earlier else x
+        last.gather()
+        with self.steps.autocast():
+            output = call_model(last.module, x)
+        loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, float_output(output), labels, weights)
+        if numerator is not None and micro.count > 1:
+            self.steps.backward(numerator)  # the window's weight total divides at its end (_normalise_window)
+            self._window_weight = denominator.detach() + (self._window_weight if micro.index else 0.0)
+        else:
+            self.steps.backward(self._objective(loss, numerator, denominator), micro)
+        last.scatter_gradients()
+        last.release()
+        self._backward_earlier(earlier, kept, _grad_of(x) if earlier else None)
+        self.slow_down(started)
+        if micro.last:
+            if numerator is not None and micro.count > 1:
+                self._normalise_window()
+            self.steps.step(self._optimizer, self._params, sum_over_ranks=self._sum_over_ranks)
+        return loss.detach()
+
+    def _backward_earlier(self, earlier: list[_Layer], kept: list[tuple[Any, Any]],
+                          gradient: torch.Tensor | None) -> None:
+        for index in range(len(earlier) - 1, -1, -1):
+            layer, (x, rng) = earlier[index], kept[index]
+            layer.gather()
+            x = _requiring_grad(x) if index else x  # the model's own inputs need no gradient
+            buffers = [b.detach().clone() for b in layer.module.buffers()]
+            with torch.random.fork_rng(devices=_cuda_devices(self.comm.device)):
+                _set_rng_state(rng, self.comm.device)
+                with self.steps.autocast():
+                    y = call_model(layer.module, x)
+            with torch.no_grad():
+                for buffer, value in zip(layer.module.buffers(), buffers):
+                    buffer.copy_(value)  # the first forward already moved the running statistics
+            if gradient is not None and isinstance(y, torch.Tensor) and y.requires_grad:
+                y.backward(gradient.to(y.dtype))
+            gradient = _grad_of(x) if index else None
+            layer.scatter_gradients()
+            layer.release()
+
+    def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return self.comm.allreduce(value, op="sum") if self.comm.size > 1 else value
+
+    # -- what is saved, validated and returned ---------------------------------------------------
+    @property
+    def replicated_state(self) -> bool:  # type: ignore[override]
+        return False  # every rank saves its own shard
+
+    def module(self) -> nn.Module:
+        return self._gathering
+
+    def epoch_metrics(self) -> dict[str, float]:
+        shards = sum(layer.shard.numel() * layer.shard.element_size() for layer in self._layers)
+        frozen = sum(p.numel() * p.element_size() for p in self._model.parameters() if not p.requires_grad)
+        return {"param_bytes": float(shards + frozen)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards and the (replicated) buffers: what a checkpoint or a snapshot keeps."""
+        state = {f"shard.{i}": layer.shard.detach().cpu().clone() for i, layer in enumerate(self._layers)}
+        state.update({f"buffer.{name}": b.detach().cpu().clone() for name, b in self._model.named_buffers()})
+        return state
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for i, layer in enumerate(self._layers):
+                layer.shard.copy_(snapshot[f"shard.{i}"])
+            for name, buffer in self._model.named_buffers():
+                buffer.copy_(snapshot[f"buffer.{name}"])
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.restore(state["module"])
+        if "optimizer" in state:
+            self._optimizer.load_state_dict(state["optimizer"])
+        self.steps.load_state_dict(state.get("steps", {}))
+
+    def result_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole parameters this rank owns (and, on rank 0, the buffers): every rank gathers
+        one layer at a time and keeps its own; the driver merges the pieces by name."""
+        mine: dict[str, torch.Tensor] = {}
+        for layer in self._layers:
+            layer.gather()
+            for param in layer.params:
+                if self._owners[id(param)] == self.comm.rank:
+                    mine[self._names[id(param)]] = param.detach().cpu().clone()
+            layer.release()
+        frozen = {name: p.detach().cpu() for name, p in self._model.named_parameters() if not p.requires_grad}
+        if self.comm.rank == 0:
+            mine.update(frozen)
+            mine.update({name: b.detach().cpu() for name, b in self._model.named_buffers()})
+        return mine
+
+
+def _requiring_grad(x: Any) -> Any:
+    """A layer's input cut from the graph, floats requiring grad (the gradient the layer before
+    it continues from)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.is_floating_point())
+    if isinstance(x, dict):
+        return {k: _requiring_grad(v) for k, v in x.items()}
+    return tuple(_requiring_grad(v) for v in x)
+
+
+def _grad_of(x: Any) -> torch.Tensor | None:
+    return x.grad if isinstance(x, torch.Tensor) else None
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What dropout draws from: the CPU generator and, training on a GPU, that GPU's."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _owners(params: list[nn.Parameter], ranks: int) -> dict[int, int]:
+    """Which rank returns each parameter whole: the largest first, each to the least loaded rank."""
+    load = [0] * ranks
+    owners: dict[int, int] = {}
+    for param in sorted(params, key=lambda p: -p.numel()):
+        rank = min(range(ranks), key=lambda r: load[r])
+        owners[id(param)] = rank
+        load[rank] += param.numel()
+    return owners
+
+
+def _refuse_shared_parameters(modules: list[nn.Module]) -> None:
+    seen: dict[int, int] = {}
+    for index, module in enumerate(modules):
+        for param in module.parameters():
+            if seen.setdefault(id(param), index) != index:
+                raise ConfigError(f"strategy='sharded' shards each top-level layer apart, but layers {seen[id(param)]} "
+                                  f"and {index} share a parameter (tied weights)",
+                                  hint="wrap the layers that share weights into one top-level module, or use "
+                                       "strategy='data_parallel'")
+
+
+__all__ = ["Sharded"]
