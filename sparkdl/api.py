@@ -118,8 +118,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
-    module.load_state_dict(state)
-    module.eval()
+    _load_trained(module, state)
     kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
     tracker.log_loss_curve(history)
     serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
@@ -134,6 +133,22 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
                                                                 "tracking_uri": tracker.tracking_uri,
                                                                 "output_shape": out_shape, "phases": phases.seconds,
                                                                 "delivery": "spark" if prepared.source is None else "parquet"})
+
+
+def _load_trained(module: Any, state: dict[str, Any]) -> None:
+    """The trained weights into the driver's copy; a meta copy (layer factories) takes the merged
+    tensors themselves, so the whole model exists on the driver once, now."""
+    from sparkdl.errors import TrainingError
+    from sparkdl.layer_factories import on_meta
+
+    missing = sorted(set(module.state_dict()) - set(state))
+    if missing:
+        raise TrainingError(f"the trained model came back without {len(missing)} of its tensors "
+                            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})",
+                            hint="the driver collects the ranks' parts of the model: if its log shows an "
+                                 "OutOfMemoryError, raise spark.driver.memory (about 3x the model's bytes)")
+    module.load_state_dict(state, assign=on_meta(module))
+    module.eval()
 
 
 def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, tuple[int, ...]]:

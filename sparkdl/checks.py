@@ -6,7 +6,7 @@ or column and the fix, in seconds instead of after the data was shipped to every
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, ModelError
@@ -15,18 +15,49 @@ from sparkdl.session import facts, is_connect, warn_once
 _log = logging.getLogger("sparkdl")
 
 
+def driver_copy(model: Any, seed: int) -> tuple[Any, Callable[[Any], Any]]:
+    """(the driver's copy of the model, a no-grad forward for probing it). A list of layer
+    factories is kept on the meta device (shapes only: the driver never holds the whole model
+    before it is returned) and probed one real layer at a time, each freed before the next."""
+    import torch
+
+    from sparkdl.launch.objectives import build_model
+    from sparkdl.layer_factories import LayerFactories
+    from sparkdl.strategies.inputs import call_model
+
+    factories = LayerFactories.of(model)
+    if factories is None:
+        module = build_model(model, seed)
+        module.eval()
+
+        def whole(inputs: Any) -> Any:
+            with torch.no_grad():
+                return call_model(module, inputs)
+
+        return module, whole
+
+    def by_layer(inputs: Any) -> Any:
+        x = inputs
+        with torch.no_grad():
+            for index in range(len(factories)):
+                layer = factories.layer(index, seed).eval()
+                x = call_model(layer, x)
+                del layer
+        return x
+
+    return factories.build(seed, device="meta"), by_layer
+
+
 def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, int]:
     """Build the model on the driver and run one zero batch through it, so a wrong model or input
     width fails here in seconds instead of on every executor."""
     import torch
 
-    from sparkdl.launch.objectives import build_model
-
-    module = build_model(model, config.train.seed)
-    module.eval()
+    module, forward = driver_copy(model, config.train.seed)
     try:
-        with torch.no_grad():
-            out = module(torch.zeros(2, num_features))
+        out = forward(torch.zeros(2, num_features))
+    except ModelError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
         raise ModelError(f"the model cannot take a batch of {num_features} features "
                          f"(from feature_cols {list(config.data.feature_cols)}): {type(exc).__name__}: {exc}",
@@ -46,19 +77,18 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any
     import torch
 
     from sparkdl.data.assemble import sample_batch
-    from sparkdl.launch.objectives import build_model, loss_function
-    from sparkdl.strategies.inputs import call_model
+    from sparkdl.launch.objectives import loss_function
 
     data = config.data
     batch = sample_batch(sample, layout, data.transform_fn, frozenset(data.input_dtypes or {}))
     inputs, label, weight = batch
-    module = build_model(model, config.train.seed)
-    module.eval()
+    module, forward = driver_copy(model, config.train.seed)
     described = ", ".join(f"{c.source}: {_shape_text(inputs[c.key] if layout.keyword_inputs else inputs[i])}"
                           for i, c in enumerate(layout.inputs))
     try:
-        with torch.no_grad():
-            out = call_model(module, inputs)
+        out = forward(inputs)
+    except ModelError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
         how = "forward(**inputs)" if layout.keyword_inputs else "forward(*inputs)"
         raise ModelError(f"the model cannot take a batch of input_cols {list(data.input_cols)} ({described}; "

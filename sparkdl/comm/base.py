@@ -101,11 +101,12 @@ class Communicator(abc.ABC):
         self.allreduce(tensor, op=op)
         return tensor.view(self.size, -1)[self.rank].clone()
 
-    def allgather_into(self, shard: "torch.Tensor") -> "torch.Tensor":
-        """Every rank's 1-D shard (same length everywhere), concatenated in rank order."""
+    def allgather_into(self, shard: "torch.Tensor", out: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """Every rank's 1-D shard (same length everywhere), concatenated in rank order (into `out`
+        when given: W times the shard's length)."""
         import torch
 
-        return torch.cat(self.allgather(shard))
+        return torch.cat(self.allgather(shard), out=out)
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Small picklable objects from every rank, built on allgather of byte tensors."""

@@ -88,9 +88,9 @@ class EmulatedNetwork(Communicator):
         self._delay(before, self.size - 1, started)
         return out
 
-    def allgather_into(self, shard: "torch.Tensor") -> "torch.Tensor":
+    def allgather_into(self, shard: "torch.Tensor", out: "torch.Tensor | None" = None) -> "torch.Tensor":
         before, started = self.inner.bytes_sent, time.perf_counter()
-        out = self.inner.allgather_into(shard)
+        out = self.inner.allgather_into(shard, out)
         self._delay(before, self.size - 1, started)
         return out
 

@@ -17,6 +17,7 @@ from sparkdl.config_training import early_stopping_options
 from sparkdl.data.epochs import accumulation, optimizer_steps
 from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume, RunCheckpoints
 from sparkdl.launch.context import WorkerContext
+from sparkdl.launch.memory import mark_model_start, peak_memory, reset_cuda_peak
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
 from sparkdl.launch.stopping import EarlyStopping, Verdict, epoch_verdict
 from sparkdl.launch.validation import run_metrics, validate
@@ -45,10 +46,14 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
     """`store`: the run's checkpoint store (None: no checkpoints); `resume`: what it held when this
     attempt started (both read by launch/worker.py before the context was built)."""
     config = ctx.spec.config
+    reset_cuda_peak(ctx.comm.device)
+    mark_model_start()
     torch.manual_seed(config.train.seed)
     strategy = build_strategy(ctx)
     loss_fn = loss_function(config.train)
-    strategy.setup(build_model(ctx.spec.model, config.train.seed), lambda params: build_optimizer(config.train, params),
+    strategy.setup(build_model(ctx.spec.model, config.train.seed, strategy.layers_to_build(),
+                               lazy=strategy.builds_layer_by_layer),
+                   lambda params: build_optimizer(config.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every) if store else None
     start, progress, history = _resume(ctx, strategy, resume)
@@ -230,6 +235,7 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
 
 
 SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds")
+PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")  # kept per rank too: what sharding saves shows rank by rank
 
 
 def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,
@@ -250,7 +256,8 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     if ctx.batch_shares:
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
     record.update(strategy.epoch_record())
-    local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds)
+    local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
+                 **peak_memory(ctx.comm.device))
     if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
         local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
     if ctx.spec.config.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
@@ -262,6 +269,8 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
             record[name] = max(values)
         else:
             record[f"max_{name}_per_rank"] = max(values)
+        if name in PER_RANK:
+            record[f"{name}_by_rank"] = [int(v) for v in values]
     return record
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,9 +21,16 @@ def as_module(model: Any) -> Any:
     return model
 
 
-def build_model(model: Any, seed: int) -> nn.Module:
+def build_model(model: Any, seed: int, layers: Iterable[int] | None = None, lazy: bool = False) -> nn.Module:
     """A fresh module: a copy of the given instance (a list of stage modules becomes their
-    nn.Sequential), or the factory's result under the run seed."""
+    nn.Sequential), the factory's result under the run seed, or (a list of layer factories,
+    layer_factories.py) the Sequential of only the `layers` this rank trains (None: all), or with
+    `lazy` of meta layers the strategy makes real one at a time."""
+    from sparkdl.layer_factories import LayerFactories
+
+    factories = LayerFactories.of(model)
+    if factories is not None:
+        return factories.build(seed, layers, lazy=lazy)
     model = as_module(model)
     if isinstance(model, nn.Module):
         return copy.deepcopy(model)
@@ -39,7 +46,8 @@ def build_model(model: Any, seed: int) -> nn.Module:
             raise ModelError(f"model factory returned {type(built).__name__}, not a torch.nn.Module",
                              hint="pass an nn.Module, or a zero-argument callable returning one")
         return built
-    raise ModelError(f"model must be a torch.nn.Module, a list of stage modules or a zero-argument callable, "
+    raise ModelError(f"model must be a torch.nn.Module, a list of stage modules, a zero-argument callable or a list "
+                     "of one zero-argument callable per layer, "
                      f"got {type(model).__name__}",
                      hint="for example model=nn.Sequential(nn.Linear(64, 10))")
 

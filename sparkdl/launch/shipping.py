@@ -55,6 +55,8 @@ def ship_by_value(*objects: Any) -> list[str]:
     except ImportError:
         pass
     registered = []
+    # A list of stage modules or of layer factories: each element's module counts.
+    objects = tuple(x for obj in objects for x in (obj if isinstance(obj, (list, tuple)) else (obj,)))
     for obj in objects:
         for candidate in (obj, type(obj), *_submodule_classes(obj)):
             name = _module_of(candidate)

@@ -107,6 +107,10 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
 
     with ExitStack() as stack:
         task_started = time.perf_counter()
+        from sparkdl.launch.memory import reset_peak
+
+        _import_what_training_imports(spec)
+        reset_peak()  # the rank's peak RSS counts from this task (Spark reuses Python workers)
         if spec.source is not None:
             batches = _read_own_rows(spec, context.partitionId(), batches)
         streaming = bool(spec.row_counts) and spec.train_fn is None and spec.layout is not None
@@ -155,6 +159,20 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
         _last_barrier(spec, context, comm)
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
+
+
+def _import_what_training_imports(spec: TrainSpec) -> None:
+    """The modules a fresh Python worker would import during training, now: their ~100 MB (torch's
+    optimizers pull in torch._dynamo) is then not counted as this run's memory, and the first step
+    waits for them either way."""
+    if spec.train_fn is not None:
+        return
+    import torch._dynamo  # noqa: F401 - what the first optimizer's constructor imports
+
+    import sparkdl.launch.loop  # noqa: F401
+    from sparkdl.strategies import strategy_class
+
+    strategy_class(spec.config.train.strategy)
 
 
 def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

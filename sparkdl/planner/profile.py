@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from sparkdl.errors import ModelError
+from sparkdl.layer_factories import real_layers
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[in
     model.train()
     layers = []
     try:
-        for index, layer in enumerate(model):
+        for index, layer in enumerate(real_layers(model)):  # a meta copy: each layer real only while profiled
             out, saved, seconds = _measure(layer, x, repeats, precision)
             if not isinstance(out, torch.Tensor):
                 raise ModelError(f"layer {index} ({type(layer).__name__}) returns {type(out).__name__}, not one "

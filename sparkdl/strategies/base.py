@@ -49,6 +49,14 @@ class Strategy(abc.ABC):
         """Facts about the layout worth keeping in every epoch's history record."""
         return {}
 
+    def layers_to_build(self) -> Sequence[int] | None:
+        """The top-level layers this rank trains, when the model is built layer by layer
+        (layer_factories.py): the others are never built here. None: all of them."""
+        return None
+
+    # True: given layer factories, setup receives a LazyLayers and makes each layer real itself.
+    builds_layer_by_layer = False
+
     def slow_down(self, since: float) -> None:
         """Emulate a slower rank: stretch the compute done since `since` (perf_counter) to 1/speed."""
         if self.compute_speed < 1.0:

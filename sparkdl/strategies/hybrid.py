@@ -143,6 +143,9 @@ class Hybrid(Strategy):
     def epoch_record(self) -> dict[str, Any]:
         return {"hybrid_grid": [list(ranks) for ranks in self.layout.grid]}
 
+    def layers_to_build(self) -> Sequence[int] | None:
+        return self.layout.stage_layers(self.stage)
+
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         if not isinstance(model, nn.Sequential):

@@ -139,7 +139,7 @@ def _where(module: str, imp: Import) -> str:
 WORKER_SIDE = _modules("comm/*.py", "strategies/*.py", "data/batches.py", "data/epochs.py", "layouts.py",
                        "data/stream.py", "data/streaming_spool.py", "data/parquet_shards.py",
                        "launch/worker.py", "launch/rendezvous.py", "launch/context.py", "launch/loop.py",
-                       "launch/wire.py", "launch/checkpoint.py")
+                       "launch/wire.py", "launch/checkpoint.py", "launch/memory.py")
 STRATEGIES = _modules("strategies/*.py")
 PURE_PLANNER = _modules("planner/cost.py", "planner/plan.py")
 
