@@ -309,6 +309,7 @@ def session_facts(spark: Any, workers: int) -> Any:
     return ClusterFacts(master=session.master(), workers=workers, executors=session.executors(),
                         slots=session.slots(wanted=workers),
                         executor_memory=session.conf("spark.executor.memory", "1g") or "1g",
+                        pyspark_memory=session.conf("spark.executor.pyspark.memory", "") or "",
                         gpus_per_executor=float(session.conf("spark.executor.resource.gpu.amount", "0") or 0),
                         gpus_per_task=float(session.conf("spark.task.resource.gpu.amount", "0") or 0))
 

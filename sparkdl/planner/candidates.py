@@ -122,8 +122,7 @@ def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: 
     """Price every candidate at each end of the calibration and decide (planner/plan.py `decide`):
     an approximate strategy must win at both ends, and data parallel with batches shared by speed is
     offered only when the ranks are unequal at both."""
-    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank") \
-        if config.launch.max_memory_per_rank is not None else None
+    budget = rank_memory_budget(config, cluster)
     ends = calibration_ends(cluster, config)
     unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
     priced = [_price_end(model, config, costs, end, budget, backend_ops, unequal) for end in ends]
@@ -314,6 +313,20 @@ def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput 
     return layer_costs(subnet, num_features, rows, driver_flops, ratio)[1]
 
 
+def rank_memory_budget(config: RunConfig, cluster: ClusterInfo) -> float | None:
+    """What one rank may hold: launch.max_memory_per_rank, and spark.executor.pyspark.memory (the
+    executor's Python workers together) shared by the ranks one executor runs, whichever is less."""
+    limits = []
+    if config.launch.max_memory_per_rank is not None:
+        limits.append(parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank"))
+    if cluster.pyspark_memory:
+        per_executor = parse_bytes(cluster.pyspark_memory if any(c.isalpha() for c in cluster.pyspark_memory)
+                                   else f"{cluster.pyspark_memory}m", "spark.executor.pyspark.memory")
+        ranks_here = max(1, math.ceil(config.launch.num_workers / max(1, len(cluster.executors))))
+        limits.append(per_executor / ranks_here)
+    return min(limits) if limits else None
+
+
 def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
     if budget is not None and memory > budget:
         return False, f"needs {memory / 2**20:.1f} MiB per rank, over the budget"
@@ -344,6 +357,10 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
             cost.diloco(work, net, every), True, "")
     workers = work.world
     layers = len(profile.layers)
+    if workers >= 2:
+        gathers = "allgather" in backend_ops
+        add("sharded", {"strategy": "sharded"}, cost.sharded(work, net), gathers,
+            "" if gathers else "the backend has no allgather")
     has_p2p = {"send_recv", "subgroup"} <= backend_ops
     for stages in [k for k in range(2, workers + 1) if workers % k == 0]:
         for micro in sorted({stages, 2 * stages, 4 * stages, 8 * stages}):

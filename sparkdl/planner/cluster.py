@@ -32,6 +32,7 @@ class ClusterFacts:
     executor_memory: str = ""  # spark.executor.memory
     gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
     gpus_per_task: float = 0.0  # spark.task.resource.gpu.amount
+    pyspark_memory: str = ""  # spark.executor.pyspark.memory: the Python workers' limit per executor, if set
 
     @property
     def cache_key(self) -> str:
@@ -56,6 +57,7 @@ class ClusterInfo:
     executor_memory: str = ""  # spark.executor.memory
     gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
     gpus_per_task: float = 0.0  # spark.task.resource.gpu.amount
+    pyspark_memory: str = ""  # spark.executor.pyspark.memory (per executor), if set
     threads_per_rank: tuple[int, ...] = ()  # torch threads each calibration rank ran (and trains) with
     threads_option: int = 0  # launch.threads_per_worker the probe ran under (0: sparkdl's own rule)
     # The optimistic end: the best of each measurement's repeats (fastest FLOP/s, shortest times).
@@ -120,7 +122,7 @@ def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: floa
         collective_bandwidth_Bps=float(probe.get("collective_bandwidth", 0.0)),
         measured_at=time.time() if measured_at is None else measured_at, probe_s=probe_s, slots=facts.slots,
         executor_memory=facts.executor_memory, gpus_per_executor=facts.gpus_per_executor,
-        gpus_per_task=facts.gpus_per_task, threads_per_rank=tuple(int(t) for t in probe.get("threads", ())),
+        gpus_per_task=facts.gpus_per_task, pyspark_memory=facts.pyspark_memory, threads_per_rank=tuple(int(t) for t in probe.get("threads", ())),
         threads_option=threads_option or 0,
         best_flops_per_s=tuple(float(f) for f in probe.get("flops_best", ())),
         best_latency_s=_matrix(probe.get("latency_best", ())),
@@ -196,7 +198,8 @@ def cached(facts: ClusterFacts, now: float | None = None) -> ClusterInfo | None:
     # Spark's facts are read afresh each time; only the measurements come from the cache.
     info = _from_entry(entry)  # type: ignore[arg-type] - _fresh checked it is a dict
     return replace(info, slots=facts.slots, executor_memory=facts.executor_memory,
-                   gpus_per_executor=facts.gpus_per_executor, gpus_per_task=facts.gpus_per_task)
+                   gpus_per_executor=facts.gpus_per_executor, gpus_per_task=facts.gpus_per_task,
+                   pyspark_memory=facts.pyspark_memory)
 
 
 def remember(info: ClusterInfo, facts: ClusterFacts) -> None:

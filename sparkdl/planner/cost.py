@@ -112,6 +112,32 @@ def diloco(work: Workload, net: Network, every: int) -> Estimate:
     return Estimate(compute + comm, compute, comm, allreduce_bytes(grad_bytes, work.world) / rounds, memory)
 
 
+def sharded(work: Workload, net: Network) -> Estimate:
+    """Sharded data parallel (strategies/sharded.py), per top-level layer l of P_l bytes: two
+    all-gathers ((W-1)/W P_l each, W-1 hops) and the gradients' reduction (an allreduce on gloo:
+    2(W-1)/W P_l), none overlapped with compute: T = C(B/W) + C_fwd(all layers but the last, the
+    recomputation) + sum_l (2 T_AG(P_l) + T_AR(P_l)). Bytes: 2x data parallel's. Memory: 1/W of
+    the parameters, gradients and optimizer state, two fp32 buffers of the largest layer, every
+    layer's input for the batch and the largest layer's own activations."""
+    forward_again = layers_compute_s(work.layers[:-1], work.rows, work.flops_per_s) / 3.0  # forward ~ 1/3
+    compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s + forward_again
+    if work.world <= 1:
+        gather_s, gather_bytes = 0.0, 0.0
+    else:
+        latency, bandwidth = net.ring
+        gather_s = sum((work.world - 1) * latency + (work.world - 1) / work.world * l.params * work.param_bytes
+                       / bandwidth for l in work.layers)
+        gather_bytes = (work.world - 1) / work.world * work.params * work.param_bytes
+    reduce_s = sum(allreduce_s(l.params * work.param_bytes, work.world, net) for l in work.layers)
+    comm = 2 * gather_s + reduce_s / work.accumulate
+    sent = 2 * gather_bytes + allreduce_bytes(work.params * work.param_bytes, work.world) / work.accumulate
+    largest = max((l.params for l in work.layers), default=0)
+    memory = (work.params * work.optimizer_bytes_per_param / max(work.world, 1) + 8 * largest
+              + work.rows * (sum(l.out_bytes for l in work.layers[:-1])
+                             + max((l.saved_bytes for l in work.layers), default=0.0)))
+    return Estimate(compute + comm, compute, comm, sent, memory)
+
+
 def stage_of_cuts(cuts: Sequence[int]) -> list[range]:
     return [range(cuts[k], cuts[k + 1]) for k in range(len(cuts) - 1)]
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-EXACT = ("data_parallel", "hybrid")
+EXACT = ("data_parallel", "hybrid", "sharded")
 APPROXIMATE_MIN_SPEEDUP = 2.0  # train.approximate_min_speedup's default
 MIN_SAVING_S = 10.0  # an approximate strategy must save at least this much over the whole run
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute

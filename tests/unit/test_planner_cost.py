@@ -224,3 +224,14 @@ def test_accumulation_pays_the_gradient_sync_once_per_window() -> None:
     assert cost.diloco(four, net, 10).comm_s == pytest.approx(cost.diloco(one, net, 10).comm_s / 4)
     h1, h4 = cost.hybrid(one, net, [0, 1, 2], 4), cost.hybrid(four, net, [0, 1, 2], 4)
     assert h4.step_s < h1.step_s and h4.bytes_per_step < h1.bytes_per_step
+
+
+def test_sharded_sends_twice_data_parallel_and_keeps_a_wth_of_the_state() -> None:
+    w, net = work([1024, 1024, 1024, 10]), cost.Network(1e-4, 1 * GBPS)
+    dp, zero = cost.data_parallel(w, net), cost.sharded(w, net)
+    assert zero.bytes_per_step == pytest.approx(2 * dp.bytes_per_step)  # two gathers + the reduction
+    largest = max(layer.params for layer in w.layers)
+    boundaries = 64 * 4 * (1024 + 1024)  # each later layer's input for the batch
+    assert zero.memory_bytes == pytest.approx(16 * w.params / 4 + 8 * largest + boundaries + 64 * 4 * 1024)
+    assert zero.compute_s > dp.compute_s  # every layer but the last runs its forward twice
+    assert zero.step_s > dp.step_s  # so sharding is worth it only where memory says so

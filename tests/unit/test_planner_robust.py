@@ -173,3 +173,29 @@ def test_declared_figures_are_the_same_at_both_ends() -> None:
     # declared speeds are unequal at both ends: batches shared by speed are offered
     speeds = plan(calibration(**NOISY), emulate_speed=[1.0, 0.25], emulate_network={"latency_ms": 0.0, "gbps": 1000.0})
     assert any(c.label == "data_parallel(batch_balance=speed)" for c in speeds.candidates)
+
+
+def test_sharded_is_priced_and_the_executors_python_memory_bounds_every_candidate() -> None:
+    from dataclasses import replace
+
+    from sparkdl.planner.candidates import rank_memory_budget
+
+    cluster = calibration((5e10, 5e10), 1e-4, 1e9)
+    free = plan(cluster)
+    (sharded,) = [c for c in free.candidates if c.strategy == "sharded"]
+    (dp,) = [c for c in free.candidates if c.strategy == "data_parallel"]
+    assert sharded.feasible and sharded.bytes_per_step == pytest.approx(2 * dp.bytes_per_step)
+    # one 1024 x 1024 layer is most of this model: its gathered copy and gradients eat most of the saving
+    assert sharded.memory_bytes < dp.memory_bytes
+    # 2 ranks on 2 executors: each rank may hold what its executor's Python workers may
+    limited = replace(cluster, pyspark_memory=f"{int((sharded.memory_bytes + dp.memory_bytes) / 2)}b")
+    config = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,
+                                   num_workers=2, epochs=100).validate()
+    assert rank_memory_budget(config, limited) == pytest.approx(int((sharded.memory_bytes + dp.memory_bytes) / 2))
+    bounded = plan(limited)
+    by_name = {c.strategy: c for c in bounded.candidates if c.strategy in ("data_parallel", "sharded")}
+    assert not by_name["data_parallel"].feasible and "over the budget" in by_name["data_parallel"].reason
+    assert by_name["sharded"].feasible
+    chosen = bounded.candidates[bounded.chosen]
+    assert chosen.feasible and chosen.memory_bytes <= rank_memory_budget(config, limited)
+    assert rank_memory_budget(config, replace(cluster, pyspark_memory="512")) == 512 * 2**20  # Spark's MiB

@@ -70,9 +70,19 @@ def test_the_planner_prices_a_token_model_and_leaves_ist_out() -> None:
     assert plan.choice.strategy in ("data_parallel", "diloco", "hybrid")
 
 
+class Bilinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(y)
+
+
 def test_random_rows_for_feature_vectors_as_before() -> None:
     assert ModelInput.of(8).rows(3).shape == (3, 8) and ModelInput.of((2, 4)).shape == (2, 4)
-    with pytest.raises(Exception, match="hybrid"):
-        plan_strategy(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)),
-                      config(strategy="hybrid", stages=2), FEED,
-                      inputs=ModelInput.from_sample((torch.zeros(2, 4), torch.zeros(2, 4)), torch.zeros(2)))
+    # two inputs reach the first layer of the first stage; the layout keeps their structure
+    layout, _ = plan_strategy(torch.nn.Sequential(Bilinear(), torch.nn.Linear(2, 2)),
+                              config(strategy="hybrid", stages=2), FEED,
+                              inputs=ModelInput.from_sample((torch.zeros(2, 4), torch.zeros(2, 4)), torch.zeros(2)))
+    assert layout.input_specs == (("", (4,), "float32"), ("", (4,), "float32"))
