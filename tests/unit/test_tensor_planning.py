@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from sparkdl_test_models import TOKEN_LEN, TOKEN_VOCAB, TOKEN_WIDTH, tiny_gpt
 
