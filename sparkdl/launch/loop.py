@@ -235,7 +235,8 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
 
 
 SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds")
-PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")  # kept per rank too: what sharding saves shows rank by rank
+PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")
+BASELINES = ("start_rss_bytes", "model_start_rss_bytes")  # what the peak grew from: per rank only  # kept per rank too: what sharding saves shows rank by rank
 
 
 def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,
@@ -267,7 +268,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
             record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
         elif name in SLOWEST_RANK:  # the slowest rank holds every rank back
             record[name] = max(values)
-        else:
+        elif name not in BASELINES:
             record[f"max_{name}_per_rank"] = max(values)
         if name in PER_RANK:
             record[f"{name}_by_rank"] = [int(v) for v in values]

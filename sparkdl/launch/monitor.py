@@ -80,6 +80,7 @@ class RunMonitor:
         names = ("loss", "samples_per_sec", "seconds", "bytes_sent", "lr", "data_seconds")
         point = {f"epoch_{k}": record[k] for k in names if k in record}
         point.update({k: record[k] for k in ("time_to_first_step_s", "spool_seconds") if k in record})
+        point.update(memory_points(record))
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
         # like the other epoch curves
         validation = {k: v for k, v in record.items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -153,3 +154,14 @@ class RunMonitor:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def memory_points(record: dict[str, Any]) -> dict[str, float]:
+    """The ranks' own peak memory as MLflow metrics: the largest, and each rank's."""
+    points: dict[str, float] = {}
+    for name in ("peak_rss_bytes", "cuda_peak_bytes"):
+        if f"max_{name}_per_rank" in record:
+            points[f"max_{name}_per_rank"] = float(record[f"max_{name}_per_rank"])
+        for rank, value in enumerate(record.get(f"{name}_by_rank", [])):
+            points[f"{name}_rank_{rank}"] = float(value)
+    return points

@@ -176,6 +176,9 @@ def test_diloco_takes_a_schedule_accumulation_and_early_stopping(spark, mlflow_s
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(model.run_id)
     assert run.data.tags["stopped_by"] == "early_stopping" and run.data.tags["stopped_after_epoch"] == str(best + 2)
+    # each rank's own peak RSS, as measured by the rank, is a run metric
+    assert run.data.metrics["max_peak_rss_bytes_per_rank"] == max(history[-1]["peak_rss_bytes_by_rank"]) > 0
+    assert {"peak_rss_bytes_rank_0", "peak_rss_bytes_rank_1"} <= set(run.data.metrics)
     steps = history[0]["steps"]
     per_epoch = math.ceil(steps / accumulate)
     curve = LrCurve("cosine", total_steps=epochs * per_epoch, warmup_steps=6, min_factor=0.1)
