@@ -99,8 +99,9 @@ def materialise(module: nn.Module, seed: int, device: Any = "cpu") -> nn.Module:
     with torch.no_grad():
         for sub in module.modules():
             owns = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
-            if owns and hasattr(sub, "reset_parameters"):
-                sub.reset_parameters()
+            reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+            if owns and reset is not None:  # nn.MultiheadAttention names its own _reset_parameters
+                reset()
             elif owns and hasattr(sub, "reset_running_stats"):
                 sub.reset_running_stats()
     return module
