@@ -122,7 +122,7 @@ def run(df: Any, blocks: int, strategy: str, batch: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=14)
+    parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=64)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from sparkdl.datasets import synthetic_tokens_dataframe
 
     spark = (SparkSession.builder.master("local-cluster[2,2,6144]").appName("sparkdl-bench-big-model")
-             .config("spark.driver.memory", "6g").config("spark.executor.memory", "1g")
+             .config("spark.driver.memory", "6g").config("spark.executor.memory", "4g")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.executorEnv.SPARKDL_BENCH", "1").getOrCreate())
     load_before = os.getloadavg()

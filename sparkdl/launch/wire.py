@@ -71,11 +71,14 @@ def output_lines(parts: ResultParts) -> list[str]:
     return text.splitlines()
 
 
-def collect_parts(rows: Any) -> ResultParts:
-    """The collected result rows grouped by kind as (rank, seq, bytes)."""
+def collect_parts(rows: Iterable[Any]) -> ResultParts:
+    """The collected result rows grouped by kind as (rank, seq, bytes), emptying `rows` as it goes:
+    a large model's chunks are then held once (the payloads are kept as Spark returned them)."""
     parts: ResultParts = {}
-    for row in rows:
-        parts.setdefault(row["kind"], []).append((row["rank"], row["seq"], bytes(row["payload"])))
+    rows = rows if isinstance(rows, list) else list(rows)
+    while rows:
+        row = rows.pop()
+        parts.setdefault(row["kind"], []).append((row["rank"], row["seq"], row["payload"]))
     return parts
 
 
@@ -84,17 +87,24 @@ def loads_result(parts: ResultParts, custom: bool) -> tuple[Any, list[dict[str, 
     loop's state dicts of every contributing rank are merged by key."""
     history = json.loads(b"".join(p for _, _, p in sorted(parts.get("history", []))) or b"[]")
     by_rank: dict[int, list[tuple[int, bytes]]] = {}
-    for rank, seq, chunk in parts.get("payload", []):
+    for rank, seq, chunk in parts.pop("payload", []):
         by_rank.setdefault(rank, []).append((seq, chunk))
-    payloads = {rank: b"".join(c for _, c in sorted(chunks)) for rank, chunks in by_rank.items()}
     if custom:
-        payload = payloads.get(0, b"")
+        payload = b"".join(c for _, c in sorted(by_rank.get(0, [])))
         return (pickle.loads(payload) if payload else None), history
     import torch
 
     state: dict[str, Any] = {}
-    for rank in sorted(payloads):
-        state.update(torch.load(io.BytesIO(payloads[rank]), weights_only=True))
+    for rank in sorted(by_rank):
+        # One rank's part at a time, its chunks dropped as they are copied: the driver holds the
+        # model about twice at most, not four times (rows, bytes, joined bytes, tensors).
+        chunks = sorted(by_rank.pop(rank), key=lambda item: item[0], reverse=True)
+        buffer = io.BytesIO()
+        while chunks:
+            buffer.write(chunks.pop()[1])
+        buffer.seek(0)
+        state.update(torch.load(buffer, weights_only=True))
+        del buffer
     return state, history
 
 
