@@ -3,7 +3,7 @@ factory per layer (built on the meta device: nobody materialises it whole), trai
 with data parallel (where it fits), hybrid (4 pipeline stages) and sharded data parallel (ZeRO-3)
 on local-cluster[2,2,...] (4 ranks), through the public API.
 
-    .venv/bin/python benchmarks/big_model.py [--blocks 14] [--width 768] [--vocab 8192] [--seq 64]
+    .venv/bin/python benchmarks/big_model.py [--blocks 20] [--width 768] [--vocab 8192] [--seq 64]
         [--rows-per-rank 4] [--batch 2] [--strategies data_parallel,hybrid,sharded] [--no-plan]
 
 For each strategy: every rank's peak RSS as the rank measured it (VmHWM since its task started),
