@@ -76,29 +76,49 @@ def _merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return merged
 
 
-@pytest.mark.parametrize("options,two_inputs,weighted", [
+CASES = [
     ({"optimizer": "sgd", "lr": 0.5}, False, False),
     ({"optimizer": "adam", "lr": 0.01, "grad_clip": 0.05}, True, True),
     ({"optimizer": "sgd", "lr": 0.3, "momentum": 0.9, "accumulate_steps": 2}, False, True),
-])
-def test_sharded_steps_equal_data_parallel(options: dict[str, Any], two_inputs: bool, weighted: bool) -> None:
-    sharded = run_world(2, _train, "sharded", options, two_inputs, weighted, 4)
-    data_parallel = run_world(2, _train, "data_parallel", options, two_inputs, weighted, 4)
+]
+
+
+def _every_case(comm: Any) -> dict[str, Any]:
+    """All cases on one pair of spawned ranks (each spawn costs seconds of imports): both
+    strategies, and a sharded run resumed from its checkpoint at step 3."""
+    out: dict[str, Any] = {}
+    for index, (options, two_inputs, weighted) in enumerate(CASES):
+        for name in ("sharded", "data_parallel"):
+            out[f"{name}.{index}"] = _train(comm, name, options, two_inputs, weighted, 4)
+    adam = {"optimizer": "adam", "lr": 0.01}
+    out["straight"] = _train(comm, "sharded", adam, False, False, 5)
+    out["resumed"] = _train(comm, "sharded", adam, False, False, 5, 3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_world(2, _every_case, timeout=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=["sgd", "adam_clip_two_inputs_weights", "accumulate"])
+def test_sharded_steps_equal_data_parallel(ranks: list[dict[str, Any]], index: int) -> None:
+    sharded = [r[f"sharded.{index}"] for r in ranks]
+    data_parallel = [r[f"data_parallel.{index}"] for r in ranks]
     reference = data_parallel[0]["state"]
     merged = _merged(sharded)
     assert sorted(merged) == sorted(reference)  # the driver's merge gives the whole model's state dict
     assert set(sharded[0]["state"]).isdisjoint(k for k in sharded[1]["state"] if "running" not in k)
     for key, value in reference.items():
         torch.testing.assert_close(merged[key], torch.tensor(value), atol=1e-5, rtol=1e-5)
-    whole = sum(p.numel() * 4 for p in model(two_inputs).parameters())
+    whole = sum(p.numel() * 4 for p in model(CASES[index][1]).parameters())
     assert all(r["param_bytes"] <= whole / 2 + 4 * 7 for r in sharded)  # 1/W of it (padding: < 1 per layer)
     assert data_parallel[0]["param_bytes"] == whole
 
 
-def test_a_sharded_checkpoint_resumes_exactly() -> None:
-    options = {"optimizer": "adam", "lr": 0.01}
-    straight = _merged(run_world(2, _train, "sharded", options, False, False, 5))
-    resumed = _merged(run_world(2, _train, "sharded", options, False, False, 5, 3))
+def test_a_sharded_checkpoint_resumes_exactly(ranks: list[dict[str, Any]]) -> None:
+    straight = _merged([r["straight"] for r in ranks])
+    resumed = _merged([r["resumed"] for r in ranks])
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value, atol=0, rtol=0)
 
