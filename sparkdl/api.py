@@ -118,7 +118,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
-    _load_trained(module, state)
+    _load_trained(module, state, model, config.train.seed)
     kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
     tracker.log_loss_curve(history)
     serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
@@ -135,11 +135,12 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
                                                                 "delivery": "spark" if prepared.source is None else "parquet"})
 
 
-def _load_trained(module: Any, state: dict[str, Any]) -> None:
+def _load_trained(module: Any, state: dict[str, Any], model: Any, seed: int) -> None:
     """The trained weights into the driver's copy; a meta copy (layer factories) takes the merged
-    tensors themselves, so the whole model exists on the driver once, now."""
+    tensors themselves, so the whole model exists on the driver once, now. A layer with tensors no
+    state dict carries (a non-persistent buffer) is built for real from its factory first."""
     from sparkdl.errors import TrainingError
-    from sparkdl.layer_factories import on_meta
+    from sparkdl.layer_factories import LayerFactories, on_meta
 
     missing = sorted(set(module.state_dict()) - set(state))
     if missing:
@@ -147,8 +148,24 @@ def _load_trained(module: Any, state: dict[str, Any]) -> None:
                             f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})",
                             hint="the driver collects the ranks' parts of the model: if its log shows an "
                                  "OutOfMemoryError, raise spark.driver.memory (about 3x the model's bytes)")
+    factories = LayerFactories.of(model)
+    if factories is not None and on_meta(module):
+        for index in range(len(factories)):
+            if _meta_beyond_state(module[index], f"{index}."):
+                module[index] = factories.layer(index, seed)
     module.load_state_dict(state, assign=on_meta(module))
     module.eval()
+
+
+def _meta_beyond_state(layer: Any, prefix: str) -> bool:
+    """A meta layer with a tensor its state dict does not hold (loading could not make it real)."""
+    from sparkdl.layer_factories import on_meta
+
+    if not on_meta(layer):
+        return False
+    named = {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}
+    attributes = (v for m in layer.modules() for v in vars(m).values())  # a tensor kept as a plain attribute
+    return bool(named - set(layer.state_dict())) or any(getattr(v, "is_meta", False) is True for v in attributes)
 
 
 def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, tuple[int, ...]]:

@@ -39,9 +39,9 @@ def driver_copy(model: Any, seed: int) -> tuple[Any, Callable[[Any], Any]]:
     def by_layer(inputs: Any) -> Any:
         x = inputs
         with torch.no_grad():
-            for index in range(len(factories)):
+            for index in range(len(factories)):  # as nn.Sequential runs them: the first takes the inputs
                 layer = factories.layer(index, seed).eval()
-                x = call_model(layer, x)
+                x = call_model(layer, x) if index == 0 else layer(x)
                 del layer
         return x
 

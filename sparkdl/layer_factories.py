@@ -92,19 +92,32 @@ def on_meta(module: nn.Module) -> bool:
 
 
 def materialise(module: nn.Module, seed: int, device: Any = "cpu") -> nn.Module:
-    """A meta module made real: storage from to_empty, values from reset_parameters of each module
-    that owns parameters directly (in definition order, under `seed`), as an eager build draws them."""
+    """A meta module made real: storage from to_empty, values from the reset method of each module
+    that owns tensors directly, children before their parent (as an eager build initialises them:
+    nn.MultiheadAttention's own reset then overrides its out_proj's bias, as in its __init__),
+    under `seed`."""
     module = module.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
-        for sub in module.modules():
-            owns = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
-            reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
-            if owns and reset is not None:  # nn.MultiheadAttention names its own _reset_parameters
-                reset()
-            elif owns and hasattr(sub, "reset_running_stats"):
-                sub.reset_running_stats()
+        _reset(module)
     return module
+
+
+def _reset(module: nn.Module) -> None:
+    for child in module.children():
+        _reset(child)
+    if not any(True for _ in module.parameters(recurse=False)) and not any(True for _ in module.buffers(recurse=False)):
+        return
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    if reset is not None:
+        reset()
+    elif hasattr(module, "reset_running_stats"):
+        module.reset_running_stats()
+    else:
+        raise ModelError(f"{type(module).__name__} was built on the meta device but has no reset_parameters(): its "
+                         "parameters and buffers would keep whatever memory to_empty gave them",
+                         hint="give it a reset_parameters() that initialises its own tensors, or build that layer "
+                              "eagerly (not under torch.device('meta'))")
 
 
 def real_layers(model: nn.Sequential) -> Iterable[nn.Module]:

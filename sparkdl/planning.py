@@ -229,6 +229,8 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
             layers = len(module) if isinstance(module, nn.Sequential) else f"a {type(module).__name__}"
             return (f"its hybrid cuts {list(kept.cuts)} are for an nn.Sequential of {kept.cuts[-1]} layers, "
                     f"the model has {layers}")
+        if tuple(kept.input_specs) != tuple(inputs.specs):  # several inputs: their structure, shapes, dtypes
+            return f"it was planned for the inputs {list(kept.input_specs)}, this data has {list(inputs.specs)}"
         if (tuple(kept.input_shape), kept.input_dtype) != (tuple(inputs.shape), inputs.dtype):
             return (f"it was planned for {kept.input_dtype} inputs of shape {list(kept.input_shape)} per row, this "
                     f"data has {inputs.dtype} of shape {list(inputs.shape)}")

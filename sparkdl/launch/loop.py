@@ -235,8 +235,9 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
 
 
 SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds")
+# Kept per rank too (what sharding saves shows rank by rank); the baselines the peak grew from only so.
 PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")
-BASELINES = ("start_rss_bytes", "model_start_rss_bytes")  # what the peak grew from: per rank only  # kept per rank too: what sharding saves shows rank by rank
+BASELINES = ("start_rss_bytes", "model_start_rss_bytes")
 
 
 def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,

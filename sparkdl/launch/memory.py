@@ -3,7 +3,7 @@ the task started (Linux VmHWM, reset at the start: Spark reuses Python workers, 
 tasks' peaks would otherwise count) and, training on a GPU, CUDA's peak allocation."""
 from __future__ import annotations
 
-import resource
+import sys
 from typing import Any
 
 _STATUS, _CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
@@ -62,7 +62,15 @@ def peak_memory(device: Any = None) -> dict[str, float]:
 
 
 def _high_water_mark() -> int:
-    return _status_bytes("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _status_bytes("VmHWM:")
+    if peak:
+        return peak
+    try:
+        import resource  # not on Windows
+    except ImportError:
+        return 0
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
 
 
 def _status_bytes(field: str) -> int | None:

@@ -314,16 +314,18 @@ def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput 
 
 
 def rank_memory_budget(config: RunConfig, cluster: ClusterInfo) -> float | None:
-    """What one rank may hold: launch.max_memory_per_rank, and spark.executor.pyspark.memory (the
-    executor's Python workers together) shared by the ranks one executor runs, whichever is less."""
+    """What one rank may hold: launch.max_memory_per_rank, and spark.executor.pyspark.memory, which
+    Spark divides among the executor's task slots and enforces on each Python worker (as an
+    address-space limit, so the RSS a rank reaches is below it), whichever is less."""
     limits = []
     if config.launch.max_memory_per_rank is not None:
         limits.append(parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank"))
     if cluster.pyspark_memory:
         per_executor = parse_bytes(cluster.pyspark_memory if any(c.isalpha() for c in cluster.pyspark_memory)
                                    else f"{cluster.pyspark_memory}m", "spark.executor.pyspark.memory")
-        ranks_here = max(1, math.ceil(config.launch.num_workers / max(1, len(cluster.executors))))
-        limits.append(per_executor / ranks_here)
+        executors = max(1, len(cluster.executors))
+        slots_each = max(1, math.ceil((cluster.slots or config.launch.num_workers) / executors))
+        limits.append(per_executor / slots_each)
     return min(limits) if limits else None
 
 

@@ -129,8 +129,9 @@ def sharded(work: Workload, net: Network) -> Estimate:
                        / bandwidth for l in work.layers)
         gather_bytes = (work.world - 1) / work.world * work.params * work.param_bytes
     reduce_s = sum(allreduce_s(l.params * work.param_bytes, work.world, net) for l in work.layers)
-    comm = 2 * gather_s + reduce_s / work.accumulate
-    sent = 2 * gather_bytes + allreduce_bytes(work.params * work.param_bytes, work.world) / work.accumulate
+    # The reduction runs every micro-batch (a rank keeps no full gradients to accumulate into).
+    comm = 2 * gather_s + reduce_s
+    sent = 2 * gather_bytes + allreduce_bytes(work.params * work.param_bytes, work.world)
     largest = max((l.params for l in work.layers), default=0)
     memory = (work.params * work.optimizer_bytes_per_param / max(work.world, 1) + 8 * largest
               + work.rows * (sum(l.out_bytes for l in work.layers[:-1])

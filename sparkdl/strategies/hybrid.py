@@ -352,7 +352,8 @@ class Hybrid(Strategy):
         parts = [(flat_inputs(to_device(x, device)), y.to(device), None if w is None else w.to(device))
                  for x, y, w in map(as_triple, batches)]
         features = [torch.cat([f[j] for f, _, _ in parts]) if parts else
-                    torch.empty((0, *shape), dtype=_dtype(dtype), device=device) for j, (_, shape, dtype) in enumerate(spec)]
+                    torch.empty((0, *shape), dtype=_dtype(dtype), device=device)
+                    for j, (_, shape, dtype) in enumerate(spec)]
         labels = torch.cat([l for _, l, _ in parts]) if parts else \
             torch.empty((0, *self.layout.label_shape), dtype=_dtype(self.layout.label_dtype), device=device)
         weighted = bool(parts) and parts[0][2] is not None

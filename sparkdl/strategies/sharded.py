@@ -12,11 +12,12 @@ One step, on each rank's own batch (as data parallel):
   backward with the gradient the next layer sent, reduce-scatter, free;
 - the optimizer steps on the shards (element-wise optimizers give data parallel's update exactly;
   gradient clipping uses the whole model's norm).
-Each layer's parameters cross the network three times per step (two all-gathers, one
-reduce-scatter: 1.5x data parallel's allreduce) and every layer but the last runs its forward
-twice. torch's FSDP2 (`fully_shard`) is not used: it talks to torch.distributed directly, so it
-would bypass the Communicator (Horovod, byte counts, the emulated network); gloo has had the two
-collectives since torch 2.6 and TorchDistCommunicator uses them.
+Each layer's parameters cross the network three times per step (two all-gathers and the
+reduction) and every layer but the last runs its forward twice. torch's FSDP2 (`fully_shard`) is
+not used: it talks to torch.distributed directly, so it would bypass the Communicator (Horovod,
+byte counts, the emulated network). NCCL's reduce-scatter and all-gather are used as they are; on
+gloo, whose two collectives keep copies of the buffer resident, TorchDistCommunicator reduces with
+an in-place allreduce and gathers with one broadcast per rank (2x data parallel's bytes in all).
 
 The model is cut at its top-level layers (an nn.Sequential's children; any other module is one
 layer: its state is still sharded, its parameters are gathered whole for the step). The trained
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST, Communicator
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, ModelError
 from sparkdl.layer_factories import LazyLayers
 from sparkdl.strategies.base import LossFn, OptimizerFactory
 from sparkdl.strategies.data_parallel import DataParallel, broadcast_module
@@ -58,6 +59,13 @@ class _Layer:
     def __init__(self, module: nn.Module, comm: Communicator) -> None:
         self.module, self.comm = module, comm
         self.params = [p for p in module.parameters() if p.requires_grad]
+        odd = sorted({str(p.dtype).replace("torch.", "") for p in self.params} - {"float32"})
+        if odd:
+            raise ConfigError(f"strategy='sharded' keeps fp32 parameters (their shards, gradients and optimizer "
+                              f"state), but {type(module).__name__} has {', '.join(odd)} parameters",
+                              hint="build the model in float32 (precision='bf16' trains under autocast with fp32 "
+                                   "weights), or use strategy='data_parallel'")
+        self.in_place = any(getattr(m, "inplace", False) is True for m in module.modules())
         self.shapes = [p.shape for p in self.params]
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // comm.size)
@@ -128,10 +136,10 @@ class _Gathering(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         x: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             layer.gather()
             try:
-                x = call_model(layer.module, x)
+                x = _apply(layer.module, x, index, len(self.layers))
             finally:
                 layer.release()
         return x
@@ -190,16 +198,16 @@ class Sharded(DataParallel):
         kept: list[tuple[Any, Any]] = []
         x = inputs
         with torch.no_grad():
-            for layer in earlier:
+            for index, layer in enumerate(earlier):
                 kept.append((x, _rng_state(self.comm.device)))
                 layer.gather()
-                with self.steps.autocast():
-                    x = call_model(layer.module, x)
+                with self.steps.autocast():  # an in-place layer runs on a copy: the kept input stays as it was
+                    x = _apply(layer.module, _copy_if(layer.in_place, x), index, len(self._layers))
                 layer.release()
         x = _requiring_grad(x) if earlier else x
         last.gather(with_gradients=True)
         with self.steps.autocast():
-            output = call_model(last.module, x)
+            output = _apply(last.module, _copy_if(last.in_place, x), len(earlier), len(self._layers))
         loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, float_output(output), labels, weights)
         if numerator is not None and micro.count > 1:
             self.steps.backward(numerator)  # the window's weight total divides at its end (_normalise_window)
@@ -226,7 +234,7 @@ class Sharded(DataParallel):
             with torch.random.fork_rng(devices=_cuda_devices(self.comm.device)):
                 _set_rng_state(rng, self.comm.device)
                 with self.steps.autocast():
-                    y = call_model(layer.module, x)
+                    y = _apply(layer.module, _copy_if(layer.in_place, x), index, len(self._layers))
             with torch.no_grad():
                 for buffer, value in zip(layer.module.buffers(), buffers):
                     buffer.copy_(value)  # the first forward already moved the running statistics
@@ -235,6 +243,18 @@ class Sharded(DataParallel):
             gradient = _grad_of(x) if index else None
             layer.scatter_gradients()
             layer.release()
+
+    def evaluate(self, batches: Any, loss_fn: LossFn, classification: bool, metrics: Any = None) -> torch.Tensor:
+        """Every layer's gather is a collective, so every rank runs as many validation batches as
+        the rank with the most: one with fewer (or none) joins the others' gathers without rows."""
+        mine = list(batches)  # validation rows are few by design
+        rounds = max(int(n) for n in self.comm.allgather_object(len(mine)))
+        sums = super().evaluate(iter(mine), loss_fn, classification, metrics)
+        for _ in range(rounds - len(mine)):
+            for layer in self._layers:
+                layer.gather()
+                layer.release()
+        return sums
 
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return self.comm.allreduce(value, op="sum") if self.comm.size > 1 else value
@@ -283,8 +303,9 @@ class Sharded(DataParallel):
             layer.release()
         frozen = {name: p.detach().cpu() for name, p in self._model.named_parameters() if not p.requires_grad}
         if self.comm.rank == 0:
+            kept = set(self._model.state_dict())  # persistent buffers only: what the model loads back
             mine.update(frozen)
-            mine.update({name: b.detach().cpu() for name, b in self._model.named_buffers()})
+            mine.update({name: b.detach().cpu() for name, b in self._model.named_buffers() if name in kept})
         return mine
 
 
@@ -300,6 +321,31 @@ def _return_big_blocks_at_once() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD; setting it fixes it
     except (OSError, AttributeError):
         pass  # not glibc
+
+
+def _apply(module: nn.Module, x: Any, index: int, count: int) -> Any:
+    """Layer `index` of `count` on its input, as nn.Sequential runs them: the first takes the
+    model's inputs (several, or by keyword: call_model's rule), the others the one tensor the layer
+    before returned; whatever a layer before the last returns must be that one tensor."""
+    y = call_model(module, x) if index == 0 else module(x)
+    if index < count - 1 and not isinstance(y, torch.Tensor):
+        raise ModelError(f"strategy='sharded' runs the model one top-level layer at a time, but layer {index} "
+                         f"({type(module).__name__}) returns {type(y).__name__}, not one tensor",
+                         hint="make every top-level layer but the last return one tensor, or wrap the layers that "
+                              "pass tuples into one module")
+    return y
+
+
+def _copy_if(needed: bool, x: Any) -> Any:
+    """`x` copied for a layer that writes into its input (inplace=True), so that what it was handed
+    stays as it was (the kept input, the leaf whose gradient the layer before continues from)."""
+    if not needed:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _copy_if(True, v) for k, v in x.items()}
+    return tuple(_copy_if(True, v) for v in x)
 
 
 def _requiring_grad(x: Any) -> Any:

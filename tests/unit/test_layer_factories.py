@@ -63,3 +63,33 @@ def test_the_driver_copy_is_meta_and_its_layers_real_one_at_a_time() -> None:
 def test_lists_of_modules_and_single_factories_are_not_layer_factories() -> None:
     assert LayerFactories.of([nn.Linear(2, 2), nn.ReLU()]) is None
     assert LayerFactories.of(block) is None and LayerFactories.of([]) is None
+
+
+class Table(nn.Module):
+    """Owns a parameter and no reset method: a meta build cannot be made real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table[0]
+
+
+def test_children_are_reset_before_their_parent_and_ownerless_tensors_are_refused() -> None:
+    import pytest
+
+    from sparkdl.errors import ModelError
+
+    def attention() -> nn.Module:
+        return nn.MultiheadAttention(8, 2)
+
+    def attention_on_meta() -> nn.Module:
+        with torch.device("meta"):
+            return attention()
+
+    eager, lazy = LayerFactories.of([attention]).build(0), LayerFactories.of([attention_on_meta]).build(0)
+    for (name, a), (_, b) in zip(eager.state_dict().items(), lazy.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)  # out_proj.bias 0, as __init__ leaves it
+    with pytest.raises(ModelError, match="Table was built on the meta device but has no reset_parameters"):
+        LayerFactories.of([lambda: Table().to("meta")]).build(0)

@@ -29,7 +29,7 @@ class Pair(nn.Module):
 def model(two_inputs: bool = False) -> nn.Module:
     torch.manual_seed(0)
     first: nn.Module = Pair() if two_inputs else nn.Linear(6, 8)
-    return nn.Sequential(first, nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(),
+    return nn.Sequential(first, nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(inplace=True),
                          nn.Linear(16, 3))
 
 
@@ -64,8 +64,13 @@ def _train(comm: Any, name: str, options: dict[str, Any], two_inputs: bool, weig
             torch.set_rng_state(rng)
         inputs = {"query": x, "doc": x[:, :2]} if two_inputs else x
         strategy.train_step(inputs, y, w if weighted else None, Accumulation(step % accumulate, accumulate))
+    # validation: rank 0 holds two batches, rank 1 none (every layer's gather is a collective)
+    held_out = [(b[0], b[1]) for b in _batches(50 + comm.rank, 2 if comm.rank == 0 else 0)]
+    if two_inputs:
+        held_out = [({"query": x, "doc": x[:, :2]}, y) for x, y in held_out]
+    sums = strategy.evaluate(iter(held_out), F.cross_entropy, True)
     state = strategy.result_state() or {}
-    return {"state": {k: v.tolist() for k, v in state.items()},
+    return {"state": {k: v.tolist() for k, v in state.items()}, "validation": sums.tolist(),
             "param_bytes": strategy.epoch_metrics()["param_bytes"], "bytes": comm.bytes_sent}
 
 
@@ -114,6 +119,9 @@ def test_sharded_steps_equal_data_parallel(ranks: list[dict[str, Any]], index: i
     whole = sum(p.numel() * 4 for p in model(CASES[index][1]).parameters())
     assert all(r["param_bytes"] <= whole / 2 + 4 * 7 for r in sharded)  # 1/W of it (padding: < 1 per layer)
     assert data_parallel[0]["param_bytes"] == whole
+    for mine, theirs in zip(sharded, data_parallel):  # the same validation sums, rank by rank
+        assert mine["validation"] == pytest.approx(theirs["validation"], rel=1e-5, abs=1e-6)
+    assert sharded[1]["validation"] == [0.0, 0.0, 0.0, 0.0] and sharded[0]["validation"][2] == 16
 
 
 def test_a_sharded_checkpoint_resumes_exactly(ranks: list[dict[str, Any]]) -> None:
