@@ -34,7 +34,7 @@ def digits(spark):  # type: ignore[no-untyped-def]
 def test_plan_lists_every_candidate_and_explains(digits) -> None:  # type: ignore[no-untyped-def]
     plan = sparkdl.plan(wide, digits, **common(emulate_network={"latency_ms": 1.0, "gbps": 0.01}))
     strategies = {c.strategy for c in plan.candidates}
-    assert strategies == {"data_parallel", "diloco", "hybrid", "ist"}
+    assert strategies == {"data_parallel", "diloco", "hybrid", "ist", "sharded"}
     for candidate in plan.candidates:
         assert candidate.predicted_step_s > 0 and candidate.memory_bytes > 0
     for candidate in plan.candidates:
