@@ -26,6 +26,8 @@ from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_tripl
 from sparkdl.strategies.inputs import (InputSpec, call_model, flat_inputs, input_spec, rebuilt_inputs, to_device,
                                        weight_total, weighted_terms)
 from sparkdl.strategies.data_parallel import average_gradients
+from sparkdl.strategies.micro_batches import (ActivationMeter, concatenated_inputs, micro_inputs, microbatch_sizes,
+                                              torch_dtype)
 from sparkdl.strategies.schedules import SCHEDULES
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
@@ -35,13 +37,6 @@ _EVAL_ROWS = 1024
 
 def _tag(kind: int, index: int = 0) -> int:
     return kind * (1 << 24) + index
-
-
-def microbatch_sizes(rows: int, microbatches: int) -> list[int]:
-    """Rows of each micro-batch (sizes differ by at most one); fewer micro-batches than requested
-    only when a short last batch has fewer rows than that."""
-    count = max(1, min(microbatches, rows))
-    return [rows // count + (1 if i < rows % count else 0) for i in range(count)]
 
 
 class _Receives:
@@ -79,32 +74,6 @@ class _Receives:
         src = strategy._prev if kind == "F" else strategy._next  # noqa: SLF001 - helper of Hybrid
         tag = _tag(_TAG_ACTIVATION if kind == "F" else _TAG_GRADIENT, index)
         self._posted[position] = (buffer, strategy.comm.irecv(buffer, src, tag))
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.replace("torch.", ""))
-
-
-class _ActivationMeter:
-    """Bytes autograd saves for backward (activations, not parameters), per micro-batch in flight."""
-
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._param_ptrs = {p.data_ptr() for p in params}
-        self.current = 0
-        self.live = 0
-        self.peak = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() not in self._param_ptrs:
-            self.current += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def started(self) -> None:
-        self.current = 0
-
-    def add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
 
 
 class Hybrid(Strategy):
@@ -161,7 +130,7 @@ class Hybrid(Strategy):
         self._optimizer = make_optimizer(self._module.parameters())
         self.steps.attach(self._optimizer)
         self._loss_fn = loss_fn
-        self._meter = _ActivationMeter(self._module.parameters())
+        self._meter = ActivationMeter(self._module.parameters())
 
     def _broadcast_from_replica_zero(self, tensors: list[torch.Tensor]) -> None:
         group = self._stage_group
@@ -185,8 +154,7 @@ class Hybrid(Strategy):
         gathered, targets, target_weights, keep_alive, pending = self._gather_batch(features, labels, weights)
         sizes = microbatch_sizes(features[0].shape[0] * self.layout.stages, self.layout.microbatches)
         total = sum(sizes)
-        input_chunks = None if gathered is None else \
-            [rebuilt_inputs(spec, list(parts)) for parts in zip(*(torch.split(t, sizes) for t in gathered))]
+        input_chunks = None if gathered is None else micro_inputs(gathered, spec, sizes)
         target_chunks = torch.split(targets, sizes) if targets is not None else None
         weight_chunks = torch.split(target_weights, sizes) if target_weights is not None else None
         # Weighted accumulation: sum(w * l) per micro-batch, normalised by the window's total at its end.
@@ -203,7 +171,7 @@ class Hybrid(Strategy):
                 x = input_chunks[i] if input_chunks is not None else incoming.requires_grad_(True)
                 y, nbytes = self._forward(x)
                 if self._next is not None:
-                    sent = y.detach().to(_dtype(self.layout.boundary_dtypes[self.stage]))
+                    sent = y.detach().to(torch_dtype(self.layout.boundary_dtypes[self.stage]))
                     keep_alive.append(sent)
                     pending.append(self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, i)))
                 else:
@@ -301,7 +269,7 @@ class Hybrid(Strategy):
         else:
             return None
         return torch.empty((rows, *self.layout.boundary_shapes[boundary]),
-                           dtype=_dtype(self.layout.boundary_dtypes[boundary]), device=self.comm.device)
+                           dtype=torch_dtype(self.layout.boundary_dtypes[boundary]), device=self.comm.device)
 
     def _gather_batch(self, features: list[torch.Tensor], labels: torch.Tensor, weights: torch.Tensor | None
                       ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None,
@@ -351,11 +319,9 @@ class Hybrid(Strategy):
         device, spec = self.comm.device, self._input_spec()
         parts = [(flat_inputs(to_device(x, device)), y.to(device), None if w is None else w.to(device))
                  for x, y, w in map(as_triple, batches)]
-        features = [torch.cat([f[j] for f, _, _ in parts]) if parts else
-                    torch.empty((0, *shape), dtype=_dtype(dtype), device=device)
-                    for j, (_, shape, dtype) in enumerate(spec)]
+        features = concatenated_inputs([f for f, _, _ in parts], spec, device)
         labels = torch.cat([l for _, l, _ in parts]) if parts else \
-            torch.empty((0, *self.layout.label_shape), dtype=_dtype(self.layout.label_dtype), device=device)
+            torch.empty((0, *self.layout.label_shape), dtype=torch_dtype(self.layout.label_dtype), device=device)
         weighted = bool(parts) and parts[0][2] is not None
         facts = self.comm.allgather_object((int(features[0].shape[0]), weighted))
         weighted = any(w for _, w in facts)
@@ -395,7 +361,7 @@ class Hybrid(Strategy):
                 with self.steps.autocast():
                     y = call_model(self._module, x)
                 if self._next is not None:
-                    sent = y.to(_dtype(self.layout.boundary_dtypes[self.stage])).contiguous()
+                    sent = y.to(torch_dtype(self.layout.boundary_dtypes[self.stage])).contiguous()
                     self.comm.send(sent, self._next, _tag(_TAG_ACTIVATION, index)).wait()
                     continue
                 window = None if weights is None else weights[start: start + count]

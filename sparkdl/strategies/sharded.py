@@ -32,104 +32,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST, Communicator
+from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.layer_factories import LazyLayers
 from sparkdl.strategies.base import LossFn, OptimizerFactory
 from sparkdl.strategies.data_parallel import DataParallel, broadcast_module
 from sparkdl.strategies.inputs import call_model, loss_and_weight_sum
+from sparkdl.strategies.layer_shards import LayerShard, Scratch
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
-
-
-class _Scratch:
-    """One gather buffer and one gradient buffer, each the size of the largest layer, reused by
-    every layer and step: a layer's parameters and gradients are views into them while it computes.
-    Fresh allocations of these sizes every layer and step leave glibc's heap holding the freed ones
-    (its mmap threshold adapts upwards), which a rank's RSS then shows as if it were state."""
-
-    def __init__(self, numel: int, device: torch.device) -> None:
-        self.gathered = torch.empty(numel, dtype=torch.float32, device=device)
-        self.gradients = torch.empty(numel, dtype=torch.float32, device=device)
-
-
-class _Layer:
-    """One top-level layer: this rank's flat shard of its trainable parameters (padded to a
-    multiple of W), gathered into the scratch buffer only while it computes."""
-
-    def __init__(self, module: nn.Module, comm: Communicator) -> None:
-        self.module, self.comm = module, comm
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        odd = sorted({str(p.dtype).replace("torch.", "") for p in self.params} - {"float32"})
-        if odd:
-            raise ConfigError(f"strategy='sharded' keeps fp32 parameters (their shards, gradients and optimizer "
-                              f"state), but {type(module).__name__} has {', '.join(odd)} parameters",
-                              hint="build the model in float32 (precision='bf16' trains under autocast with fp32 "
-                                   "weights), or use strategy='data_parallel'")
-        self.in_place = any(getattr(m, "inplace", False) is True for m in module.modules())
-        self.shapes = [p.shape for p in self.params]
-        self.numel = sum(p.numel() for p in self.params)
-        self.shard_size = -(-self.numel // comm.size)
-        self.full_size = self.shard_size * comm.size
-        shard = torch.zeros(self.shard_size, dtype=torch.float32, device=comm.device)
-        start = comm.rank * self.shard_size
-        offset = 0
-        for param in self.params:  # copy this rank's slice of the flat parameters, never the whole
-            low, high = max(start, offset), min(start + self.shard_size, offset + param.numel())
-            if low < high:
-                shard[low - start: high - start] = param.detach().reshape(-1)[low - offset: high - offset].float()
-            offset += param.numel()
-        self.shard = nn.Parameter(shard)
-        self.scratch: _Scratch | None = None
-        self.release()
-
-    def gather(self, with_gradients: bool = False) -> None:
-        """The full parameters as views into the gather buffer; `with_gradients`: their .grad as
-        zeroed views into the gradient buffer, which autograd accumulates into in place."""
-        if not self.params:
-            return
-        scratch = self.scratch
-        full = self.comm.allgather_into(self.shard.detach(), out=scratch.gathered[: self.full_size])
-        if with_gradients:
-            scratch.gradients[: self.full_size].zero_()
-        offset = 0
-        for param, shape in zip(self.params, self.shapes):
-            count = shape.numel()
-            param.data = full[offset: offset + count].view(shape).to(param.dtype)
-            if with_gradients:
-                param.grad = scratch.gradients[offset: offset + count].view(shape)
-            offset += count
-
-    def release(self) -> None:
-        for param in self.params:
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            param.grad = None
-
-    def scatter_gradients(self) -> None:
-        """This rank's shard of the gradients averaged over ranks, added to what it holds (the
-        earlier micro-batches of an accumulation window)."""
-        if not self.params:
-            return
-        grads = self.scratch.gradients[: self.full_size]
-        for param, offset in zip(self.params, _offsets(self.params)):
-            if param.grad is not None and param.grad.data_ptr() != grads[offset:].data_ptr():
-                grads[offset: offset + param.numel()] = param.grad.reshape(-1)  # autograd replaced the view
-        mine = self.comm.reduce_scatter(grads, op="avg")
-        self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
-
-
-def _offsets(params: list[nn.Parameter]) -> list[int]:
-    offsets, offset = [], 0
-    for param in params:
-        offsets.append(offset)
-        offset += param.numel()
-    return offsets
 
 
 class _Gathering(nn.Module):
     """The sharded model as one module for validation and inference: each layer's parameters are
     gathered for its forward only."""
 
-    def __init__(self, layers: list[_Layer]) -> None:
+    def __init__(self, layers: list[LayerShard]) -> None:
         super().__init__()
         self.layers = layers
         self.children_ = nn.ModuleList([layer.module for layer in layers])  # train()/eval() reach them
@@ -158,11 +75,11 @@ class Sharded(DataParallel):
             broadcast_module(self.comm, model)
         self._model = model
         count = len(model) if isinstance(model, nn.Sequential) and len(model) else 0
-        self._layers = [self._layer(model, i, lazy) for i in range(count)] if count else [_Layer(model, self.comm)]
+        self._layers = [self._layer(model, i, lazy) for i in range(count)] if count else [LayerShard(model, self.comm)]
         modules = [layer.module for layer in self._layers]
         _refuse_shared_parameters(modules)
         self._names = {id(p): name for name, p in model.named_parameters()}
-        scratch = _Scratch(max((layer.full_size for layer in self._layers), default=0), self.comm.device)
+        scratch = Scratch(max((layer.full_size for layer in self._layers), default=0), self.comm.device)
         for layer in self._layers:
             layer.scratch = scratch
         self._owners = _owners([p for layer in self._layers for p in layer.params], self.comm.size)
@@ -179,14 +96,14 @@ class Sharded(DataParallel):
         self._grad_bytes = sum(layer.numel * 4 for layer in self._layers)
         self._gathering = _Gathering(self._layers)
 
-    def _layer(self, model: nn.Sequential, index: int, lazy: bool) -> _Layer:
+    def _layer(self, model: nn.Sequential, index: int, lazy: bool) -> LayerShard:
         """Layer `index` sharded; from layer factories it is built here and its full parameters
         freed at once, so the rank's peak is one layer on top of its shards."""
         if not lazy:
-            return _Layer(model[index], self.comm)
+            return LayerShard(model[index], self.comm)
         module = model.realise(index).to(self.comm.device)
         broadcast_module(self.comm, module)  # factories are seeded alike; a non-deterministic one is not
-        return _Layer(module, self.comm)
+        return LayerShard(module, self.comm)
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -224,7 +141,7 @@ class Sharded(DataParallel):
             self.steps.step(self._optimizer, self._params, sum_over_ranks=self._sum_over_ranks)
         return loss.detach()
 
-    def _backward_earlier(self, earlier: list[_Layer], kept: list[tuple[Any, Any]],
+    def _backward_earlier(self, earlier: list[LayerShard], kept: list[tuple[Any, Any]],
                           gradient: torch.Tensor | None) -> None:
         for index in range(len(earlier) - 1, -1, -1):
             layer, (x, rng) = earlier[index], kept[index]

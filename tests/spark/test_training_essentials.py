@@ -116,15 +116,21 @@ def test_regression_metrics_equal_driver_references(spark, digits_split) -> None
     assert last["val_rmse"] == pytest.approx(np.sqrt(mean_squared_error(y.numpy(), predicted)), rel=1e-5)
 
 
-def test_early_stopping_on_a_rising_val_loss_restores_the_best_epoch_on_every_stage(spark) -> None:  # type: ignore[no-untyped-def]
+def rising_validation_loss(spark):  # type: ignore[no-untyped-def]
+    """(train, validation frames, the validation rows, feature columns): validation labels are the
+    rule's opposite, so learning the rule makes the validation loss rise."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(256, 8))
     y = (x[:, 0] > 0).astype(int)
     rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
     cols = [f"f{i}" for i in range(8)]
     train = spark.createDataFrame(rows[:192], cols + ["label"]).repartition(2).cache()
-    flipped = [(*r[:-1], 1 - r[-1]) for r in rows[192:]]  # learning the rule makes this val loss rise
-    validation = spark.createDataFrame(flipped, cols + ["label"]).cache()
+    flipped = [(*r[:-1], 1 - r[-1]) for r in rows[192:]]
+    return train, spark.createDataFrame(flipped, cols + ["label"]).cache(), flipped, cols
+
+
+def test_early_stopping_on_a_rising_val_loss_restores_the_best_epoch_on_every_stage(spark) -> None:  # type: ignore[no-untyped-def]
+    train, validation, flipped, cols = rising_validation_loss(spark)
     model = TorchEstimator(model=lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)),
                            feature_cols=cols, label_col="label", epochs=8, batch_size=16, lr=0.05, optimizer="sgd",
                            strategy="hybrid", stages=2, validation_df=validation, tracking=False,
@@ -149,14 +155,7 @@ def test_diloco_takes_a_schedule_accumulation_and_early_stopping(spark, mlflow_s
 
     from mlflow.tracking import MlflowClient
 
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(256, 8))
-    y = (x[:, 0] > 0).astype(int)
-    rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
-    cols = [f"f{i}" for i in range(8)]
-    train = spark.createDataFrame(rows[:192], cols + ["label"]).repartition(2).cache()
-    flipped = [(*r[:-1], 1 - r[-1]) for r in rows[192:]]  # learning the rule makes this val loss rise
-    validation = spark.createDataFrame(flipped, cols + ["label"]).cache()
+    train, validation, flipped, cols = rising_validation_loss(spark)
     epochs, accumulate = 10, 2
     model = TorchEstimator(model=lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)),
                            feature_cols=cols, label_col="label", epochs=epochs, batch_size=16, lr=0.05, optimizer="sgd",
