@@ -26,6 +26,7 @@ from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
 from sparkdl.phases import Phases
 from sparkdl.serving import ServedModel
+from sparkdl.trained_model import check_complete, load_parts
 from sparkdl.session import facts
 
 _log = logging.getLogger("sparkdl")
@@ -114,17 +115,26 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("plan")
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
     phases.mark("tracking")
-    state, history = tracked_submit(spark, prepared.launch_df(), spec, tracker, callbacks=callbacks)
+    parts, history = tracked_submit(spark, prepared.launch_df(), spec, tracker, callbacks=callbacks)
     phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
-    _load_trained(module, state, model, config.train.seed)
-    kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
-    tracker.log_loss_curve(history)
-    serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
-                          out_shape, config.data.prediction_col)
-    model_uri = tracker.log_model(serving, input_example(df, prepared.layout, sample=prepared.sample)) \
-        if tracker.run_id else None
+    load = config.output.load_model
+    try:
+        check_complete(module, parts.tensor_names())
+        module = _real_where_state_cannot_reach(module, model, config.train.seed)
+        if load:
+            load_parts(module, parts.files)
+        module.eval()
+        kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
+        tracker.log_loss_curve(history)
+        serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
+                              out_shape, config.data.prediction_col)
+        model_uri = tracker.log_model(serving, input_example(df, prepared.layout, sample=prepared.sample),
+                                      parts.local_directory(), loaded=load) if tracker.run_id else None
+    finally:
+        if load:
+            parts.remove()  # the model is in memory (and in MLflow): the files are done with
     phases.mark("log_model")
     tracker.log_metric_points([(phases.metrics(), 0)])
     tracker.finish("FINISHED")
@@ -132,29 +142,23 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
                      run_id=spec.run_id, plan=resolved, extra={"mlflow_run_id": tracker.run_id, "model_uri": model_uri,
                                                                 "tracking_uri": tracker.tracking_uri,
                                                                 "output_shape": out_shape, "phases": phases.seconds,
-                                                                "delivery": "spark" if prepared.source is None else "parquet"})
+                                                                "delivery": "spark" if prepared.source is None else "parquet",
+                                                                "model_parts": None if load else parts,
+                                                                "model_transfer": dict(parts.via_by_rank)})
 
 
-def _load_trained(module: Any, state: dict[str, Any], model: Any, seed: int) -> None:
-    """The trained weights into the driver's copy; a meta copy (layer factories) takes the merged
-    tensors themselves, so the whole model exists on the driver once, now. A layer with tensors no
-    state dict carries (a non-persistent buffer) is built for real from its factory first."""
-    from sparkdl.errors import TrainingError
+def _real_where_state_cannot_reach(module: Any, model: Any, seed: int) -> Any:
+    """The driver's meta copy (layer factories) takes the trained tensors themselves when loaded, so
+    the whole model exists on the driver once; a layer with tensors no state dict carries (a
+    non-persistent buffer) is built for real from its factory first."""
     from sparkdl.layer_factories import LayerFactories, on_meta
 
-    missing = sorted(set(module.state_dict()) - set(state))
-    if missing:
-        raise TrainingError(f"the trained model came back without {len(missing)} of its tensors "
-                            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})",
-                            hint="the driver collects the ranks' parts of the model: if its log shows an "
-                                 "OutOfMemoryError, raise spark.driver.memory (about 3x the model's bytes)")
     factories = LayerFactories.of(model)
     if factories is not None and on_meta(module):
         for index in range(len(factories)):
             if _meta_beyond_state(module[index], f"{index}."):
                 module[index] = factories.layer(index, seed)
-    module.load_state_dict(state, assign=on_meta(module))
-    module.eval()
+    return module
 
 
 def _meta_beyond_state(layer: Any, prefix: str) -> bool:

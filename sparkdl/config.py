@@ -212,6 +212,9 @@ class LaunchConfig:
     emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
     horovod_env: dict | None = None  # HOROVOD_* settings applied before hvd.init() (backend="horovod")
     channel: str = "auto"  # where executors send progress and metrics back: "auto", "off" or this client's host
+    # How the ranks' parts of the trained model reach the driver (launch/model_transfer.py):
+    # "auto", "channel", "storage" (checkpoint_dir or run_dir) or "rows" (the job's result rows).
+    model_transfer: str = "auto"
 
     def validate(self) -> None:
         positive_int("launch.num_workers", self.num_workers)
@@ -238,6 +241,10 @@ class LaunchConfig:
         choice("launch.backend", self.backend, BACKENDS)
         check_horovod_env(self.horovod_env, self.backend)
         check_channel(self.channel)
+        choice("launch.model_transfer", self.model_transfer, ("auto", "channel", "storage", "rows"))
+        if self.model_transfer == "channel" and self.channel == "off":
+            raise ConfigError('launch.model_transfer="channel" needs the driver channel, but launch.channel="off"',
+                              hint='use model_transfer="storage" (with checkpoint_dir or run_dir) or "auto"')
         for key in ("timeout_s", "slot_wait_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or value <= 0:
@@ -284,8 +291,14 @@ class InputConfig:
 class OutputConfig:
     model_path: str | None = None
     overwrite: bool = False
+    # False: the fit never loads the trained model on the driver; it logs the MLflow model from the
+    # ranks' files and returns a TorchModel that loads them on first use (a model larger than the
+    # driver's memory can be trained, logged and served).
+    load_model: bool = True
 
     def validate(self) -> None:
+        if not isinstance(self.load_model, bool):
+            raise ConfigError(f"output.load_model must be true or false, got {self.load_model!r}")
         if self.model_path is not None and not isinstance(self.model_path, str):
             raise ConfigError(f"output.model_path must be a path string, got {self.model_path!r}")
 

@@ -17,7 +17,8 @@ from sparkdl.errors import SparkdlError
 from sparkdl.session import facts
 from sparkdl.storage import read_bytes, write_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: module.pkl held the weights too, with state.pt beside it (still read)
+WEIGHTS_DIR = "weights"
 
 
 class TorchEstimator(Estimator, MLWritable):
@@ -47,6 +48,9 @@ class TorchEstimator(Estimator, MLWritable):
         model.output_shape = tuple(result.extra.get("output_shape", ()))
         model.plan = result.plan  # the layout it trained with: TorchEstimator(plan=model.plan) trains alike
         model.fit_seconds = dict(result.extra.get("phases", {}))  # where the fit's wall time went (phases.py)
+        model.model_transfer = dict(result.extra.get("model_transfer", {}))  # rank -> how its part came back
+        if result.extra.get("model_parts") is not None:  # output.load_model=False: read on first use
+            model._defer_loading(result.extra["model_parts"])
         return model
 
     def write(self) -> MLWriter:
@@ -76,15 +80,38 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.transform_fn: Any = None  # input_cols models: run on the scoring executors as in training
         self.explicit_dtypes: list[str] = []  # input columns whose dtype input_dtypes set
         self.output_shape: tuple[int, ...] = ()  # per row, of the module's output (input_cols models)
+        self.model_transfer: dict[int, str] = {}  # rank -> "channel" / "storage" / "rows" (not saved)
+        self._pending_parts: Any = None  # trained_model.ModelParts not loaded yet (output.load_model=False)
+
+    def _defer_loading(self, parts: Any) -> None:
+        """Keep the trained weights in their files until the module is first used; the files go
+        when this model does (weakref.finalize), unless loaded before."""
+        import weakref
+
+        self._pending_parts = parts
+        weakref.finalize(self, parts.remove)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the trained weights are in memory (False until first use after load_model=False)."""
+        return self._pending_parts is None
 
     def served(self) -> Any:
         """The module with what it scores with (serving.ServedModel): input layout, transform_fn, kind."""
         from sparkdl.serving import ServedModel
 
-        return ServedModel(self._module, self.layout, self.output_kind, self.transform_fn,
+        return ServedModel(self.torch_module(), self.layout, self.output_kind, self.transform_fn,
                            frozenset(self.explicit_dtypes), tuple(self.output_shape), self.prediction_col)
 
     def torch_module(self) -> Any:
+        """The trained module, its weights read from the ranks' files now if that was deferred."""
+        if self._pending_parts is not None:
+            from sparkdl.trained_model import load_parts
+
+            load_parts(self._module, self._pending_parts.files)
+            self._module.eval()
+            parts, self._pending_parts = self._pending_parts, None
+            parts.remove()
         return self._module
 
     def setInferenceGpus(self, gpus_per_task: float) -> "TorchModel":
@@ -103,7 +130,7 @@ class TorchModel(Model, MLWritable, MLReadable):
     def _transform(self, dataset: DataFrame) -> DataFrame:
         if self._module is None or self.layout is None:
             raise SparkdlError("this TorchModel holds no trained module", hint="fit an estimator or TorchModel.load(path)")
-        return api.predict(dataset, self._module, self.layout, self.output_kind, self.prediction_col,
+        return api.predict(dataset, self.torch_module(), self.layout, self.output_kind, self.prediction_col,
                            batch_size=self.inference_batch_size, gpus_per_task=self.inference_gpus,
                            served=self.served() if self.layout.tensor_inputs else None)
 
@@ -117,35 +144,62 @@ class TorchModel(Model, MLWritable, MLReadable):
 
 class _TorchModelWriter(MLWriter):
     """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
-    data/: a cloudpickled module for its structure and a weights-only state file for its weights."""
+    data/: the module's weightless skeleton (module.pkl), its weights as tensor files (weights/,
+    written a piece at a time from the tensors, or copied from the ranks' files when the model was
+    never loaded) and sparkdl.json; all through sparkdl/storage.py."""
 
     def __init__(self, instance: TorchModel) -> None:
         super().__init__()
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
-        import torch
-
-        from sparkdl.launch.wire import dumps_any
+        from sparkdl.trained_model import skeleton_bytes
 
         model = self.instance
-        if model.torch_module() is None or model.layout is None:
+        if model._module is None or model.layout is None:
             raise SparkdlError("cannot save a TorchModel that holds no trained module")
         DefaultParamsWriter.saveMetadata(model, path, facts(self.sparkSession).metadata_context(),
                                          extraMetadata={"sparkdlFormat": FORMAT_VERSION})
-        state = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in model.torch_module().state_dict().items()}, state)
         info = {"format": FORMAT_VERSION, "layout": model.layout.to_dict(), "output_kind": model.output_kind,
                 "output_shape": list(model.output_shape), "explicit_dtypes": list(model.explicit_dtypes),
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
                 "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
                 "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
-        files = [("module.pkl", dumps_any(model.torch_module())), ("state.pt", state.getvalue()),
-                 ("sparkdl.json", json.dumps(info, indent=1).encode())]
+        data = f"{path.rstrip('/')}/data"
+        _write_weights(self.sparkSession, f"{data}/{WEIGHTS_DIR}", model)
+        files = [("module.pkl", skeleton_bytes(model._module)), ("sparkdl.json", json.dumps(info, indent=1).encode())]
         if model.transform_fn is not None:
+            from sparkdl.launch.wire import dumps_any
+
             files.append(("transform_fn.pkl", dumps_any(model.transform_fn)))
         for name, payload in files:
-            write_bytes(self.sparkSession, f"{path.rstrip('/')}/data/{name}", payload)
+            write_bytes(self.sparkSession, f"{data}/{name}", payload)
+
+
+def _write_weights(spark: Any, directory: str, model: TorchModel) -> None:
+    """The weights as tensor files under `directory`: streamed where pyarrow reaches the path,
+    else (a Hadoop-only scheme) as one payload through the session."""
+    from sparkdl.storage import atomic_output, locate, open_input, pyarrow_reaches
+    from sparkdl.tensor_files import tensor_pieces
+
+    pending = model._pending_parts
+    sources = list(pending.files) if pending is not None else [None]
+    for index, source in enumerate(sources):
+        target = f"{directory}/part-{index}.safetensors"
+        if source is None:
+            total, pieces = tensor_pieces(model._module.state_dict())
+        if not pyarrow_reaches(target):
+            payload = read_bytes(spark, source) if source is not None else b"".join(bytes(p) for p in pieces)
+            write_bytes(spark, target, payload)
+            continue
+        with atomic_output(locate(target)) as out:
+            if source is None:
+                for piece in pieces:
+                    out.write(piece)
+            else:
+                with open_input(locate(source)) as stream:
+                    while chunk := stream.read(4 << 20):
+                        out.write(chunk)
 
 
 class _TorchModelReader(MLReader):
@@ -154,23 +208,22 @@ class _TorchModelReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> TorchModel:
-        import torch
-
         try:
             metadata = DefaultParamsReader.loadMetadata(path, facts(self.sparkSession).metadata_context())
         except Exception:  # noqa: BLE001 - Hadoop's "input path does not exist" arrives as a Py4J error
             raise SparkdlError(f"{path!r} is not a saved TorchModel (no Spark ML metadata there)",
                                hint="pass the directory written by TorchModel.save(path)") from None
+        data = f"{path.rstrip('/')}/data"
+
         def read(name: str) -> bytes:
             try:
-                return read_bytes(self.sparkSession, f"{path.rstrip('/')}/data/{name}")
+                return read_bytes(self.sparkSession, f"{data}/{name}")
             except FileNotFoundError:
                 raise SparkdlError(f"{path!r} is not a saved TorchModel: data/{name} is missing",
                                    hint="pass the directory written by TorchModel.save") from None
 
         info = json.loads(read("sparkdl.json"))
-        module = pickle.loads(read("module.pkl"))
-        module.load_state_dict(torch.load(io.BytesIO(read("state.pt")), weights_only=True))
+        module = _read_module(self.sparkSession, data, int(info.get("format", 1)), read)
         module.eval()
         model = TorchModel(module=module, layout=FeedLayout.from_dict(info["layout"]), output_kind=info["output_kind"],
                            history=info["history"], prediction_col=info["prediction_col"],
@@ -184,6 +237,47 @@ class _TorchModelReader(MLReader):
             model.transform_fn = pickle.loads(read("transform_fn.pkl"))
         model._resetUid(metadata["uid"])  # a reloaded PipelineModel must keep its stage uids
         return model
+
+
+def _read_module(spark: Any, data: str, version: int, read: Any) -> Any:
+    """The saved module: format 2's skeleton with its tensor files read into it one tensor at a
+    time; format 1's pickled module with state.pt."""
+    import torch
+
+    if version < 2:
+        module = pickle.loads(read("module.pkl"))
+        module.load_state_dict(torch.load(io.BytesIO(read("state.pt")), weights_only=True))
+        return module
+    from sparkdl.storage import list_names, locate, pyarrow_reaches
+    from sparkdl.trained_model import load_parts, load_skeleton, check_complete
+    from sparkdl.tensor_files import read_tensors
+
+    module = load_skeleton(read("module.pkl"))
+    directory = f"{data}/{WEIGHTS_DIR}"
+    if pyarrow_reaches(directory):
+        files = [f"{directory}/{n}" for n in list_names(locate(directory)) if n.endswith(".safetensors")]
+        load_parts(module, files)
+        names = {n for f in files for n in _names(f)}
+    else:  # a Hadoop-only scheme: whole files through the session
+        taken: dict[str, Any] = {}
+        for index in range(1 << 20):
+            try:
+                payload = read_bytes(spark, f"{directory}/part-{index}.safetensors")
+            except FileNotFoundError:
+                break
+            taken.update(read_tensors(io.BytesIO(payload)))
+        module.load_state_dict(taken, strict=False, assign=True)
+        names = set(taken)
+    check_complete(module, names)
+    return module
+
+
+def _names(uri: str) -> list[str]:
+    from sparkdl.storage import locate, open_input
+    from sparkdl.tensor_files import read_header
+
+    with open_input(locate(uri)) as stream:
+        return [e.name for e in read_header(stream).entries]
 
 
 def _jsonable(value: Any) -> bool:

@@ -24,7 +24,8 @@ MAX_PARAM_CHARS = 6000  # MLflow 3 accepts 6000-character param values
 CLIENT_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 
 
-_FLUENT_LOCK = threading.Lock()  # around MLflow's fluent (process-global) API
+_FLUENT_LOCK = threading.Lock()
+MLFLOW_PYFUNC_CODE = Path(__file__).with_name("mlflow_pyfunc.py")  # the logged model's code  # around MLflow's fluent (process-global) API
 
 
 class RunTracker:
@@ -144,35 +145,43 @@ class RunTracker:
             path.write_bytes(png)
             self._client.log_artifact(self.run_id, str(path))
 
-    def log_model(self, served: Any, input_example: Any) -> str | None:
-        """The model as an MLflow pyfunc (serving.ServedModel inside): `predict` answers what
-        TorchModel.transform writes (class index, per-position classes, values), with class
-        probabilities beside it; signature and input example included. Returns the model URI."""
+    def log_model(self, served: Any, input_example: Any, weights_dir: str, loaded: bool = True) -> str | None:
+        """The model as an MLflow pyfunc logged from its files: the weightless skeleton of the
+        serving.ServedModel and the directory of tensor files the ranks wrote (`weights_dir`), with
+        the model's code file (sparkdl/mlflow_pyfunc.py) instead of a cloudpickled object. `predict`
+        answers what TorchModel.transform writes, with class probabilities beside it; signature and
+        input example included (the output's schema only when the module is `loaded` here).
+        Returns the model URI."""
         if not self._active():
             return None
         result: list[str] = []
 
         def send() -> None:
             import mlflow
-            import pandas as pd
-            from mlflow.models import infer_signature
+            from mlflow.models import Model
 
-            python_model = pyfunc_model(served)
-            output = pd.DataFrame(served.predict_columns(input_example))
-            signature = infer_signature(input_example, output)
-            # log_model goes through MLflow's process-global tracking URI: fits running in other
-            # threads must not swap it between our set and our log (their runs live elsewhere).
-            with _FLUENT_LOCK:
-                previous = mlflow.get_tracking_uri()
-                mlflow.set_tracking_uri(self.tracking_uri)
-                try:
-                    with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
-                        info = mlflow.pyfunc.log_model(name="model", python_model=python_model, signature=signature,
-                                                       input_example=input_example,
-                                                       pip_requirements=model_requirements(served))
-                    result.append(info.model_uri)
-                finally:
-                    mlflow.set_tracking_uri(previous)
+            from sparkdl.trained_model import skeleton_bytes
+
+            signature = model_signature(served, input_example, loaded)
+            with tempfile.TemporaryDirectory() as tmp:
+                skeleton = Path(tmp) / "skeleton.pkl"
+                skeleton.write_bytes(skeleton_bytes(served))
+                # log_model goes through MLflow's process-global tracking URI: fits running in other
+                # threads must not swap it between our set and our log (their runs live elsewhere).
+                with _FLUENT_LOCK:
+                    previous = mlflow.get_tracking_uri()
+                    mlflow.set_tracking_uri(self.tracking_uri)
+                    try:
+                        with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
+                            # Model.log rather than pyfunc.log_model: only it takes validate_serving_input,
+                            # and validating loads a second copy of the model into this process.
+                            info = Model.log(name="model", flavor=mlflow.pyfunc, python_model=str(MLFLOW_PYFUNC_CODE),
+                                             artifacts={"skeleton": str(skeleton), "weights": weights_dir},
+                                             signature=signature, input_example=input_example,
+                                             pip_requirements=model_requirements(served), validate_serving_input=False)
+                        result.append(info.model_uri)
+                    finally:
+                        mlflow.set_tracking_uri(previous)
 
         self._guard("log the model", send)
         return result[0] if result else None
@@ -196,21 +205,17 @@ class RunTracker:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-def pyfunc_model(served: Any) -> Any:
-    """An mlflow.pyfunc.PythonModel around a ServedModel (the class is made here: mlflow loads lazily)."""
-    import mlflow.pyfunc
+def model_signature(served: Any, input_example: Any, loaded: bool) -> Any:
+    """The input schema of the example and, when the module is loaded, the predictions' schema.
+    MLflow's hint that integer columns cannot hold missing values is left out: sparkdl's input layout
+    refuses nulls before training and scoring alike."""
+    import pandas as pd
+    from mlflow.models import infer_signature
 
-    class SparkdlModel(mlflow.pyfunc.PythonModel):
-        def __init__(self, served: Any) -> None:
-            self.served = served
-
-        # Unannotated on purpose: MLflow reads predict()'s type hints as a signature and warns on Any.
-        def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
-            import pandas as pd
-
-            return pd.DataFrame(self.served.predict_columns(model_input))
-
-    return SparkdlModel(served)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*Inferred schema contains integer column", category=UserWarning)
+        output = pd.DataFrame(served.predict_columns(input_example)) if loaded else None
+        return infer_signature(input_example, output)
 
 
 def _is_number(value: Any) -> bool:

@@ -9,13 +9,14 @@ import logging
 import re
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
 from sparkdl.launch.spec import TrainSpec
-from sparkdl.launch.wire import RESULT_SCHEMA, collect_parts, loads_result, output_lines, parse_failure
+from sparkdl.launch.wire import RESULT_SCHEMA, collect_parts, loads_history, loads_result, output_lines, parse_failure
 from sparkdl.launch.worker import make_task
 from sparkdl.session import facts, is_local_master
 
@@ -96,20 +97,30 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
 
 
 def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, list[dict[str, Any]], list[str]]:
-    """Run the barrier job; returns (the trained state or train_fn's result, history, the tail of
-    rank 0's output when the driver channel did not carry it). The slots are
-    checked again right before it (one py4j call when they are there): executors may have gone
-    since the entry point checked, and a barrier stage short of slots retries silently for minutes."""
+    """Run the barrier job; returns (the trained model's parts (trained_model.ModelParts) or
+    train_fn's result, history, the tail of rank 0's output when the driver channel did not carry
+    it). The slots are checked again right before it (one py4j call when they are there): executors
+    may have gone since the entry point checked, and a barrier stage short of slots retries
+    silently for minutes."""
+    from contextlib import ExitStack
+
+    from sparkdl.launch.parts import open_sink, gather_parts
+
     profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
-    job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
-    group = f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} ({spec.world_size} workers)"
-    try:
-        with facts(spark).job_group(*group):
-            rows = _collect(df, job, spec, profile)
-    except Exception as exc:  # noqa: BLE001 - turned into one readable error below
-        raise training_error(exc) from None
-    parts = collect_parts(rows)
-    return (*loads_result(parts, custom=spec.train_fn is not None), output_lines(parts))
+    with ExitStack() as cleanup:
+        sink = open_sink(spark, spec, cleanup) if spec.train_fn is None else None
+        spec = replace(spec, model_sink=sink.sink if sink is not None else None)
+        job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
+        group = f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} ({spec.world_size} workers)"
+        try:
+            with facts(spark).job_group(*group):
+                rows = _collect(df, job, spec, profile)
+        except Exception as exc:  # noqa: BLE001 - turned into one readable error below
+            raise training_error(exc) from None
+        parts = collect_parts(rows)
+        history = loads_history(parts)
+        result = loads_result(parts) if sink is None else gather_parts(sink, parts)
+        return result, history, output_lines(parts)
 
 
 _CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")
@@ -125,8 +136,6 @@ def _collect(df: DataFrame, job: DataFrame, spec: TrainSpec, profile: Any) -> li
     # submission, before any task runs. A shuffle boundary is always accepted.
     log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is (e.g. a union); "
                 "repartitioning it to %d partitions", spec.world_size)
-    from dataclasses import replace
-
     from sparkdl.data.shards import balanced, dealt_counts
 
     dealt, _ = balanced(df, spec.world_size)

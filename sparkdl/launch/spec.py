@@ -30,6 +30,8 @@ class TrainSpec:
     row_counts: tuple[int, ...] = ()
     # Direct Parquet delivery: the pieces every rank reads itself (the job's own input is one placeholder row).
     source: ParquetShards | None = None
+    # Where each rank sends its part of the trained model (launch/model_transfer.ModelSink); set per attempt.
+    model_sink: Any = None
 
     @property
     def world_size(self) -> int:

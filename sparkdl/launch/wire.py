@@ -2,16 +2,16 @@
 
 - Objects shipped by value (models, losses, custom loops, train_fn results): pyspark's cloudpickle,
   so modules registered for pickling by value (launch/shipping.py) apply.
-- Result batches: rows of (rank, kind, seq, payload) in RESULT_SCHEMA; "history" (JSON, rank 0) and
-  "payload" (a state dict saved with torch.save, or a pickled train_fn result) chunked below
-  Spark's 2 GiB cell limit. `loads_result` reassembles them on the driver.
+- Result batches: rows of (rank, kind, seq, payload) in RESULT_SCHEMA; "history" (JSON, rank 0),
+  "part" (JSON: where the rank's part of the trained model went, launch/model_transfer.py) and
+  "payload" (a pickled train_fn result, or a part that had to ride in the rows: a tensor file)
+  chunked below Spark's 2 GiB cell limit. `loads_result` / `part_records` read them on the driver.
 - Failure markers: a failing rank raises `failure_text(rank, ...)`; Spark wraps it in its own long
   stack trace, and `parse_failure` pulls the rank and the exception line back out.
 Writer and reader live side by side so both ends stay in step. No pyspark.sql here.
 """
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import re
@@ -35,14 +35,6 @@ def dumps_any(obj: Any) -> bytes:
     return cloudpickle.dumps(obj)
 
 
-def dumps_state(state: dict[str, Any]) -> bytes:
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
 def result_batch(rank: int, kind: str, seq: int, payload: bytes) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(
         [pa.array([rank], pa.int32()), pa.array([kind], pa.string()), pa.array([seq], pa.int32()),
@@ -50,11 +42,15 @@ def result_batch(rank: int, kind: str, seq: int, payload: bytes) -> pa.RecordBat
         names=["rank", "kind", "seq", "payload"])
 
 
-def result_batches(rank: int, history: list[dict[str, Any]] | None, payload: bytes | None) -> list[pa.RecordBatch]:
-    """What one rank yields as its task's output: rank 0's history, then its payload in chunks."""
+def result_batches(rank: int, history: list[dict[str, Any]] | None, payload: bytes | None,
+                   part: bytes | None = None) -> list[pa.RecordBatch]:
+    """What one rank yields as its task's output: rank 0's history, where its part of the model
+    went, then its payload (if any) in chunks."""
     out = []
     if history is not None:
         out.append(result_batch(rank, "history", 0, json.dumps(history).encode()))
+    if part is not None:
+        out.append(result_batch(rank, "part", 0, part))
     if payload is not None:
         for seq, start in enumerate(range(0, max(len(payload), 1), RESULT_CHUNK_BYTES)):
             out.append(result_batch(rank, "payload", seq, payload[start: start + RESULT_CHUNK_BYTES]))
@@ -82,30 +78,24 @@ def collect_parts(rows: Iterable[Any]) -> ResultParts:
     return parts
 
 
-def loads_result(parts: ResultParts, custom: bool) -> tuple[Any, list[dict[str, Any]]]:
-    """Reassemble the (rank, seq, bytes) chunks. A custom loop returns rank 0's value; the built-in
-    loop's state dicts of every contributing rank are merged by key."""
-    history = json.loads(b"".join(p for _, _, p in sorted(parts.get("history", []))) or b"[]")
-    by_rank: dict[int, list[tuple[int, bytes]]] = {}
-    for rank, seq, chunk in parts.pop("payload", []):
-        by_rank.setdefault(rank, []).append((seq, chunk))
-    if custom:
-        payload = b"".join(c for _, c in sorted(by_rank.get(0, [])))
-        return (pickle.loads(payload) if payload else None), history
-    import torch
+def loads_history(parts: ResultParts) -> list[dict[str, Any]]:
+    return json.loads(b"".join(p for _, _, p in sorted(parts.get("history", []))) or b"[]")
 
-    state: dict[str, Any] = {}
-    for rank in sorted(by_rank):
-        # One rank's part at a time, its chunks dropped as they are copied: the driver holds the
-        # model about twice at most, not four times (rows, bytes, joined bytes, tensors).
-        chunks = sorted(by_rank.pop(rank), key=lambda item: item[0], reverse=True)
-        buffer = io.BytesIO()
-        while chunks:
-            buffer.write(chunks.pop()[1])
-        buffer.seek(0)
-        state.update(torch.load(buffer, weights_only=True))
-        del buffer
-    return state, history
+
+def loads_result(parts: ResultParts) -> Any:
+    """A custom loop's return value (rank 0's, pickled), None when it returned nothing."""
+    payload = b"".join(c for rank, _, c in sorted(parts.pop("payload", [])) if rank == 0)
+    return pickle.loads(payload) if payload else None
+
+
+def part_records(parts: ResultParts) -> dict[int, tuple[dict[str, Any], list[bytes]]]:
+    """rank -> (where its part of the model went, the chunks of a part that rode in the rows, in
+    order); the chunks are taken out of `parts` so they are held once."""
+    chunks: dict[int, list[tuple[int, bytes]]] = {}
+    for rank, seq, chunk in parts.pop("payload", []):
+        chunks.setdefault(rank, []).append((seq, chunk))
+    return {rank: (json.loads(record), [c for _, c in sorted(chunks.pop(rank, []), key=lambda i: i[0])])
+            for rank, _, record in parts.get("part", [])}
 
 
 def failure_text(rank: int, detail: str, trace: str) -> str:

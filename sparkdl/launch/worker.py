@@ -17,7 +17,7 @@ import pyarrow as pa
 from sparkdl.comm.base import Communicator, WorldInfo
 from sparkdl.launch.context import WorkerContext, check_shards, rank_threads
 from sparkdl.launch.spec import TrainSpec
-from sparkdl.launch.wire import dumps_any, dumps_state, failure_text, output_batch, result_batches
+from sparkdl.launch.wire import dumps_any, failure_text, output_batch, result_batches
 
 _PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                        "gloo/transport", "NCCL communicator was aborted", "Socket Timeout",
@@ -146,6 +146,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
                             batch_shares=shares,
                             reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
         history: list[dict[str, Any]] | None = None
+        part: bytes | None = None
         if spec.train_fn is not None:
             result = spec.train_fn(ctx)
             payload = dumps_any(result) if world.rank == 0 else None
@@ -154,11 +155,23 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
 
             # Several ranks may each return part of the model (pipeline stages); merged on the driver.
             state, history = train(ctx, resume, store)
-            payload = dumps_state(state) if state is not None else None
+            part, payload = _deliver_part(spec, world.rank, state)
         if streaming:
             spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
         _last_barrier(spec, context, comm)
-    yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload)
+    yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload, part)
+
+
+def _deliver_part(spec: TrainSpec, rank: int, state: Any) -> tuple[bytes | None, bytes | None]:
+    """(the record of where this rank's part of the model went, the part itself when it must ride
+    in the job's rows): the trained state travels outside the JVMs (launch/model_transfer.py)."""
+    if state is None:
+        return None, None
+    from sparkdl.launch.model_transfer import deliver, record_bytes
+
+    record = deliver(spec.model_sink, rank, state)
+    del state
+    return record_bytes(record), record.get("payload")
 
 
 def _import_what_training_imports(spec: TrainSpec) -> None:

@@ -16,7 +16,7 @@ from sparkdl.errors import EmptyDataError, TrainingError
 from sparkdl.launch.attempts import name_the_failure, retryable
 from sparkdl.launch.driver import training_error
 from sparkdl.launch.wire import (FAILURE_MARKER, RESULT_CHUNK_BYTES, collect_parts, dumps_any, failure_text,
-                                 loads_result, parse_failure, result_batches)
+                                 loads_history, loads_result, parse_failure, result_batches)
 
 
 def own(text: str, host: str = "h1") -> dict:
@@ -111,31 +111,17 @@ def _rows(batches: list[pa.RecordBatch]) -> list[dict]:
     return pa.Table.from_batches(batches).to_pylist()
 
 
-def test_state_dicts_of_several_ranks_merge_by_key_in_rank_order() -> None:
-    def saved(state: dict) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
-
-    history = [{"epoch": 0, "loss": 1.5}]
-    rows = _rows(result_batches(0, history, saved({"0.weight": torch.ones(2), "shared": torch.zeros(1)}))
-                 + result_batches(1, None, saved({"2.weight": torch.full((3,), 2.0), "shared": torch.ones(1)})))
-    state, got_history = loads_result(collect_parts(reversed(rows)), custom=False)
-    assert got_history == history
-    assert set(state) == {"0.weight", "2.weight", "shared"}
-    assert torch.equal(state["2.weight"], torch.full((3,), 2.0)) and float(state["shared"]) == 1.0  # rank 1 last
-
-
 def test_a_custom_result_larger_than_a_chunk_is_reassembled_from_rank_0() -> None:
     value = {"blob": b"x" * (RESULT_CHUNK_BYTES + 10), "n": 3}
     payload = dumps_any(value)
     batches = result_batches(0, [], payload) + result_batches(1, None, dumps_any("not rank 0"))
     kinds = [(r["rank"], r["kind"], r["seq"]) for r in _rows(batches)]
     assert kinds[:3] == [(0, "history", 0), (0, "payload", 0), (0, "payload", 1)]
-    result, history = loads_result(collect_parts(_rows(batches)[::-1]), custom=True)
-    assert result == value and history == []
+    parts = collect_parts(_rows(batches)[::-1])
+    assert loads_result(parts) == value and loads_history(parts) == []
     assert pickle.loads(payload) == value
 
 
 def test_no_payload_means_none() -> None:
-    assert loads_result(collect_parts(_rows(result_batches(0, [], None))), custom=True) == (None, [])
+    parts = collect_parts(_rows(result_batches(0, [], None)))
+    assert loads_result(parts) is None and loads_history(parts) == []

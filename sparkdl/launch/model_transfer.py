@@ -1,0 +1,210 @@
+"""How each rank's part of the trained model reaches the driver, outside the JVMs.
+
+Rows of the barrier job's result are pickled whole in the executor's and the driver's JVM heaps and
+capped by spark.driver.maxResultSize, so the trained state never travels there (DESIGN.md). A rank
+writes its part as a tensor file (tensor_files.py) straight from its tensors' memory, by one of:
+
+- "channel": over an authenticated TCP connection to a receiver on the driver (beside the driver
+  channel, same host), which writes it to a file on the driver's local disk as it arrives. What is
+  in flight is bounded by the sockets' buffers and one piece on each side.
+- "storage": to `<checkpoint_dir>/<run id>/model/rank-<r>.safetensors` (any pyarrow filesystem the
+  driver reaches too: a shared mount, an object store); the driver reads it there.
+- "rows": in the job's rows, as before: the fallback when the driver cannot be reached (Spark
+  Connect clients behind NAT) or the channel is off; bounded by spark.driver.maxResultSize.
+
+A rank that cannot reach the receiver falls back to rows by itself and says so. Only small records
+(where each part went) stay in the job's rows. Stdlib + torch on the worker side; no pyspark.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sparkdl.launch.channel import ChannelAddress, FrameError, encode_frame, read_frame
+
+log = logging.getLogger("sparkdl")
+PART_SUFFIX = ".safetensors"
+CONNECT_TIMEOUT_S = 10.0
+RECEIVE_PIECE_BYTES = 4 << 20
+TRANSFERS = ("auto", "channel", "storage", "rows")
+
+
+@dataclass(frozen=True)
+class ModelSink:
+    """Where the ranks send their parts; travels inside the TrainSpec."""
+
+    mode: str  # "channel" | "storage" | "rows"
+    address: ChannelAddress | None = None  # channel: the driver's receiver
+    storage_uri: str | None = None  # storage: the directory of this attempt's parts
+    timeout_s: float = 600.0  # how long a rank waits for the driver to confirm its part
+
+
+def part_name(rank: int) -> str:
+    return f"rank-{rank}{PART_SUFFIX}"
+
+
+# -- executor side --------------------------------------------------------------------------------
+def deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    """Send this rank's part; returns the small record the driver reads from the job's rows:
+    {"via": "channel"|"storage", ...}, or {"via": "rows", "payload": bytes} when it must ride there."""
+    from sparkdl.tensor_files import tensor_pieces
+
+    metadata = {"rank": str(rank), "format": "sparkdl-part-1"}
+    if sink is not None and sink.mode == "channel" and sink.address is not None:
+        try:
+            sent = _send_over_socket(sink, rank, state, metadata)
+            return {"via": "channel", "bytes": sent}
+        except (OSError, FrameError) as exc:
+            print(f"sparkdl: rank {rank} could not send its part of the model to the driver "
+                  f"({sink.address.host}:{sink.address.port}: {exc}); it comes back in the job's rows instead, "
+                  "bounded by spark.driver.maxResultSize", file=sys.stderr, flush=True)
+    elif sink is not None and sink.mode == "storage" and sink.storage_uri:
+        from sparkdl.storage import atomic_output, locate
+
+        where = locate(sink.storage_uri).child(part_name(rank))
+        with atomic_output(where) as stream:
+            total, pieces = tensor_pieces(state, metadata)
+            for piece in pieces:
+                stream.write(piece)
+        return {"via": "storage", "bytes": total, "uri": f"{sink.storage_uri.rstrip('/')}/{part_name(rank)}"}
+    total, pieces = tensor_pieces(state, metadata)
+    payload = bytearray(total)
+    offset = 0
+    for piece in pieces:
+        payload[offset: offset + len(piece)] = piece
+        offset += len(piece)
+    return {"via": "rows", "bytes": total, "payload": bytes(payload)}
+
+
+def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadata: dict[str, str]) -> int:
+    from sparkdl.tensor_files import tensor_pieces
+
+    address = sink.address
+    assert address is not None
+    total, pieces = tensor_pieces(state, metadata)
+    with socket.create_connection((address.host, address.port), CONNECT_TIMEOUT_S) as sock:
+        sock.settimeout(sink.timeout_s)
+        sock.sendall(encode_frame({"hello": 1, "secret": address.secret, "rank": rank, "bytes": total}))
+        for piece in pieces:
+            sock.sendall(piece)
+        with sock.makefile("rb") as replies:
+            reply = read_frame(replies, 1 << 16)
+    if not reply or not reply.get("ok"):
+        raise OSError(f"the driver refused the part: {(reply or {}).get('error', 'no reply')}")
+    return total
+
+
+# -- driver side ----------------------------------------------------------------------------------
+class PartReceiver:
+    """The driver's end of "channel": one thread per rank's connection writes its part to
+    `<directory>/rank-<r>.safetensors` (a temporary name until complete), then confirms."""
+
+    def __init__(self, host: str, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        try:
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            self._server = socket.create_server((host, 0), family=family, backlog=128)
+        except OSError:  # the address executors see need not be bindable here (NAT)
+            self._server = socket.create_server(("", 0), backlog=128)
+        self._server.settimeout(0.2)
+        self.address = ChannelAddress(host, self._server.getsockname()[1], uuid.uuid4().hex + uuid.uuid4().hex)
+        self.errors: dict[int, str] = {}
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="sparkdl-part-receiver")
+        self._accepter.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except (TimeoutError, BlockingIOError):
+                continue
+            except OSError:
+                if self._closing.is_set():
+                    return
+                continue
+            thread = threading.Thread(target=self._receive, args=(conn,), daemon=True, name="sparkdl-part")
+            self._threads.append(thread)
+            thread.start()
+
+    def _receive(self, conn: socket.socket) -> None:
+        rank, temporary = -1, ""
+        try:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            with conn.makefile("rb") as stream:
+                hello = read_frame(stream, 1 << 16) or {}
+                secret = str(hello.get("secret", ""))
+                if not hmac.compare_digest(secret.encode(), self.address.secret.encode()):
+                    raise FrameError("wrong secret")
+                rank, size = int(hello["rank"]), int(hello["bytes"])
+                conn.settimeout(None)
+                temporary = os.path.join(self.directory, f".{part_name(rank)}.{uuid.uuid4().hex[:8]}")
+                _copy_exactly(stream, temporary, size)
+            os.replace(temporary, os.path.join(self.directory, part_name(rank)))
+            conn.sendall(encode_frame({"ok": True, "bytes": size}))
+        except (OSError, FrameError, KeyError, TypeError, ValueError) as exc:
+            if rank >= 0:
+                self.errors[rank] = str(exc)
+            if temporary and os.path.exists(temporary):
+                os.unlink(temporary)
+            try:
+                conn.sendall(encode_frame({"ok": False, "error": str(exc)[:500]}))
+            except OSError:
+                pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._accepter.join(5.0)
+        self._server.close()
+        for thread in self._threads:
+            thread.join(30.0)
+
+    def __enter__(self) -> "PartReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _copy_exactly(stream: Any, path: str, size: int) -> None:
+    """`size` bytes from the connection into a new file, one piece buffered at a time."""
+    buffer = bytearray(min(RECEIVE_PIECE_BYTES, max(size, 1)))
+    view = memoryview(buffer)
+    left = size
+    with open(path, "wb") as out:
+        while left:
+            got = stream.readinto(view[: min(left, len(view))])
+            if not got:
+                raise OSError(f"the connection closed with {left} of {size} bytes still to come")
+            out.write(view[:got])
+            left -= got
+
+
+def parts_directory(run_id: str) -> str:
+    """A new directory on the driver's disk for one attempt's parts."""
+    root = os.path.join(tempfile.gettempdir(), "sparkdl-models")
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}-", dir=root)
+
+
+def remove_directory(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def record_bytes(record: dict[str, Any]) -> bytes:
+    """The small JSON record a rank leaves in the job's rows (its payload, if any, rides apart)."""
+    return json.dumps({k: v for k, v in record.items() if k != "payload"}).encode()
