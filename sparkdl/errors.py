@@ -67,5 +67,10 @@ class TrainingError(SparkdlError):
     events: list = []  # noqa: RUF012 - replaced per instance when the driver drains the events
 
 
+class CheckpointError(SparkdlError):
+    """A checkpoint cannot be written or resumed from (a failed write, an unreadable manifest, a
+    resume at another world size than the checkpoint was written by)."""
+
+
 class ModelError(SparkdlError):
     """The model, loss or optimizer given cannot be used."""

@@ -139,6 +139,14 @@ def delete_tree(where: Location) -> None:
         where.fs.delete_file(where.path)
 
 
+def remove_empty_dir(where: Location) -> None:
+    """A local directory once nothing is left in it (an object store has no empty directories to
+    remove); nothing when it is absent or still holds files."""
+    if where.local:
+        with _ignored():
+            os.rmdir(where.path)
+
+
 def _fsync_directory(directory: str) -> None:
     """The rename itself survives a crash of the machine."""
     if not directory or not hasattr(os, "O_DIRECTORY"):

@@ -1,24 +1,42 @@
 """Checkpoints of a training run, so a retried barrier stage resumes instead of starting over.
 
-Layout under `train.checkpoint_dir` (a local path or any pyarrow filesystem URI):
-    <dir>/<run id>/step-<global step, 9 digits>/rank-<r>.pt   one file per rank that holds state
-    <dir>/<run id>/step-<global step, 9 digits>/COMPLETE      written by rank 0 after all ranks wrote
-Every file is written to a temporary name, flushed (fsync on local disks) and renamed, so a rank
-killed mid-write leaves at most a stray temporary file; a step directory without COMPLETE is never
-loaded. Files hold only tensors and plain Python values and are read with
-torch.load(weights_only=True): loading a checkpoint cannot run code. The run id is the same for
-every attempt of one fit (Spark retries the stage with the same closure), so an attempt finds what
-the previous one wrote; the last `keep_checkpoints` complete steps are kept.
+Layout under `train.checkpoint_dir` (a local path, a shared mount or any pyarrow filesystem URI:
+s3://bucket/prefix?endpoint_override=..., gs://, abfs://, hdfs://), through sparkdl/storage.py:
+    <dir>/<run id>/step-<global step, 9 digits>/rank-<r>.pt   one file per rank
+    <dir>/<run id>/manifest.json                              the complete steps, written by rank 0
+A rank's file is written in the background (launch/checkpoint_async.py) to a temporary name and
+renamed (a local disk; fsynced) or uploaded as one object (an object store makes it visible only
+once complete). A step is complete only once every rank reported its write durable and rank 0
+recorded it in the manifest (itself written atomically); a step directory the manifest does not list
+is never loaded, and is deleted when an attempt resumes (a killed attempt's half-written steps).
+The manifest keeps the last `keep_checkpoints` steps; each rank deletes its own files of the steps
+it drops and rank 0 the step directories, so host-local directories are pruned too.
+
+Files hold only tensors and plain Python values and are read with torch.load(weights_only=True):
+loading a checkpoint cannot run code. The run id is the same for every attempt of one fit (the
+driver resubmits the same spec), so an attempt finds what the previous one wrote.
+
+World size: the manifest records the world size and, per step, the ranks that wrote a part and
+those whose part holds the strategy's state. A replicated strategy (data parallel with allreduce)
+has its whole state in rank 0's part, which any world size can read (`read_part(step, 0)`). Per-rank
+states (DiLoCo replicas, hybrid stages, IST subnets, sharded data parallel) need the world size they
+were written by. Resuming itself needs the same world size in every case (positions within the
+epoch, running sums and RNG states are per rank): another one raises CheckpointError, not a
+missing-file error. The format before the manifest (a COMPLETE marker per step) is not read: run ids
+are new for every fit, so no fit resumes another version's checkpoints.
 """
 from __future__ import annotations
 
 import io
-import os
-import uuid
-from dataclasses import dataclass
-from typing import Any
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-COMPLETE = "COMPLETE"
+from sparkdl import storage
+from sparkdl.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT = 1  # the manifest's format version
 
 
 @dataclass(frozen=True)
@@ -30,83 +48,118 @@ class Position:
     global_step: int
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One complete step: the ranks that wrote a part, and those whose part holds strategy state."""
+
+    step: int
+    ranks: tuple[int, ...]
+    strategy_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The run's complete steps, oldest first, and the world size that wrote them."""
+
+    world_size: int
+    steps: tuple[StepRecord, ...] = field(default_factory=tuple)
+
+    @property
+    def latest(self) -> StepRecord | None:
+        return self.steps[-1] if self.steps else None
+
+    def with_step(self, record: StepRecord, keep: int) -> tuple["Manifest", list[int]]:
+        """(the manifest with `record` added and only the last `keep` steps, the steps it drops)."""
+        steps = (*self.steps, record)
+        return Manifest(self.world_size, steps[-keep:]), [s.step for s in steps[:-keep]]
+
+    def to_json(self, run_id: str) -> str:
+        return json.dumps({"format": FORMAT, "run_id": run_id, "world_size": self.world_size,
+                           "steps": [{"step": s.step, "ranks": list(s.ranks), "strategy_ranks": list(s.strategy_ranks)}
+                                     for s in self.steps]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        data = json.loads(text)
+        if int(data.get("format", 0)) > FORMAT:
+            raise CheckpointError(f"checkpoint manifest format {data.get('format')} is newer than this sparkdl reads "
+                                  f"({FORMAT})", hint="resume with the sparkdl version that wrote the checkpoints")
+        return cls(int(data["world_size"]), tuple(
+            StepRecord(int(s["step"]), tuple(s["ranks"]), tuple(s["strategy_ranks"])) for s in data["steps"]))
+
+
 class CheckpointStore:
-    """Per-rank checkpoint files of one run on a pyarrow filesystem (local disks included)."""
+    """One rank's view of a run's checkpoint files (storage.py locations: local, mounts, object stores)."""
 
     def __init__(self, uri: str, run_id: str, rank: int, keep: int = 2) -> None:
-        import pyarrow.fs as pafs
-
-        self._fs, root = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
-        self._local = isinstance(self._fs, pafs.LocalFileSystem)
-        self.root = f"{root.rstrip('/')}/{run_id}"
+        self.run_id = run_id
+        self.root = storage.locate(uri).child(run_id)
         self.rank = rank
         self.keep = max(1, keep)
+        self.manifest: Manifest | None = None  # as agreed by find_resume; RunCheckpoints goes on from it
 
-    # -- writing ------------------------------------------------------------------------------
-    def write_rank(self, global_step: int, state: dict[str, Any]) -> None:
-        """This rank's state for `global_step`, atomically."""
+    # -- parts ----------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> storage.Location:
+        return self.root.child(f"step-{step:09d}")
+
+    def part(self, step: int, rank: int) -> storage.Location:
+        return self.step_dir(step).child(f"rank-{rank}.pt")
+
+    def write_part(self, step: int, state: dict[str, Any],
+                   after_piece: Callable[[int], None] | None = None) -> None:
+        """This rank's state for `step`, atomically. `after_piece(bytes so far)` runs between the
+        pieces of the write (the file exists only under its temporary name then): a test seam."""
         import torch
 
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        self._atomic_write(f"{self._step_dir(global_step)}/rank-{self.rank}.pt", buffer.getvalue())
+        view, written = buffer.getbuffer(), 0
+        with storage.atomic_output(self.part(step, self.rank)) as stream:
+            while written < len(view):
+                piece = view[written: written + storage.WRITE_PIECE_BYTES]
+                stream.write(piece)
+                written += len(piece)
+                if after_piece is not None:
+                    after_piece(written)
 
-    def mark_complete(self, global_step: int) -> None:
-        """Rank 0, after every rank has written: the step becomes loadable; older ones beyond keep go."""
-        self._atomic_write(f"{self._step_dir(global_step)}/{COMPLETE}", b"ok\n")
-        for old in self.complete_steps()[:-self.keep]:
-            self._fs.delete_dir(self._step_dir(old))
-
-    # -- reading ------------------------------------------------------------------------------
-    def complete_steps(self) -> list[int]:
-        import pyarrow.fs as pafs
-
-        info = self._fs.get_file_info(self.root)
-        if info.type != pafs.FileType.Directory:
-            return []
-        steps = []
-        for entry in self._fs.get_file_info(pafs.FileSelector(self.root)):
-            name = entry.base_name
-            if entry.type == pafs.FileType.Directory and name.startswith("step-") and name[5:].isdigit():
-                marker = self._fs.get_file_info(f"{entry.path}/{COMPLETE}")
-                if marker.type == pafs.FileType.File:
-                    steps.append(int(name[5:]))
-        return sorted(steps)
-
-    def latest(self) -> int | None:
-        steps = self.complete_steps()
-        return steps[-1] if steps else None
-
-    def read_rank(self, global_step: int, rank: int) -> dict[str, Any]:
+    def read_part(self, step: int, rank: int) -> dict[str, Any]:
         import torch
 
-        with self._fs.open_input_stream(f"{self._step_dir(global_step)}/rank-{rank}.pt") as stream:
-            data = stream.read()
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(storage.read_all(self.part(step, rank))), map_location="cpu", weights_only=True)
 
-    # -- helpers ------------------------------------------------------------------------------
-    def _step_dir(self, global_step: int) -> str:
-        return f"{self.root}/step-{global_step:09d}"
+    # -- the manifest ---------------------------------------------------------------------------
+    def read_manifest(self) -> Manifest | None:
+        where = self.root.child(MANIFEST)
+        if not storage.exists(where):
+            return None
+        return Manifest.from_json(storage.read_all(where).decode("utf-8"))
 
-    def _atomic_write(self, path: str, data: bytes) -> None:
-        directory = path.rsplit("/", 1)[0]
-        self._fs.create_dir(directory, recursive=True)
-        temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        if self._local:
-            with open(temporary, "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, path)
-            fd = os.open(directory, os.O_RDONLY)
+    def write_manifest(self, manifest: Manifest) -> None:
+        storage.write_atomic(self.root.child(MANIFEST), manifest.to_json(self.run_id).encode("utf-8"))
+
+    # -- deleting -------------------------------------------------------------------------------
+    def step_dirs(self) -> list[int]:
+        """Steps with a directory, complete or not (on a host-local path: this host's)."""
+        names = storage.list_names(self.root)
+        return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit())
+
+    def delete_steps(self, steps: list[int]) -> None:
+        """This rank's files of `steps` (temporary ones of a killed write included); rank 0 also
+        deletes the directories (all of them on shared storage; on host-local paths each rank's
+        directory is its own, removed once empty). Best effort: a leftover is never loaded."""
+        own = f"rank-{self.rank}.pt"
+        for step in steps:
+            directory = self.step_dir(step)
             try:
-                os.fsync(fd)  # the rename itself survives a crash of the machine
-            finally:
-                os.close(fd)
-            return
-        with self._fs.open_output_stream(temporary) as stream:
-            stream.write(data)
-        self._fs.move(temporary, path)
+                for name in storage.list_names(directory):
+                    if name == own or name.startswith(own + ".tmp-"):
+                        storage.delete_tree(directory.child(name))
+                if self.rank == 0:
+                    storage.delete_tree(directory)
+                else:
+                    storage.remove_empty_dir(directory)
+            except OSError:
+                pass  # another rank removed the directory first (shared storage)
 
 
 @dataclass(frozen=True)
@@ -137,40 +190,50 @@ def open_store(spec: Any, rank: int) -> CheckpointStore | None:
 
 def find_resume(store: CheckpointStore, comm: Any) -> Resume | None:
     """The latest complete checkpoint, or None when the run has none (a first attempt). One verdict
-    for all ranks, from rank 0's view of the store (a collective: every rank calls it)."""
-    latest = comm.allgather_object(store.latest() if comm.rank == 0 else None)[0]
+    for all ranks, from rank 0's reading of the manifest (a collective: every rank calls it); steps
+    the manifest does not list are deleted (a killed attempt's half-written ones)."""
+    manifest = _agreed_manifest(store, comm)
+    if manifest is not None and manifest.steps and manifest.world_size != comm.size:
+        raise _world_size_error(store, manifest, comm.size)
+    store.manifest = manifest or Manifest(comm.size)
+    recorded = {s.step for s in store.manifest.steps}
+    store.delete_steps([s for s in store.step_dirs() if s not in recorded])
+    latest = store.manifest.latest
     if latest is None:
         return None
-    own = store.read_rank(latest, comm.rank)
+    own = store.read_part(latest.step, comm.rank)
     training = own.get("strategy")
-    if training is None:  # replicated: rank 0 saved it for everyone
-        training = store.read_rank(latest, 0)["strategy"]
+    if training is None:  # replicated: one rank (rank 0) saved it for everyone
+        training = store.read_part(latest.step, latest.strategy_ranks[0])["strategy"]
     epoch, step, global_step = own["position"]
     return Resume(Position(int(epoch), int(step), int(global_step)), dict(own["progress"]), training, own["rng"])
 
 
-class RunCheckpoints:
-    """The training loop's side: when to save and what to save.
+def _agreed_manifest(store: CheckpointStore, comm: Any) -> Manifest | None:
+    """Rank 0's manifest, or the same CheckpointError on every rank when it cannot be read (a rank
+    raising alone would leave the others waiting in the next collective)."""
+    view: tuple[str | None, str | None] = (None, None)
+    if comm.rank == 0:
+        try:
+            manifest = store.read_manifest()
+            view = (manifest.to_json(store.run_id) if manifest else None, None)
+        except (OSError, ValueError, KeyError, CheckpointError) as exc:
+            view = (None, f"{type(exc).__name__}: {exc}")
+    text, error = comm.allgather_object(view)[0]
+    if error is not None:
+        raise CheckpointError(f"cannot read the checkpoint manifest under {store.root.path!r}: {error}",
+                              hint="check that checkpoint_dir is readable from every executor")
+    return Manifest.from_json(text) if text else None
 
-    Each rank saves its position, its RNG state, its part of the epoch's running sums (and rank 0
-    the history so far); the strategy's state is saved by every rank, or only by rank 0 when all
-    ranks hold the same (data parallel with allreduce). A save is complete once every rank has
-    written and rank 0 has marked it: one barrier per save."""
 
-    def __init__(self, store: CheckpointStore, comm: Any, strategy: Any, every: int) -> None:
-        self.store, self.comm, self.strategy, self.every = store, comm, strategy, every
-
-    def due(self, global_step: int) -> bool:
-        return self.every > 0 and global_step % self.every == 0
-
-    def save(self, position: Position, progress: dict[str, Any]) -> None:
-        import torch
-
-        state: dict[str, Any] = {"position": [position.epoch, position.step, position.global_step],
-                                 "progress": progress, "rng": torch.get_rng_state()}
-        if self.comm.rank == 0 or not self.strategy.replicated_state:
-            state["strategy"] = self.strategy.checkpoint_state()
-        self.store.write_rank(position.global_step, state)
-        self.comm.barrier()  # every rank has written: the step may be marked complete
-        if self.comm.rank == 0:
-            self.store.mark_complete(position.global_step)
+def _world_size_error(store: CheckpointStore, manifest: Manifest, world_size: int) -> CheckpointError:
+    latest = manifest.latest
+    replicated = latest is not None and tuple(latest.strategy_ranks) == (0,)
+    readable = (f"its strategy state is rank 0's alone (replicated), readable at any world size with "
+                f"CheckpointStore(dir, {store.run_id!r}, 0).read_part({latest.step}, 0)['strategy']"
+                if replicated and latest else "its strategy state is per rank and needs that world size")
+    return CheckpointError(
+        f"the checkpoints under {store.root.path!r} were written by {manifest.world_size} ranks, this attempt "
+        f"has {world_size}: {readable}; resuming needs the same world size (positions, running sums and "
+        f"RNG states are per rank)",
+        hint=f"resume with num_workers={manifest.world_size}, or start a fresh run (another checkpoint_dir)")

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from sparkdl.config_training import early_stopping_options
 from sparkdl.data.epochs import accumulation, optimizer_steps
-from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume, RunCheckpoints
+from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume
+from sparkdl.launch.checkpoint_async import RunCheckpoints
 from sparkdl.launch.context import WorkerContext
 from sparkdl.launch.memory import mark_model_start, peak_memory, reset_cuda_peak
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
@@ -39,6 +40,7 @@ class _EpochTotals:
     transform_started: float = 0.0  # ctx.transform_seconds when the epoch began
     data_seconds: float = 0.0  # waiting for the next batch (spool read, assembly, transform_fn not hidden by prefetch)
     first_step_s: float | None = None  # task start to the end of the run's first step (a fresh run's epoch 0)
+    checkpoint: dict[str, float] = field(default_factory=dict)  # CheckpointTimings.take() of the epoch
 
 
 def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointStore | None = None
@@ -56,6 +58,23 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
                    lambda params: build_optimizer(config.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every) if store else None
+    try:
+        history, stopper = _train_epochs(ctx, strategy, loss_fn, resume, checkpoints)
+        if checkpoints is not None:
+            checkpoints.finish()  # the last save recorded in the manifest before the result leaves
+    except BaseException:
+        if checkpoints is not None:
+            checkpoints.abandon()  # no collectives: a peer may be gone
+        raise
+    stopper.restore_best(strategy, history)
+    return strategy.result_state(), history
+
+
+def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: Resume | None,
+                  checkpoints: RunCheckpoints | None) -> tuple[History, "_Stopper"]:
+    """Every epoch from the resumed position on, each ending in its agreed record; stops early on
+    the epoch verdict (the same on every rank)."""
+    config = ctx.spec.config
     start, progress, history = _resume(ctx, strategy, resume)
     stopper = _Stopper.of(config.train, progress if resume is not None else {})
     metrics = run_metrics(ctx)
@@ -74,6 +93,8 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
         if last:
             strategy.finish()
         strategy.end_epoch()
+        if checkpoints is not None:
+            totals.checkpoint = checkpoints.timings.take()
         record = epoch_record(ctx, strategy, epoch, totals, time.perf_counter() - started,
                               ctx.comm.bytes_sent - bytes_before)
         if resuming:
@@ -87,8 +108,7 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
             break
         if checkpoints is not None and not last:
             checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, strategy, history, 0.0, 0, stopper))
-    stopper.restore_best(strategy, history)
-    return strategy.result_state(), history
+    return history, stopper
 
 
 @dataclass
@@ -234,7 +254,9 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
     return ((features, labels, None) for features, labels in batches)
 
 
-SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds")
+# The checkpoint figures too: a save's stall is the slowest rank's (the next collective waits for it).
+SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds",
+                "checkpoint_saves", "checkpoint_stall_s", "checkpoint_write_s")
 # Kept per rank too (what sharding saves shows rank by rank); the baselines the peak grew from only so.
 PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")
 BASELINES = ("start_rss_bytes", "model_start_rss_bytes")
@@ -259,7 +281,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
-                 **peak_memory(ctx.comm.device))
+                 **peak_memory(ctx.comm.device), **totals.checkpoint)
     if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
         local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
     if ctx.spec.config.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)

@@ -17,6 +17,10 @@ def spark() -> Iterator["SparkSession"]:  # noqa: F821
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    from s3_server import CREDENTIALS_ENV
+
+    for key, value in CREDENTIALS_ENV.items():  # executors inherit the environment the session starts with
+        os.environ.setdefault(key, value)
     session = (
         SparkSession.builder.master(MASTER)
         .appName("sparkdl-tests")
@@ -45,6 +49,15 @@ def mlflow_server(tmp_path_factory):  # type: ignore[no-untyped-def]
     from mlflow_server import mlflow_server_fixture
 
     yield from mlflow_server_fixture(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def s3_server(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """moto's S3 on 127.0.0.1 at a free port with one bucket (tests/support/s3_server.py); after
+    `spark`, whose executors got the credentials it needs in their environment."""
+    from s3_server import s3_server_fixture
+
+    yield from s3_server_fixture(tmp_path_factory)
 
 
 @pytest.fixture(scope="session", autouse=True)

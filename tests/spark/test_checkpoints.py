@@ -67,23 +67,27 @@ def fit(df, **options):  # type: ignore[no-untyped-def]
     return TorchEstimator(**settings).fit(df)
 
 
-@pytest.mark.parametrize("options, killed_rank", [
-    ({}, 1),
-    ({"sync": "diloco", "sync_every": 4}, 1),
-    ({"strategy": "ist", "ist_sync_every": 4}, 1),
+# Killed at step 8 with checkpoints every 3 steps: the saves of steps 3 and 6 were taken, and step 3
+# was recorded complete at the save of step 6 (a step is recorded at the next save, once every rank's
+# background write is known durable), so the run resumes from step 3.
+@pytest.mark.parametrize("options, killed_rank, resumed_from", [
+    ({}, 1, 3),
+    ({"sync": "diloco", "sync_every": 4}, 1, 3),
+    ({"strategy": "ist", "ist_sync_every": 4}, 1, 3),
     # rank 0 holds the last stage: it computes the loss, once per micro-batch
-    ({"strategy": "hybrid", "stages": 2, "microbatches": 2}, 0),
+    ({"strategy": "hybrid", "stages": 2, "microbatches": 2}, 0, 3),
     # killed mid-warm-up (optimizer step 4 of 6) inside accumulation windows of 2: the lr schedule's
-    # position and the window boundaries come back exactly
-    ({"lr_schedule": "cosine", "warmup_steps": 6, "accumulate_steps": 2}, 1),
+    # position and the window boundaries come back exactly; the save due at step 3 is taken at the
+    # window's end, step 4
+    ({"lr_schedule": "cosine", "warmup_steps": 6, "accumulate_steps": 2}, 1, 4),
     # one pass, no spool: the retried attempt streams its partition from Spark again and skips the
     # checkpointed steps' batches (drawn through the shuffle buffer, never assembled)
-    ({"epochs": 1, "spool": "none"}, 1),
+    ({"epochs": 1, "spool": "none"}, 1, 3),
     # every rank saves and resumes its own shard of the parameters and the optimizer state
-    ({"strategy": "sharded"}, 1),
+    ({"strategy": "sharded"}, 1, 3),
 ], ids=["data_parallel", "diloco", "ist", "hybrid", "warmup_accumulate", "one_pass", "sharded"])
 def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsys, options,  # type: ignore[no-untyped-def]
-                                                         killed_rank) -> None:
+                                                         killed_rank, resumed_from) -> None:
     df = rows_df(spark)
     MARKER.update(path=str(tmp_path / "killed"), rank=killed_rank, calls_per_step=options.get("microbatches", 1))
     Path(MARKER["path"]).touch()  # present: the uninterrupted reference run never kills
@@ -95,9 +99,9 @@ def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsy
         resumed = fit(df, checkpoint_dir=str(checkpoints), checkpoint_every=3, **options)
     assert os.path.exists(MARKER["path"]), "the worker was never killed"
     captured = capsys.readouterr()
-    assert "resumed from the checkpoint of step 6" in captured.out + captured.err
+    assert f"resumed from the checkpoint of step {resumed_from}" in captured.out + captured.err
     assert "attempt 1 of 4 failed" in captured.err
-    assert resumed.history[0]["resumed_from_step"] == 6  # at most one interval (3 steps) redone
+    assert resumed.history[0]["resumed_from_step"] == resumed_from  # at most two intervals redone
     assert [h["steps"] for h in resumed.history] == [h["steps"] for h in reference.history] == \
         [10] * options.get("epochs", 2)
     # the epoch's loss includes the steps before the failure (their sums were checkpointed too)
@@ -105,11 +109,83 @@ def test_a_killed_worker_resumes_from_the_last_checkpoint(spark, tmp_path, capsy
     got, want = resumed.torch_module().state_dict(), reference.torch_module().state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
-    # the last two complete checkpoints are kept, nothing half-written is left
+    assert_two_complete_steps_kept(checkpoints)
+
+
+def assert_two_complete_steps_kept(checkpoints: Path) -> None:
+    """The manifest lists the last two steps, only their directories are left, each with both
+    ranks' parts, and nothing half-written."""
+    import json
+
     (run_dir,) = [p for p in checkpoints.iterdir()]
-    kept = sorted(p.name for p in run_dir.iterdir())
-    assert len(kept) == 2 and all((run_dir / name / "COMPLETE").exists() for name in kept)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    kept = [f"step-{s['step']:09d}" for s in manifest["steps"]]
+    assert manifest["world_size"] == 2 and len(kept) == 2
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == kept
+    assert all(sorted(p.name for p in (run_dir / name).iterdir()) == ["rank-0.pt", "rank-1.pt"] for name in kept)
     assert not list(checkpoints.rglob("*.tmp-*"))
+
+
+MID_WRITE = {"marker": "", "checkpoints": "", "rank": 1, "write_step": 9, "recorded": 6}
+
+
+def installing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy; on the chosen rank (while the marker file is absent) it installs the writer's
+    hook that kills this process in the middle of a checkpoint write."""
+    from sparkdl.launch import checkpoint_async
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == MID_WRITE["rank"] and MID_WRITE["marker"] and not os.path.exists(MID_WRITE["marker"]):
+        checkpoint_async.WRITE_HOOK = kill_mid_write
+    return nn.functional.cross_entropy(output, labels)
+
+
+def kill_mid_write(step: int, written: int) -> None:
+    """On the writer thread, inside the write of step `write_step` (its bytes so far in a temporary
+    file, not renamed): once rank 0 has recorded the previous save in the manifest (a condition,
+    polled, so the verdict is deterministic), SIGKILL this process."""
+    if step != MID_WRITE["write_step"] or os.path.exists(MID_WRITE["marker"]):
+        return
+    root = Path(MID_WRITE["checkpoints"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and MID_WRITE["recorded"] not in _recorded_steps(root):
+        time.sleep(0.01)
+    temporary = [p.name for p in root.glob(f"*/step-{step:09d}/rank-{MID_WRITE['rank']}.pt.tmp-*")]
+    Path(MID_WRITE["marker"]).write_text(f"{written} bytes written; {temporary}; recorded {_recorded_steps(root)}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _recorded_steps(root: Path) -> list[int]:
+    import json
+
+    for manifest in root.glob("*/manifest.json"):
+        try:
+            return [s["step"] for s in json.loads(manifest.read_text())["steps"]]
+        except ValueError:
+            pass
+    return []
+
+
+def test_a_rank_killed_mid_write_resumes_from_the_last_complete_checkpoint(spark, tmp_path, capsys  # type: ignore[no-untyped-def]
+                                                                           ) -> None:
+    df = rows_df(spark)
+    checkpoints = tmp_path / "checkpoints"
+    MID_WRITE.update(marker=str(tmp_path / "killed"), checkpoints=str(checkpoints))
+    Path(MID_WRITE["marker"]).touch()  # present: the reference run installs no hook
+    reference = fit(df, loss=installing_loss)
+    os.remove(MID_WRITE["marker"])
+
+    resumed = fit(df, loss=installing_loss, checkpoint_dir=str(checkpoints), checkpoint_every=3)
+    note = Path(MID_WRITE["marker"]).read_text()
+    assert "rank-1.pt.tmp-" in note and "recorded [3, 6]" in note, note  # killed inside the write of step 9
+    captured = capsys.readouterr()
+    assert "resumed from the checkpoint of step 6" in captured.out + captured.err
+    assert resumed.history[0]["resumed_from_step"] == 6
+    got, want = resumed.torch_module().state_dict(), reference.torch_module().state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+    assert_two_complete_steps_kept(checkpoints)  # the half-written step 9 was deleted at resume
+    assert resumed.history[-1]["checkpoint_saves"] == 4 and resumed.history[-1]["checkpoint_write_s"] > 0
 
 
 def test_a_rank_exception_is_not_retried(spark, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -122,36 +198,19 @@ def test_a_rank_exception_is_not_retried(spark, tmp_path) -> None:  # type: igno
     assert time.monotonic() - started < 60
 
 
-def test_a_step_without_its_complete_marker_is_never_loaded(tmp_path) -> None:
-    from sparkdl.launch.checkpoint import CheckpointStore
-
-    store = CheckpointStore(str(tmp_path), "run", rank=0, keep=2)
-    store.write_rank(3, {"w": torch.ones(2)})
-    store.mark_complete(3)
-    store.write_rank(6, {"w": torch.zeros(2)})  # killed before rank 0 marked step 6 complete
-    assert store.latest() == 3
-    assert torch.equal(store.read_rank(3, 0)["w"], torch.ones(2))
-    (tmp_path / "run" / "step-000000009").mkdir()
-    (tmp_path / "run" / "step-000000009" / "rank-0.pt.tmp-dead").write_bytes(b"half a file")
-    assert store.latest() == 3
-    store.write_rank(9, {"w": torch.full((2,), 9.0)})
-    store.mark_complete(9)
-    assert store.complete_steps() == [3, 9]
-
-
 def test_checkpoint_files_hold_no_code(tmp_path) -> None:
     import pickle
 
-    from sparkdl.launch.checkpoint import CheckpointStore
+    from sparkdl.launch.checkpoint import CheckpointStore, Manifest, StepRecord
 
     store = CheckpointStore(str(tmp_path), "run", rank=0)
     path = tmp_path / "run" / "step-000000001"
     path.mkdir(parents=True)
     # A pickle that would run code on load: torch.load(weights_only=True) refuses it.
     (path / "rank-0.pt").write_bytes(pickle.dumps(os.system))
-    (path / "COMPLETE").write_bytes(b"ok\n")
+    store.write_manifest(Manifest(1, (StepRecord(1, (0,), (0,)),)))
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
-        store.read_rank(1, 0)
+        store.read_part(1, 0)
 
 
 def test_checkpoint_options_are_checked() -> None:
@@ -168,17 +227,17 @@ def _write_forever(root: str, ready: str) -> None:
 
     store = CheckpointStore(root, "run", rank=0)
     Path(ready).touch()
-    store.write_rank(20, {"w": torch.zeros(64 << 20)})  # 256 MB: killed long before it is done
+    store.write_part(20, {"w": torch.zeros(64 << 20)})  # 256 MB: killed long before it is done
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path) -> None:
     import multiprocessing
 
-    from sparkdl.launch.checkpoint import CheckpointStore
+    from sparkdl.launch.checkpoint import CheckpointStore, Manifest, StepRecord
 
     store = CheckpointStore(str(tmp_path), "run", rank=0)
-    store.write_rank(10, {"w": torch.ones(4)})
-    store.mark_complete(10)
+    store.write_part(10, {"w": torch.ones(4)})
+    store.write_manifest(Manifest(1, (StepRecord(10, (0,), (0,)),)))
     ready = tmp_path / "ready"
     writer = multiprocessing.get_context("spawn").Process(target=_write_forever, args=(str(tmp_path), str(ready)))
     writer.start()
@@ -189,5 +248,6 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_p
     os.kill(writer.pid, signal.SIGKILL)
     writer.join()
     assert writer.exitcode == -signal.SIGKILL
-    assert store.latest() == 10 and torch.equal(store.read_rank(10, 0)["w"], torch.ones(4))
+    assert [s.step for s in store.read_manifest().steps] == [10]
+    assert torch.equal(store.read_part(10, 0)["w"], torch.ones(4))
     assert not (tmp_path / "run" / "step-000000020" / "rank-0.pt").exists()
