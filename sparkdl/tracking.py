@@ -6,6 +6,7 @@ model.history. mlflow is imported lazily: `import sparkdl` works without it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -16,7 +17,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 log = logging.getLogger("sparkdl")
 
@@ -158,9 +159,8 @@ class RunTracker:
 
         def send() -> None:
             import mlflow
-            from mlflow.models import Model
 
-            from sparkdl.trained_model import skeleton_bytes
+            from sparkdl.trained_model import serving_in_process, skeleton_bytes
 
             signature = model_signature(served, input_example, loaded)
             with tempfile.TemporaryDirectory() as tmp:
@@ -168,17 +168,23 @@ class RunTracker:
                 skeleton.write_bytes(skeleton_bytes(served))
                 # log_model goes through MLflow's process-global tracking URI: fits running in other
                 # threads must not swap it between our set and our log (their runs live elsewhere).
-                with _FLUENT_LOCK:
+                with _FLUENT_LOCK, serving_in_process(skeleton.read_bytes(), served if loaded else None), \
+                        _environment(MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false"):  # bars of our own files
                     previous = mlflow.get_tracking_uri()
                     mlflow.set_tracking_uri(self.tracking_uri)
                     try:
-                        with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None):
-                            # Model.log rather than pyfunc.log_model: only it takes validate_serving_input,
-                            # and validating loads a second copy of the model into this process.
-                            info = Model.log(name="model", flavor=mlflow.pyfunc, python_model=str(MLFLOW_PYFUNC_CODE),
-                                             artifacts={"skeleton": str(skeleton), "weights": weights_dir},
-                                             signature=signature, input_example=input_example,
-                                             pip_requirements=model_requirements(served), validate_serving_input=False)
+                        with mlflow.start_run(run_id=self.run_id, nested=mlflow.active_run() is not None), \
+                                warnings.catch_warnings():
+                            # Not loaded here by design: an example would make MLflow load the model to check it.
+                            warnings.filterwarnings("ignore", message=r".*input example was not provided")
+                            # MLflow checks the input example by loading the logged model and predicting:
+                            # serving_in_process hands it this process's module (no second copy in
+                            # memory); a model never loaded here is logged without an example.
+                            info = mlflow.pyfunc.log_model(
+                                name="model", python_model=str(MLFLOW_PYFUNC_CODE),
+                                artifacts={"skeleton": str(skeleton), "weights": weights_dir}, signature=signature,
+                                input_example=input_example if loaded else None,
+                                pip_requirements=model_requirements(served))
                         result.append(info.model_uri)
                     finally:
                         mlflow.set_tracking_uri(previous)
@@ -203,6 +209,20 @@ class RunTracker:
             log.warning(message)
             # MLflow reconfigures logging on import; a Python warning reaches notebooks and terminals.
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Environment variables set for the block (those the user set win), then restored."""
+    previous = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
 
 
 def model_signature(served: Any, input_example: Any, loaded: bool) -> Any:

@@ -9,11 +9,13 @@ No pyspark, no mlflow: scoring servers load it.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from sparkdl.errors import TrainingError
 
@@ -172,8 +174,28 @@ def _state_storages(obj: Any) -> set[int]:
             if not t.is_meta and t.numel() > 0}
 
 
+_IN_PROCESS: dict[str, Any] = {}  # skeleton digest -> the loaded object it was made from
+
+
+@contextmanager
+def serving_in_process(skeleton: bytes, loaded: Any) -> Iterator[None]:
+    """While a model is being logged, loading it again in this process (MLflow does, to check the
+    input example) returns `loaded` itself instead of a second copy of the weights."""
+    digest = hashlib.sha256(skeleton).hexdigest()
+    if loaded is not None:
+        _IN_PROCESS[digest] = loaded
+    try:
+        yield
+    finally:
+        _IN_PROCESS.pop(digest, None)
+
+
 def module_from_files(skeleton: bytes, files: Iterable[str]) -> Any:
-    """The module (or ServedModel) of `skeleton` with its weights read from `files`, in eval mode."""
+    """The module (or ServedModel) of `skeleton` with its weights read from `files`, in eval mode
+    (the object itself when this process is logging it: serving_in_process)."""
+    same = _IN_PROCESS.get(hashlib.sha256(skeleton).hexdigest())
+    if same is not None:
+        return same
     obj = load_skeleton(skeleton)
     module = getattr(obj, "module", obj)
     load_parts(module, files)

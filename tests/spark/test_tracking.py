@@ -1,6 +1,9 @@
 """Every fit is one complete MLflow run owned by the driver, checked through a real tracking server."""
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 import pytest
 from torch import nn
@@ -13,13 +16,44 @@ def small_net() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+MLFLOW_NOISE: dict[str, list[str]] = {}  # what MLflow said during the tracked fit, filled by the fixture
+
+
 @pytest.fixture(scope="module")
 def tracked(spark, mlflow_server):  # type: ignore[no-untyped-def]
     df = digits_dataframe(spark)
     estimator = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=3, batch_size=32,
                                lr=3e-3, num_workers=2, validation_fraction=0.2, log_every=5,
                                tracking_uri=mlflow_server.uri, experiment="sparkdl-tests", progress=False)
-    return estimator.fit(df), df, mlflow_server
+    handler = _Records()
+    logging.getLogger("mlflow").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = estimator.fit(df)
+    finally:
+        logging.getLogger("mlflow").removeHandler(handler)
+    MLFLOW_NOISE["warnings"] = [f"{w.category.__name__}: {w.message} ({w.filename})" for w in caught
+                                if "mlflow" in w.filename or "mlflow" in str(w.message).lower()]
+    MLFLOW_NOISE["log"] = [f"{r.name}: {r.getMessage()}" for r in handler.records]
+    return model, df, mlflow_server
+
+
+def test_a_tracked_fit_draws_no_warning_from_mlflow(tracked) -> None:  # type: ignore[no-untyped-def]
+    """Neither Python warnings raised in MLflow's code or naming it (type hints of predict, the
+    integer-column hint, ...) nor WARNING records of its loggers (the CloudPickle caution)."""
+    model, _, _ = tracked
+    assert model.model_uri
+    assert MLFLOW_NOISE == {"warnings": [], "log": []}
 
 
 def test_one_run_with_params_dataset_world_and_versions(tracked) -> None:  # type: ignore[no-untyped-def]
@@ -80,6 +114,27 @@ def test_the_logged_model_predicts_like_transform(tracked) -> None:  # type: ign
     probabilities = np.asarray(served["probabilities"].tolist())
     assert probabilities.shape == (20, 10) and np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
     assert (probabilities.argmax(axis=1) == np.asarray(predicted)).all()
+
+
+def test_a_model_never_loaded_on_the_driver_is_logged_from_the_files_and_loads_on_first_use(
+        spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    import mlflow.pyfunc
+    import torch
+
+    df = digits_dataframe(spark)
+    model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64, num_workers=2,
+                           tracking_uri=mlflow_server.uri, progress=False, load_model=False).fit(df)
+    assert not model.loaded and model.model_uri
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        served = mlflow.pyfunc.load_model(model.model_uri).predict(df.limit(20).toPandas()[list(DIGITS_FEATURE_COLS)])
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert not model.loaded  # logging and serving never needed the weights in this process
+    predicted = [r.prediction for r in model.transform(df.limit(20)).collect()]
+    assert model.loaded and list(served["prediction"]) == predicted
+    assert all(not t.is_meta for t in model.torch_module().state_dict().values())
+    assert isinstance(model.torch_module()[0].weight, torch.nn.Parameter)
 
 
 def test_the_logged_model_lists_what_serving_needs(tracked, tmp_path) -> None:  # type: ignore[no-untyped-def]
