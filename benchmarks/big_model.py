@@ -5,6 +5,13 @@ on local-cluster[2,2,...] (4 ranks), through the public API.
 
     .venv/bin/python benchmarks/big_model.py [--blocks 20] [--width 768] [--vocab 8192] [--seq 64]
         [--rows-per-rank 4] [--batch 2] [--strategies data_parallel,hybrid,sharded] [--no-plan]
+    .venv/bin/python benchmarks/big_model.py --model-return [--blocks 18 --width 1536 --seq 16]
+
+--model-return (issue 29): how the trained model comes back to a small driver (spark.driver.memory=1g,
+spark.driver.maxResultSize=64m, 1g executors): a model of --blocks/--width (510M parameters, 2 GB fp32
+by default) trained 2 steps with sharded on 4 ranks and brought back over the driver channel and
+through storage; the driver's peak RSS over the model's bytes, the seconds and MB/s of the trip; and
+side by side a small model (--small-blocks) that the job's rows (today's collect path) still carry.
 
 For each strategy: every rank's peak RSS as the rank measured it (VmHWM since its task started),
 what it grew by from just before its model was built, the driver's own peak RSS during the fit,
@@ -120,6 +127,73 @@ def run(df: Any, blocks: int, strategy: str, batch: int) -> dict[str, Any]:
     return out
 
 
+def model_return_run(df: Any, blocks: int, width: int, transfer: str, storage: str | None) -> dict[str, Any]:
+    """One fit of `blocks` blocks `width` wide, brought back by `transfer`; the driver's peak RSS
+    from its start."""
+    from sparkdl import TorchEstimator
+
+    SHAPE.update(width=width, heads=max(1, width // 64))  # read when the factories are pickled for this fit
+
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _driver_rss("VmRSS:")
+    started = time.perf_counter()
+    extra = {"checkpoint_dir": storage} if transfer == "storage" else {}
+    try:
+        model = TorchEstimator(model=layers(blocks), input_cols=["tokens"], label_col="targets", epochs=1,
+                               batch_size=1, num_workers=4, optimizer="sgd", lr=1e-3, strategy="sharded",
+                               shuffle=False, tracking=False, progress=False, model_transfer=transfer,
+                               **extra).fit(df)
+    except Exception as exc:  # noqa: BLE001 - the collect path failing on a large model is a result
+        failed = {"transfer": transfer, "blocks": blocks, "width": width, "error": str(exc).splitlines()[0][:300]}
+        print(json.dumps(failed), flush=True)
+        return failed
+    fit_s = time.perf_counter() - started
+    params = sum(p.numel() for p in model.torch_module().parameters())
+    model_bytes = model.model_return["bytes"]
+    back_s = model.model_return["send_s"] + model.fit_seconds.get("load_model", 0.0)
+    out = {"transfer": transfer, "blocks": blocks, "width": width, "parameters": params, "model_mb": round(model_bytes / 2**20, 1),
+           "via": sorted(set(model.model_transfer.values())), "fit_s": round(fit_s, 1),
+           "send_s": round(model.model_return["send_s"], 2),
+           "load_on_driver_s": round(model.fit_seconds.get("load_model", 0.0), 2),
+           "back_s": round(back_s, 2), "back_mb_per_s": round(model_bytes / 2**20 / max(back_s, 1e-9), 1),
+           "driver_rss_before_mb": before >> 20, "driver_peak_rss_mb": _driver_rss("VmHWM:") >> 20,
+           "driver_peak_over_model": round(_driver_rss("VmHWM:") / max(model_bytes, 1), 3)}
+    del model
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def model_return(args: Any) -> dict[str, Any]:
+    import tempfile
+
+    from pyspark.sql import SparkSession
+
+    from sparkdl.datasets import synthetic_tokens_dataframe
+
+    spark = (SparkSession.builder.master("local-cluster[2,2,1024]").appName("sparkdl-bench-model-return")
+             .config("spark.driver.memory", "1g").config("spark.driver.maxResultSize", "64m")
+             .config("spark.executor.memory", "1g").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    load_before = os.getloadavg()
+    df = synthetic_tokens_dataframe(spark, rows=8, seq_len=args.seq, vocab=args.vocab, seed=0).repartition(4).cache()
+    df.count()
+    storage = tempfile.mkdtemp(prefix="sparkdl-bench-storage-")
+    result: dict[str, Any] = {"benchmark": "model_return", "ranks": 4, "driver_memory": "1g",
+                              "max_result_size": "64m", "executor_memory": "1g", "width": args.width,
+                              "vocab": args.vocab, "seq": args.seq, "big": [], "small": []}
+    for transfer in ("channel", "storage"):
+        result["big"].append(model_return_run(df, args.blocks, args.width, transfer, storage))
+    for transfer in ("rows", "channel", "storage"):  # today's collect path on a model it can still carry
+        result["small"].append(model_return_run(df, args.small_blocks, args.small_width, transfer, storage))
+    result["load_before"], result["load_after"] = [round(x, 2) for x in load_before], \
+        [round(x, 2) for x in os.getloadavg()]
+    spark.stop()
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=20)
@@ -130,9 +204,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--strategies", default="data_parallel,hybrid,sharded")
     parser.add_argument("--no-plan", action="store_true")
+    parser.add_argument("--model-return", action="store_true", help="issue 29: the trip back to a 1g driver")
+    parser.add_argument("--small-blocks", type=int, default=2)
+    parser.add_argument("--small-width", type=int, default=384)
     args = parser.parse_args(argv)
+    if args.model_return:
+        defaults = {"blocks": 18, "width": 1536, "seq": 16}
+        for name, value in defaults.items():
+            if f"--{name}" not in (argv if argv is not None else sys.argv):
+                setattr(args, name, value)
     SHAPE.update(vocab=args.vocab, width=args.width, seq=args.seq, heads=max(1, args.width // 64))
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if args.model_return:
+        return model_return(args)
     from pyspark.sql import SparkSession
 
     import sparkdl

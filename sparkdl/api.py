@@ -126,6 +126,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
         if load:
             load_parts(module, parts.files)
         module.eval()
+        phases.mark("load_model")
         kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
         tracker.log_loss_curve(history)
         serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
@@ -144,7 +145,10 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
                                                                 "output_shape": out_shape, "phases": phases.seconds,
                                                                 "delivery": "spark" if prepared.source is None else "parquet",
                                                                 "model_parts": None if load else parts,
-                                                                "model_transfer": dict(parts.via_by_rank)})
+                                                                "model_transfer": dict(parts.via_by_rank),
+                                                                "model_bytes": parts.nbytes,
+                                                                "model_send_s": max(parts.seconds_by_rank.values(),
+                                                                                    default=0.0)})
 
 
 def _real_where_state_cannot_reach(module: Any, model: Any, seed: int) -> Any:

@@ -49,6 +49,8 @@ class TorchEstimator(Estimator, MLWritable):
         model.plan = result.plan  # the layout it trained with: TorchEstimator(plan=model.plan) trains alike
         model.fit_seconds = dict(result.extra.get("phases", {}))  # where the fit's wall time went (phases.py)
         model.model_transfer = dict(result.extra.get("model_transfer", {}))  # rank -> how its part came back
+        model.model_return = {"bytes": int(result.extra.get("model_bytes", 0)),  # the parts' bytes, all ranks
+                              "send_s": float(result.extra.get("model_send_s", 0.0))}  # the slowest rank's send
         if result.extra.get("model_parts") is not None:  # output.load_model=False: read on first use
             model._defer_loading(result.extra["model_parts"])
         return model
@@ -81,6 +83,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.explicit_dtypes: list[str] = []  # input columns whose dtype input_dtypes set
         self.output_shape: tuple[int, ...] = ()  # per row, of the module's output (input_cols models)
         self.model_transfer: dict[int, str] = {}  # rank -> "channel" / "storage" / "rows" (not saved)
+        self.model_return: dict[str, Any] = {}  # bytes and seconds of the trip back (not saved)
         self._pending_parts: Any = None  # trained_model.ModelParts not loaded yet (output.load_model=False)
 
     def _defer_loading(self, parts: Any) -> None:

@@ -31,6 +31,7 @@ class ModelParts:
     owned_directory: str | None = None
     bytes_by_rank: dict[int, int] = field(default_factory=dict)
     via_by_rank: dict[int, str] = field(default_factory=dict)
+    seconds_by_rank: dict[int, float] = field(default_factory=dict)  # each rank's delivery, as it timed it
     storage_directory: str | None = None  # where the ranks wrote their parts (launch.model_transfer="storage")
 
     def tensor_names(self) -> set[str]:

@@ -57,6 +57,15 @@ def part_name(rank: int) -> str:
 def deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[str, Any]:
     """Send this rank's part; returns the small record the driver reads from the job's rows:
     {"via": "channel"|"storage", ...}, or {"via": "rows", "payload": bytes} when it must ride there."""
+    import time
+
+    started = time.perf_counter()
+    record = _deliver(sink, rank, state)
+    record["seconds"] = round(time.perf_counter() - started, 4)
+    return record
+
+
+def _deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[str, Any]:
     from sparkdl.tensor_files import tensor_pieces
 
     metadata = {"rank": str(rank), "format": "sparkdl-part-1"}

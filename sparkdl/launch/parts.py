@@ -72,7 +72,7 @@ def gather_parts(opened: OpenSink, parts: dict[str, Any]) -> ModelParts:
     attempt's directory first, so every part is a file."""
     from sparkdl.launch.wire import part_records
 
-    files, sizes, via = [], {}, {}
+    files, sizes, via, seconds = [], {}, {}, {}
     for rank, (record, chunks) in sorted(part_records(parts).items()):
         how = record.get("via")
         if how == "channel":
@@ -91,6 +91,6 @@ def gather_parts(opened: OpenSink, parts: dict[str, Any]) -> ModelParts:
                 while chunks:
                     out.write(chunks.pop(0))
             files.append(path)
-        sizes[rank], via[rank] = int(record.get("bytes", 0)), str(how)
+        sizes[rank], via[rank], seconds[rank] = int(record.get("bytes", 0)), str(how), float(record.get("seconds", 0))
     return ModelParts(tuple(files), owned_directory=opened.directory, bytes_by_rank=sizes, via_by_rank=via,
-                      storage_directory=opened.sink.storage_uri)
+                      seconds_by_rank=seconds,                      storage_directory=opened.sink.storage_uri)

@@ -452,7 +452,7 @@ def test_where_the_fit_time_went_is_on_the_model_and_the_run(tracked) -> None:  
 
     model, _, server = tracked
     phases = model.fit_seconds
-    assert list(phases) == ["slots", "prepare", "checks", "plan", "tracking", "job", "log_model"]
+    assert list(phases) == ["slots", "prepare", "checks", "plan", "tracking", "job", "load_model", "log_model"]
     assert all(s >= 0 for s in phases.values()) and phases["job"] > 0
     metrics = MlflowClient(tracking_uri=server.uri).get_run(model.run_id).data.metrics
     assert metrics["fit_job_s"] == pytest.approx(phases["job"])
