@@ -195,7 +195,7 @@ def find_resume(store: CheckpointStore, comm: Any) -> Resume | None:
     manifest = _agreed_manifest(store, comm)
     if manifest is not None and manifest.steps and manifest.world_size != comm.size:
         raise _world_size_error(store, manifest, comm.size)
-    store.manifest = manifest or Manifest(comm.size)
+    store.manifest = manifest if manifest is not None and manifest.steps else Manifest(comm.size)
     recorded = {s.step for s in store.manifest.steps}
     store.delete_steps([s for s in store.step_dirs() if s not in recorded])
     latest = store.manifest.latest

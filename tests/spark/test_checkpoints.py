@@ -36,6 +36,12 @@ def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     at_step_8 = CALLS["n"] == 8 * MARKER["calls_per_step"]
     if rank == MARKER["rank"] and at_step_8 and MARKER["path"] and not os.path.exists(MARKER["path"]):
         Path(MARKER["path"]).touch()
+        # After this process's checkpoint writes queued so far (rank 0's: the manifest recording the
+        # save of step 3), so the resume point does not depend on how fast the disk is; a kill inside
+        # a write is test_a_rank_killed_mid_write_resumes_from_the_last_complete_checkpoint.
+        from sparkdl.launch.checkpoint_async import wait_idle
+
+        wait_idle(60)
         os.kill(os.getpid(), signal.SIGKILL)
     return nn.functional.cross_entropy(output, labels)
 
