@@ -15,7 +15,8 @@ from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import SparkdlError
 from sparkdl.session import facts
-from sparkdl.storage import read_bytes, write_bytes
+from sparkdl.storage import (delete_tree, exists, list_names, locate, pyarrow_reaches, read_all, read_bytes,
+                             write_atomic, write_bytes)
 
 FORMAT_VERSION = 2  # 1: module.pkl held the weights too, with state.pt beside it (still read)
 WEIGHTS_DIR = "weights"
@@ -161,8 +162,9 @@ class _TorchModelWriter(MLWriter):
         model = self.instance
         if model._module is None or model.layout is None:
             raise SparkdlError("cannot save a TorchModel that holds no trained module")
-        DefaultParamsWriter.saveMetadata(model, path, facts(self.sparkSession).metadata_context(),
-                                         extraMetadata={"sparkdlFormat": FORMAT_VERSION})
+        if pyarrow_reaches(path) and exists(locate(path).child("metadata")):
+            raise SparkdlError(f"{path!r} already holds a saved model",
+                               hint="model.write().overwrite().save(path) replaces it")
         info = {"format": FORMAT_VERSION, "layout": model.layout.to_dict(), "output_kind": model.output_kind,
                 "output_shape": list(model.output_shape), "explicit_dtypes": list(model.explicit_dtypes),
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
@@ -177,6 +179,38 @@ class _TorchModelWriter(MLWriter):
             files.append(("transform_fn.pkl", dumps_any(model.transform_fn)))
         for name, payload in files:
             write_bytes(self.sparkSession, f"{data}/{name}", payload)
+        _save_metadata(self.sparkSession, model, path)  # last: a half-saved model has none, and no loader takes it
+
+    def _handleOverwrite(self, path: str) -> None:
+        if pyarrow_reaches(path):
+            delete_tree(locate(path))
+            return
+        super()._handleOverwrite(path)
+
+
+def _save_metadata(spark: Any, model: TorchModel, path: str) -> None:
+    """Spark ML's metadata (PipelineModel.load finds the class by it): written from this process where
+    pyarrow reaches the path (on a cluster, Spark's own writer would put a local path on an executor's
+    disk, and needs a Hadoop connector for object stores), else by Spark's writer."""
+    extra = {"sparkdlFormat": FORMAT_VERSION}
+    if not pyarrow_reaches(path):
+        DefaultParamsWriter.saveMetadata(model, path, facts(spark).metadata_context(), extraMetadata=extra)
+        return
+    text = DefaultParamsWriter._get_metadata_to_save(model, spark, extra, None)  # noqa: SLF001 - Spark's own format
+    metadata = locate(path).child("metadata")
+    write_atomic(metadata.child("part-00000"), (text + "\n").encode("utf-8"))
+    write_atomic(metadata.child("_SUCCESS"), b"")
+
+
+def _load_metadata(spark: Any, path: str) -> dict[str, Any]:
+    if not pyarrow_reaches(path):
+        return DefaultParamsReader.loadMetadata(path, facts(spark).metadata_context())
+    metadata = locate(path).child("metadata")
+    parts = [n for n in list_names(metadata) if n.startswith("part-")]
+    if not parts:
+        raise FileNotFoundError(metadata.path)
+    text = read_all(metadata.child(parts[0])).decode("utf-8").strip().splitlines()[0]
+    return DefaultParamsReader._parseMetaData(text)  # noqa: SLF001 - Spark's own format
 
 
 def _write_weights(spark: Any, directory: str, model: TorchModel) -> None:
@@ -212,7 +246,7 @@ class _TorchModelReader(MLReader):
 
     def load(self, path: str) -> TorchModel:
         try:
-            metadata = DefaultParamsReader.loadMetadata(path, facts(self.sparkSession).metadata_context())
+            metadata = _load_metadata(self.sparkSession, path)
         except Exception:  # noqa: BLE001 - Hadoop's "input path does not exist" arrives as a Py4J error
             raise SparkdlError(f"{path!r} is not a saved TorchModel (no Spark ML metadata there)",
                                hint="pass the directory written by TorchModel.save(path)") from None
