@@ -15,7 +15,7 @@ from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import SparkdlError
 from sparkdl.session import facts
-from sparkdl.storage import (delete_tree, exists, list_names, locate, pyarrow_reaches, read_all, read_bytes,
+from sparkdl.storage import (delete_tree, exists, join, list_names, locate, pyarrow_reaches, read_all, read_bytes,
                              write_atomic, write_bytes)
 
 FORMAT_VERSION = 2  # 1: module.pkl held the weights too, with state.pt beside it (still read)
@@ -170,15 +170,15 @@ class _TorchModelWriter(MLWriter):
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
                 "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
                 "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
-        data = f"{path.rstrip('/')}/data"
-        _write_weights(self.sparkSession, f"{data}/{WEIGHTS_DIR}", model)
+        data = join(path, "data")
+        _write_weights(self.sparkSession, join(data, WEIGHTS_DIR), model)
         files = [("module.pkl", skeleton_bytes(model._module)), ("sparkdl.json", json.dumps(info, indent=1).encode())]
         if model.transform_fn is not None:
             from sparkdl.launch.wire import dumps_any
 
             files.append(("transform_fn.pkl", dumps_any(model.transform_fn)))
         for name, payload in files:
-            write_bytes(self.sparkSession, f"{data}/{name}", payload)
+            write_bytes(self.sparkSession, join(data, name), payload)
         _save_metadata(self.sparkSession, model, path)  # last: a half-saved model has none, and no loader takes it
 
     def _handleOverwrite(self, path: str) -> None:
@@ -222,7 +222,7 @@ def _write_weights(spark: Any, directory: str, model: TorchModel) -> None:
     pending = model._pending_parts
     sources = list(pending.files) if pending is not None else [None]
     for index, source in enumerate(sources):
-        target = f"{directory}/part-{index}.safetensors"
+        target = join(directory, f"part-{index}.safetensors")
         if source is None:
             total, pieces = tensor_pieces(model._module.state_dict())
         if not pyarrow_reaches(target):
@@ -250,11 +250,11 @@ class _TorchModelReader(MLReader):
         except Exception:  # noqa: BLE001 - Hadoop's "input path does not exist" arrives as a Py4J error
             raise SparkdlError(f"{path!r} is not a saved TorchModel (no Spark ML metadata there)",
                                hint="pass the directory written by TorchModel.save(path)") from None
-        data = f"{path.rstrip('/')}/data"
+        data = join(path, "data")
 
         def read(name: str) -> bytes:
             try:
-                return read_bytes(self.sparkSession, f"{data}/{name}")
+                return read_bytes(self.sparkSession, join(data, name))
             except FileNotFoundError:
                 raise SparkdlError(f"{path!r} is not a saved TorchModel: data/{name} is missing",
                                    hint="pass the directory written by TorchModel.save") from None
@@ -290,16 +290,16 @@ def _read_module(spark: Any, data: str, version: int, read: Any) -> Any:
     from sparkdl.tensor_files import read_tensors
 
     module = load_skeleton(read("module.pkl"))
-    directory = f"{data}/{WEIGHTS_DIR}"
+    directory = join(data, WEIGHTS_DIR)
     if pyarrow_reaches(directory):
-        files = [f"{directory}/{n}" for n in list_names(locate(directory)) if n.endswith(".safetensors")]
+        files = [join(directory, n) for n in list_names(locate(directory)) if n.endswith(".safetensors")]
         load_parts(module, files)
         names = {n for f in files for n in _names(f)}
     else:  # a Hadoop-only scheme: whole files through the session
         taken: dict[str, Any] = {}
         for index in range(1 << 20):
             try:
-                payload = read_bytes(spark, f"{directory}/part-{index}.safetensors")
+                payload = read_bytes(spark, join(directory, f"part-{index}.safetensors"))
             except FileNotFoundError:
                 break
             taken.update(read_tensors(io.BytesIO(payload)))

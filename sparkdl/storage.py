@@ -54,6 +54,13 @@ def locate(uri: str) -> Location:
     return Location(fs, path, isinstance(fs, pafs.LocalFileSystem))
 
 
+def join(uri: str, *names: str) -> str:
+    """`uri` with path segments appended, before its query (s3://b/p?endpoint_override=... keeps
+    its options)."""
+    base, question, query = uri.partition("?")
+    return "/".join([base.rstrip("/"), *(n.strip("/") for n in names)]) + question + query
+
+
 def is_local_path(uri: str) -> bool:
     """A path on this host's own disk (a different directory on every host of a cluster)."""
     return "://" not in uri or uri.startswith("file://")

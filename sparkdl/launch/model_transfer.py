@@ -85,7 +85,9 @@ def _deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[s
             total, pieces = tensor_pieces(state, metadata)
             for piece in pieces:
                 stream.write(piece)
-        return {"via": "storage", "bytes": total, "uri": f"{sink.storage_uri.rstrip('/')}/{part_name(rank)}"}
+        from sparkdl.storage import join
+
+        return {"via": "storage", "bytes": total, "uri": join(sink.storage_uri, part_name(rank))}
     total, pieces = tensor_pieces(state, metadata)
     payload = bytearray(total)
     offset = 0

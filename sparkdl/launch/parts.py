@@ -60,10 +60,11 @@ def open_sink(spark: Any, spec: Any, cleanup: ExitStack) -> OpenSink:
         cleanup.callback(receiver.close)
         return OpenSink(ModelSink("channel", receiver.address, timeout_s=timeout), directory, receiver)
     if mode == "storage":
-        root = str(storage_root(config)).rstrip("/")
+        from sparkdl.storage import join
+
         attempt = os.path.basename(directory)  # unique per attempt: a retry never mixes with a failed one
-        return OpenSink(ModelSink("storage", storage_uri=f"{root}/{spec.run_id}/model/{attempt}", timeout_s=timeout),
-                        directory)
+        where = join(str(storage_root(config)), spec.run_id, "model", attempt)
+        return OpenSink(ModelSink("storage", storage_uri=where, timeout_s=timeout), directory)
     return OpenSink(ModelSink("rows", timeout_s=timeout), directory)
 
 
