@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.launch.channel import ChannelAddress, FrameError, encode_frame, read_frame
+from sparkdl.launch.channel import FRAME_HEADER, ChannelAddress, FrameError, encode_frame, read_frame
 
 log = logging.getLogger("sparkdl")
 PART_SUFFIX = ".safetensors"
@@ -154,15 +154,14 @@ class PartReceiver:
         rank, temporary = -1, ""
         try:
             conn.settimeout(CONNECT_TIMEOUT_S)
-            with conn.makefile("rb") as stream:
-                hello = read_frame(stream, 1 << 16) or {}
-                secret = str(hello.get("secret", ""))
-                if not hmac.compare_digest(secret.encode(), self.address.secret.encode()):
-                    raise FrameError("wrong secret")
-                rank, size = int(hello["rank"]), int(hello["bytes"])
-                conn.settimeout(None)
-                temporary = os.path.join(self.directory, f".{part_name(rank)}.{uuid.uuid4().hex[:8]}")
-                _copy_exactly(stream, temporary, size)
+            hello = _hello(conn)
+            secret = str(hello.get("secret", ""))
+            if not hmac.compare_digest(secret.encode(), self.address.secret.encode()):
+                raise FrameError("wrong secret")
+            rank, size = int(hello["rank"]), int(hello["bytes"])
+            conn.settimeout(None)
+            temporary = os.path.join(self.directory, f".{part_name(rank)}.{uuid.uuid4().hex[:8]}")
+            _copy_exactly(conn, temporary, size)
             os.replace(temporary, os.path.join(self.directory, part_name(rank)))
             conn.sendall(encode_frame({"ok": True, "bytes": size}))
         except (OSError, FrameError, KeyError, TypeError, ValueError) as exc:
@@ -191,17 +190,45 @@ class PartReceiver:
         self.close()
 
 
-def _copy_exactly(stream: Any, path: str, size: int) -> None:
-    """`size` bytes from the connection into a new file, one piece buffered at a time."""
+def _hello(conn: socket.socket) -> dict[str, Any]:
+    """The first frame, read straight off the socket: a buffered reader would swallow the start of
+    the part that follows it."""
+    (size,) = FRAME_HEADER.unpack(_recv_exactly(conn, FRAME_HEADER.size))
+    if size > 1 << 16:
+        raise FrameError(f"hello of {size} bytes")
+    try:
+        hello = json.loads(_recv_exactly(conn, size).decode("utf-8"))
+    except ValueError:
+        raise FrameError("hello is not UTF-8 JSON") from None
+    if not isinstance(hello, dict) or hello.get("hello") != 1:
+        raise FrameError("first frame is not a hello")
+    return hello
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise FrameError("connection closed in the middle of a frame")
+        data += chunk
+    return bytes(data)
+
+
+def _copy_exactly(conn: socket.socket, path: str, size: int) -> None:
+    """`size` bytes from the connection into a new file, one piece buffered at a time (recv_into:
+    no copy but the kernel's)."""
     buffer = bytearray(min(RECEIVE_PIECE_BYTES, max(size, 1)))
     view = memoryview(buffer)
     left = size
-    with open(path, "wb") as out:
+    with open(path, "wb", buffering=0) as out:
         while left:
-            got = stream.readinto(view[: min(left, len(view))])
+            got = conn.recv_into(view[: min(left, len(view))])
             if not got:
                 raise OSError(f"the connection closed with {left} of {size} bytes still to come")
-            out.write(view[:got])
+            written = 0
+            while written < got:
+                written += out.write(view[written:got])
             left -= got
 
 
