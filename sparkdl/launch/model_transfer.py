@@ -120,9 +120,9 @@ class PartReceiver:
     """The driver's end of "channel": one thread per rank's connection writes its part to
     `<directory>/rank-<r>.safetensors` (a temporary name until complete), then confirms."""
 
-    def __init__(self, host: str, directory: str) -> None:
+    def __init__(self, host: str, directory: str, timeout_s: float = 600.0) -> None:
         os.makedirs(directory, exist_ok=True)
-        self.directory = directory
+        self.directory, self._timeout = directory, timeout_s
         try:
             family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
             self._server = socket.create_server((host, 0), family=family, backlog=128)
@@ -133,6 +133,7 @@ class PartReceiver:
         self.errors: dict[int, str] = {}
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._open: set[socket.socket] = set()  # connections still receiving, cut by close()
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="sparkdl-part-receiver")
         self._accepter.start()
 
@@ -148,6 +149,7 @@ class PartReceiver:
                 continue
             thread = threading.Thread(target=self._receive, args=(conn,), daemon=True, name="sparkdl-part")
             self._threads.append(thread)
+            self._open.add(conn)
             thread.start()
 
     def _receive(self, conn: socket.socket) -> None:
@@ -159,7 +161,7 @@ class PartReceiver:
             if not hmac.compare_digest(secret.encode(), self.address.secret.encode()):
                 raise FrameError("wrong secret")
             rank, size = int(hello["rank"]), int(hello["bytes"])
-            conn.settimeout(None)
+            conn.settimeout(self._timeout)  # a rank whose host vanished (no FIN) must not hold us forever
             temporary = os.path.join(self.directory, f".{part_name(rank)}.{uuid.uuid4().hex[:8]}")
             _copy_exactly(conn, temporary, size)
             os.replace(temporary, os.path.join(self.directory, part_name(rank)))
@@ -174,14 +176,21 @@ class PartReceiver:
             except OSError:
                 pass
         finally:
+            self._open.discard(conn)
             conn.close()
 
     def close(self) -> None:
+        """Stop accepting; a part still arriving when the job is over (its rank failed) is cut."""
         self._closing.set()
         self._accepter.join(5.0)
         self._server.close()
+        for conn in list(self._open):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for thread in self._threads:
-            thread.join(30.0)
+            thread.join(10.0)
 
     def __enter__(self) -> "PartReceiver":
         return self

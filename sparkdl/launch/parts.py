@@ -56,7 +56,7 @@ def open_sink(spark: Any, spec: Any, cleanup: ExitStack) -> OpenSink:
     timeout = float(config.launch.timeout_s)
     if mode == "channel":
         channel = config.launch.channel
-        receiver = PartReceiver(facts(spark).channel_host() if channel == "auto" else channel, directory)
+        receiver = PartReceiver(facts(spark).channel_host() if channel == "auto" else channel, directory, timeout)
         cleanup.callback(receiver.close)
         return OpenSink(ModelSink("channel", receiver.address, timeout_s=timeout), directory, receiver)
     if mode == "storage":
