@@ -4,8 +4,8 @@ steps vs none, and what a synchronous save would have cost.
 One SparkSession (--master, local[2] by default), the example's token DataFrame
 (examples/language_model.py: bytes of the standard library's sources, `tokens`/`targets` columns)
 cached and counted first, its GPT (`gpt(d_model, layers, heads, seq_len)`) trained by TorchEstimator
-with 2 workers, AdamW, data parallel. Fits alternate NONE, EVERY_10, NONE, EVERY_10, ... (--rounds
-pairs) so both settings see the same machine state; the step time is the second epoch's training
+with 2 workers, AdamW, data parallel. Fits alternate NONE, EVERY_10, EVERY_10, NONE, ... (--rounds
+pairs, the order flipped every round) so both settings see the same machine state; the step time is the second epoch's training
 seconds / steps from each fit's history (epoch 1 spools and warms up; the epoch-end save falls
 between the epochs, not inside either), and the figure compared is the median over rounds.
 
@@ -97,6 +97,11 @@ def main() -> dict[str, Any]:
 
     from sparkdl.datasets import text_tokens_dataframe
 
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the workers run this venv's Python (torch, pyarrow)
+    import language_model
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(language_model)  # examples/ is not on the workers' path
     load_before = os.getloadavg()
     spark = SparkSession.builder.master(args.master).config("spark.ui.enabled", "false").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -105,8 +110,9 @@ def main() -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"none": [], f"every_{args.every}": []}
     with tempfile.TemporaryDirectory(prefix="sparkdl-bench-ckpt-") as root:
         for round_ in range(args.rounds):
-            runs["none"].append(fit_once(df, args, None))
-            runs[f"every_{args.every}"].append(fit_once(df, args, os.path.join(root, f"r{round_}")))
+            order = ["none", f"every_{args.every}"][:: 1 if round_ % 2 == 0 else -1]  # neither always goes first
+            for name in order:
+                runs[name].append(fit_once(df, args, os.path.join(root, f"r{round_}") if name != "none" else None))
             print(json.dumps({"round": round_, **{k: v[-1] for k, v in runs.items()}}), file=sys.stderr, flush=True)
         sync_s, part_bytes = synchronous_save_s(args, os.path.join(root, "sync"))
     spark.stop()
