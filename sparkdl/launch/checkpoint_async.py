@@ -132,8 +132,9 @@ class RunCheckpoints:
     the history so far); the strategy's state is saved by every rank, or only by rank 0 when all
     ranks hold the same (data parallel with allreduce)."""
 
-    def __init__(self, store: CheckpointStore, comm: Any, strategy: Any, every: int) -> None:
+    def __init__(self, store: CheckpointStore, comm: Any, strategy: Any, every: int, timeout_s: float = 600.0) -> None:
         self.store, self.comm, self.strategy, self.every = store, comm, strategy, every
+        self.timeout_s = timeout_s  # a write (or manifest) not done by then fails the run: a hung store must not hang it
         self.timings = CheckpointTimings()
         self._manifest = store.manifest or Manifest(comm.size)
         self._writer = BackgroundWriter()
@@ -168,7 +169,7 @@ class RunCheckpoints:
         started = time.perf_counter()
         self._agree()
         if self._unconfirmed:
-            error = self._error_of(self._manifest_job) if self._manifest_job is not None else None
+            error = self._error_of(self._manifest_job, self.timeout_s) if self._manifest_job is not None else None
             self._manifest_job = None
             _raise_failures([{"manifest_error": e} for e in self.comm.allgather_object(error)])
             self.store.delete_steps(self._dropped)
@@ -185,10 +186,11 @@ class RunCheckpoints:
         pending, self._pending = self._pending, None
         report: dict[str, Any] = {"step": None, "error": None, "strategy": False, "manifest_error": None}
         if pending is not None:
-            report.update(step=pending.step, error=self._error_of(pending.job), strategy=pending.has_strategy)
+            report.update(step=pending.step, error=self._error_of(pending.job, self.timeout_s),
+                          strategy=pending.has_strategy)
             self.timings.write_s += pending.job.seconds
         if self._manifest_job is not None:  # queued before the write above: done by now
-            report["manifest_error"] = self._error_of(self._manifest_job)
+            report["manifest_error"] = self._error_of(self._manifest_job, self.timeout_s)
             self._manifest_job = None
         gathered = self.comm.allgather_object(report)
         _raise_failures(gathered)
@@ -206,8 +208,9 @@ class RunCheckpoints:
                 self._manifest_job = self._writer.submit(lambda: self.store.write_manifest(manifest))
 
     @staticmethod
-    def _error_of(job: _Job) -> str | None:
-        job.done.wait()
+    def _error_of(job: _Job, timeout_s: float) -> str | None:
+        if not job.done.wait(timeout_s):
+            return f"TimeoutError: not written within launch.timeout_s={timeout_s:g} s"
         return None if job.error is None else f"{type(job.error).__name__}: {job.error}"
 
 

@@ -57,7 +57,8 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
                                lazy=strategy.builds_layer_by_layer),
                    lambda params: build_optimizer(config.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
-    checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every) if store else None
+    checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every,
+                                 config.launch.timeout_s) if store else None
     try:
         history, stopper = _train_epochs(ctx, strategy, loss_fn, resume, checkpoints)
         if checkpoints is not None:
