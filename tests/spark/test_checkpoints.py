@@ -152,22 +152,28 @@ def kill_mid_write(step: int, written: int) -> None:
     polled, so the verdict is deterministic), SIGKILL this process."""
     if step != MID_WRITE["write_step"] or os.path.exists(MID_WRITE["marker"]):
         return
-    root = Path(MID_WRITE["checkpoints"])
+    root = MID_WRITE["checkpoints"]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and MID_WRITE["recorded"] not in _recorded_steps(root):
         time.sleep(0.01)
-    temporary = [p.name for p in root.glob(f"*/step-{step:09d}/rank-{MID_WRITE['rank']}.pt.tmp-*")]
+    temporary = [p.name for p in Path(root).glob(f"*/step-{step:09d}/rank-{MID_WRITE['rank']}.pt.tmp-*")] \
+        if "://" not in root else ["an upload not completed"]  # an object store shows nothing until the close
     Path(MID_WRITE["marker"]).write_text(f"{written} bytes written; {temporary}; recorded {_recorded_steps(root)}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _recorded_steps(root: Path) -> list[int]:
+def _recorded_steps(root: str) -> list[int]:
+    """The steps the run's manifest records, read through sparkdl's storage (a local path or a URI)."""
     import json
 
-    for manifest in root.glob("*/manifest.json"):
+    from sparkdl import storage
+
+    where = storage.locate(root)
+    for run_id in storage.list_names(where):
+        manifest = where.child(run_id, "manifest.json")
         try:
-            return [s["step"] for s in json.loads(manifest.read_text())["steps"]]
-        except ValueError:
+            return [s["step"] for s in json.loads(storage.read_all(manifest))["steps"]]
+        except (OSError, ValueError):
             pass
     return []
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import torch
 
-from test_checkpoints import MARKER, fit, rows_df
+from test_checkpoints import MARKER, MID_WRITE, fit, installing_loss, rows_df
 
 
 def test_a_killed_worker_resumes_from_checkpoints_on_s3(spark, s3_server, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -45,3 +45,29 @@ def test_a_killed_worker_resumes_from_checkpoints_on_s3(spark, s3_server, tmp_pa
     kept = [f"step-{s['step']:09d}" for s in manifest["steps"]]
     assert manifest["world_size"] == 2 and kept == ["step-000000015", "step-000000018"]
     assert objects == [f"{run_id}/manifest.json"] + [f"{run_id}/{step}/rank-{r}.pt" for step in kept for r in (0, 1)]
+
+
+def test_a_rank_killed_mid_upload_resumes_from_the_last_recorded_step_on_s3(spark, s3_server, tmp_path,  # type: ignore[no-untyped-def]
+                                                                             capsys) -> None:
+    """SIGKILL on rank 1's writer thread while its part of step 9 is being uploaded (the stream is
+    open, the object not yet visible): the resubmitted job resumes from step 6, the manifest's last
+    step, with an uninterrupted run's weights, and the bucket keeps no trace of step 9."""
+    df = rows_df(spark)
+    prefix = f"mid-upload-{uuid.uuid4().hex[:8]}"
+    MID_WRITE.update(marker=str(tmp_path / "killed"), checkpoints=s3_server.uri(prefix))
+    Path(MID_WRITE["marker"]).touch()  # present: the reference run installs no hook
+    reference = fit(df, loss=installing_loss)
+    os.remove(MID_WRITE["marker"])
+
+    resumed = fit(df, loss=installing_loss, checkpoint_dir=s3_server.uri(prefix), checkpoint_every=3)
+    note = Path(MID_WRITE["marker"]).read_text()
+    assert "an upload not completed" in note and "recorded [3, 6]" in note, note
+    captured = capsys.readouterr()
+    assert "resumed from the checkpoint of step 6" in captured.out + captured.err
+    got, want = resumed.torch_module().state_dict(), reference.torch_module().state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+    fs, bucket = s3_server.filesystem()
+    names = [info.path for info in fs.get_file_info(pafs.FileSelector(f"{bucket}/{prefix}", recursive=True))
+             if info.type == pafs.FileType.File]
+    assert names and not [n for n in names if "step-000000009" in n], names
