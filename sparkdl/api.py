@@ -26,7 +26,7 @@ from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
 from sparkdl.phases import Phases
 from sparkdl.serving import ServedModel
-from sparkdl.trained_model import check_complete, load_parts
+from sparkdl.trained_model import ModelParts, check_complete, load_parts
 from sparkdl.session import facts
 
 _log = logging.getLogger("sparkdl")
@@ -119,6 +119,33 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
+    kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
+    tracker.log_loss_curve(history)
+    module, model_uri = _take_the_model(parts, module, model, config, prepared, df, (kind, out_shape), tracker, phases)
+    phases.mark("log_model")
+    tracker.log_metric_points([(phases.metrics(), 0)])
+    tracker.finish("FINISHED")
+    return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
+                     run_id=spec.run_id, plan=resolved, extra=_fit_extras(tracker, model_uri, out_shape, phases,
+                                                                          prepared, parts, config))
+
+
+def _fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], phases: Phases, prepared: Any,
+                parts: ModelParts, config: RunConfig) -> dict[str, Any]:
+    """What the TorchModel carries besides the module: MLflow ids, the output shape, where the fit's
+    time went, how the data came and how the model came back."""
+    return {"mlflow_run_id": tracker.run_id, "model_uri": model_uri, "tracking_uri": tracker.tracking_uri,
+            "output_shape": out_shape, "phases": phases.seconds,
+            "delivery": "spark" if prepared.source is None else "parquet",
+            "model_parts": None if config.output.load_model else parts, "model_transfer": dict(parts.via_by_rank),
+            "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}
+
+
+def _take_the_model(parts: ModelParts, module: Any, model: Any, config: RunConfig, prepared: Any, df: Any,
+                    output: tuple[str, tuple[int, ...]], tracker: Any, phases: Phases) -> tuple[Any, str | None]:
+    """(the driver's module, the MLflow model's URI): every part checked, read into the module unless
+    output.load_model is off, the MLflow model logged from the files. The files go once the model is
+    in memory, or on any failure; a model left in them keeps them (ModelParts.remove_when_unused)."""
     load = config.output.load_model
     try:
         check_complete(module, parts.tensor_names())
@@ -127,28 +154,16 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
             load_parts(module, parts.files)
         module.eval()
         phases.mark("load_model")
-        kind = output_kind(config, prepared.layout.label_dtype == "int64", out_width, out_shape)  # int64 labels: classes
-        tracker.log_loss_curve(history)
-        serving = ServedModel(module, prepared.layout, kind, config.data.transform_fn, _explicit_dtypes(config),
-                              out_shape, config.data.prediction_col)
+        serving = ServedModel(module, prepared.layout, output[0], config.data.transform_fn, _explicit_dtypes(config),
+                              output[1], config.data.prediction_col)
         model_uri = tracker.log_model(serving, input_example(df, prepared.layout, sample=prepared.sample),
                                       parts.local_directory(), loaded=load) if tracker.run_id else None
-    finally:
-        if load:
-            parts.remove()  # the model is in memory (and in MLflow): the files are done with
-    phases.mark("log_model")
-    tracker.log_metric_points([(phases.metrics(), 0)])
-    tracker.finish("FINISHED")
-    return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
-                     run_id=spec.run_id, plan=resolved, extra={"mlflow_run_id": tracker.run_id, "model_uri": model_uri,
-                                                                "tracking_uri": tracker.tracking_uri,
-                                                                "output_shape": out_shape, "phases": phases.seconds,
-                                                                "delivery": "spark" if prepared.source is None else "parquet",
-                                                                "model_parts": None if load else parts,
-                                                                "model_transfer": dict(parts.via_by_rank),
-                                                                "model_bytes": parts.nbytes,
-                                                                "model_send_s": max(parts.seconds_by_rank.values(),
-                                                                                    default=0.0)})
+    except BaseException:
+        parts.remove()
+        raise
+    if load:
+        parts.remove()
+    return module, model_uri
 
 
 def _real_where_state_cannot_reach(module: Any, model: Any, seed: int) -> Any:

@@ -88,12 +88,10 @@ class TorchModel(Model, MLWritable, MLReadable):
         self._pending_parts: Any = None  # trained_model.ModelParts not loaded yet (output.load_model=False)
 
     def _defer_loading(self, parts: Any) -> None:
-        """Keep the trained weights in their files until the module is first used; the files go
-        when this model does (weakref.finalize), unless loaded before."""
-        import weakref
-
+        """Keep the trained weights in their files until the module is first used; the files go when
+        no model (this one or a copy) holds the parts any more."""
+        parts.remove_when_unused()
         self._pending_parts = parts
-        weakref.finalize(self, parts.remove)
 
     @property
     def loaded(self) -> bool:
@@ -109,13 +107,15 @@ class TorchModel(Model, MLWritable, MLReadable):
 
     def torch_module(self) -> Any:
         """The trained module, its weights read from the ranks' files now if that was deferred."""
-        if self._pending_parts is not None:
+        parts = self._pending_parts
+        if parts is not None:
             from sparkdl.trained_model import load_parts
 
-            load_parts(self._module, self._pending_parts.files)
-            self._module.eval()
-            parts, self._pending_parts = self._pending_parts, None
-            parts.remove()
+            with parts.lock:  # two threads scoring at once load once
+                if self._pending_parts is not None:
+                    load_parts(self._module, parts.files)
+                    self._module.eval()
+                    self._pending_parts = None
         return self._module
 
     def setInferenceGpus(self, gpus_per_task: float) -> "TorchModel":

@@ -2,9 +2,10 @@
 
 One module for every file sparkdl writes or reads outside Spark's own writers. Paths are local paths
 or pyarrow filesystem URIs (file://, s3://?endpoint_override=..., gs://, abfs://, hdfs:// where
-libhdfs is installed). Writes are atomic: a local file goes to a temporary name, is flushed, fsynced
-and renamed (the directory fsynced too); an object store's PUT (and multipart upload) only becomes
-visible once complete, so it is written in place. A reader therefore never sees half a file.
+libhdfs is installed). Writes are atomic on local disks: a file goes to a temporary name, is flushed,
+fsynced and renamed (the directory fsynced too). An object store's upload becomes visible once
+complete; one that fails is deleted again, so the window where a reader could list half an object is
+short, and sparkdl's readers never go by listing alone (a manifest, metadata written last).
 
 Spark ML's metadata (DefaultParamsWriter) still goes through the session (Hadoop on a classic driver,
 sparkdl/session.py): PipelineModel.load reads it there. Worker-side: no pyspark import at module level.
@@ -12,6 +13,7 @@ sparkdl/session.py): PipelineModel.load reads it there. Worker-side: no pyspark 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +21,8 @@ from typing import Any, BinaryIO, Iterator
 
 from sparkdl.errors import SparkdlError
 
-WRITE_PIECE_BYTES = 8 << 20  # one write() to a stream: bounded so no second copy of a large payload forms
+WRITE_PIECE_BYTES = 8 << 20
+_SCHEME = re.compile(r"^[A-Za-z][\w+.-]+:")  # two letters or more: C:\\ is a Windows drive, not a scheme  # one write() to a stream: bounded so no second copy of a large payload forms
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ def locate(uri: str) -> Location:
     import pyarrow.fs as pafs
 
     target = uri[len("file:"):] if uri.startswith("file:") and not uri.startswith("file://") else uri
+    if "://" not in target and _SCHEME.match(target):  # dbfs:/x, hdfs:/x: Hadoop's, not a local name
+        raise SparkdlError(f"cannot open {uri!r} with pyarrow (a scheme without '//')",
+                           hint="the session's Hadoop filesystem carries it where Spark writes it; sparkdl's own "
+                                "files need a local path or a URI such as s3://, gs://, abfs://")
     try:
         if "://" not in target:
             return Location(pafs.LocalFileSystem(), os.path.abspath(target), True)
@@ -63,7 +70,7 @@ def join(uri: str, *names: str) -> str:
 
 def is_local_path(uri: str) -> bool:
     """A path on this host's own disk (a different directory on every host of a cluster)."""
-    return "://" not in uri or uri.startswith("file://")
+    return uri.startswith("file:") or ("://" not in uri and not _SCHEME.match(uri))
 
 
 @contextmanager
@@ -73,10 +80,18 @@ def atomic_output(where: Location) -> Iterator[BinaryIO]:
     if directory:
         where.fs.create_dir(directory, recursive=True)
     if not where.local:
-        # An object store makes an object visible only when its upload completes; a failed block
-        # aborts the upload (pyarrow's stream does on an exception inside `with`).
-        with where.fs.open_output_stream(where.path) as stream:
+        # An object store makes an object visible only when its upload completes. pyarrow completes
+        # it on close even after an exception, so a failed block deletes what it published: readers
+        # that go by a manifest (checkpoints) or by metadata written last (saves) never take it.
+        stream = where.fs.open_output_stream(where.path)
+        try:
             yield stream
+        except BaseException:
+            with _ignored():
+                stream.close()
+                where.fs.delete_file(where.path)
+            raise
+        stream.close()
         return
     temporary = f"{where.path}.tmp-{uuid.uuid4().hex[:8]}"
     try:

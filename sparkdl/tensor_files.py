@@ -156,8 +156,7 @@ def _bytes_of(tensor: Any) -> Any:
     """The tensor's memory as a flat uint8 tensor (no copy): numpy has no bfloat16."""
     import torch
 
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _fill(stream: Any, view: memoryview) -> None:

@@ -25,8 +25,8 @@ MAX_PARAM_CHARS = 6000  # MLflow 3 accepts 6000-character param values
 CLIENT_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 
 
-_FLUENT_LOCK = threading.Lock()
-MLFLOW_PYFUNC_CODE = Path(__file__).with_name("mlflow_pyfunc.py")  # the logged model's code  # around MLflow's fluent (process-global) API
+_FLUENT_LOCK = threading.Lock()  # around MLflow's fluent (process-global) API
+MLFLOW_PYFUNC_CODE = Path(__file__).with_name("mlflow_pyfunc.py")  # the logged model's code (models from code)
 
 
 class RunTracker:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from sparkdl.errors import TrainingError
+from sparkdl.errors import SparkdlError, TrainingError
 
 SKELETON_TAG = "sparkdl-weights"
 
@@ -33,16 +34,10 @@ class ModelParts:
     via_by_rank: dict[int, str] = field(default_factory=dict)
     seconds_by_rank: dict[int, float] = field(default_factory=dict)  # each rank's delivery, as it timed it
     storage_directory: str | None = None  # where the ranks wrote their parts (launch.model_transfer="storage")
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)  # one load at a time
 
     def tensor_names(self) -> set[str]:
-        from sparkdl.storage import locate, open_input
-        from sparkdl.tensor_files import read_header
-
-        names: set[str] = set()
-        for uri in self.files:
-            with open_input(locate(uri)) as stream:
-                names.update(e.name for e in read_header(stream).entries)
-        return names
+        return names_in(self.files)
 
     @property
     def nbytes(self) -> int:
@@ -73,21 +68,55 @@ class ModelParts:
         self.files = tuple(copies)
         return target
 
+    def remove_when_unused(self) -> None:
+        """The files go when this object does (a lazily loaded TorchModel and its copies share it)."""
+        import weakref
+
+        self._finalizer = weakref.finalize(self, remove_files, self.owned_directory, self.storage_directory)
+
     def remove(self) -> None:
         """The driver's files of these parts, and the parts the ranks left in the run's storage."""
-        import shutil
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            remove_files(self.owned_directory, self.storage_directory)
+        self.owned_directory = self.storage_directory = None
 
-        from sparkdl.storage import delete_tree, locate
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ModelParts":
+        return self  # files, not values: copies of a lazy TorchModel read the same ones
 
-        if self.owned_directory:
-            shutil.rmtree(self.owned_directory, ignore_errors=True)
-            self.owned_directory = None
-        if self.storage_directory:
-            try:
-                delete_tree(locate(self.storage_directory))
-            except OSError:
-                pass
-            self.storage_directory = None
+
+def remove_files(owned_directory: str | None, storage_directory: str | None) -> None:
+    import shutil
+
+    from sparkdl.storage import delete_tree, locate
+
+    if owned_directory:
+        shutil.rmtree(owned_directory, ignore_errors=True)
+    if storage_directory:
+        try:
+            delete_tree(locate(storage_directory))
+        except (OSError, SparkdlError):
+            pass
+
+
+def names_in(files: Iterable[str]) -> set[str]:
+    """The tensor names the files hold (their headers only); TrainingError for a file that is not
+    there or not a tensor file."""
+    from sparkdl.storage import locate, open_input
+    from sparkdl.tensor_files import TensorFileError, read_header
+
+    names: set[str] = set()
+    for uri in files:
+        try:
+            with open_input(locate(uri)) as stream:
+                names.update(e.name for e in read_header(stream).entries)
+        except (OSError, TensorFileError) as exc:
+            raise TrainingError(f"a part of the trained model cannot be read: {uri}: {exc}",
+                                hint="the driver must reach every part: with model_transfer=\"storage\", a "
+                                     "checkpoint_dir every executor and the driver share") from None
+    return names
 
 
 def load_parts(module: Any, files: Iterable[str]) -> None:
@@ -108,6 +137,7 @@ def load_parts(module: Any, files: Iterable[str]) -> None:
             return None
         return tensor
 
+    aliases = _aliases(module)
     with torch.no_grad():
         for uri in files:
             with open_input(locate(uri)) as stream:
@@ -116,6 +146,25 @@ def load_parts(module: Any, files: Iterable[str]) -> None:
                         taken[name] = tensor
     if taken:
         module.load_state_dict(taken, strict=False, assign=any(t.is_meta for t in own.values()))
+        _tie(module, aliases)
+
+
+def _aliases(module: Any) -> list[list[str]]:
+    """Names of the state dict that are one tensor (tied weights: an embedding and its output layer)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _tie(module: Any, aliases: list[list[str]]) -> None:
+    """Assigning tensors name by name unties shared weights: every alias takes the first's tensor."""
+    for first, *others in aliases:
+        owner, _, attribute = first.rpartition(".")
+        shared = getattr(module.get_submodule(owner) if owner else module, attribute)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attribute, shared)
 
 
 def check_complete(module: Any, names: set[str]) -> None:
@@ -199,6 +248,8 @@ def module_from_files(skeleton: bytes, files: Iterable[str]) -> Any:
         return same
     obj = load_skeleton(skeleton)
     module = getattr(obj, "module", obj)
+    files = list(files)
+    check_complete(module, names_in(files))
     load_parts(module, files)
     module.eval()
     return obj

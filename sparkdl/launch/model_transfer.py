@@ -47,6 +47,7 @@ class ModelSink:
     address: ChannelAddress | None = None  # channel: the driver's receiver
     storage_uri: str | None = None  # storage: the directory of this attempt's parts
     timeout_s: float = 600.0  # how long a rank waits for the driver to confirm its part
+    fallback: bool = True  # a rank that cannot reach the receiver sends its part in the rows (not when asked for "channel")
 
 
 def part_name(rank: int) -> str:
@@ -74,6 +75,10 @@ def _deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[s
             sent = _send_over_socket(sink, rank, state, metadata)
             return {"via": "channel", "bytes": sent}
         except (OSError, FrameError) as exc:
+            if not sink.fallback:
+                raise OSError(f"rank {rank} could not send its part of the model to the driver at "
+                              f"{sink.address.host}:{sink.address.port} (launch.model_transfer=\"channel\"): {exc}; "
+                              "model_transfer=\"auto\" falls back to the job's rows") from None
             print(f"sparkdl: rank {rank} could not send its part of the model to the driver "
                   f"({sink.address.host}:{sink.address.port}: {exc}); it comes back in the job's rows instead, "
                   "bounded by spark.driver.maxResultSize", file=sys.stderr, flush=True)
@@ -89,12 +94,7 @@ def _deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[s
 
         return {"via": "storage", "bytes": total, "uri": join(sink.storage_uri, part_name(rank))}
     total, pieces = tensor_pieces(state, metadata)
-    payload = bytearray(total)
-    offset = 0
-    for piece in pieces:
-        payload[offset: offset + len(piece)] = piece
-        offset += len(piece)
-    return {"via": "rows", "bytes": total, "payload": bytes(payload)}
+    return {"via": "rows", "bytes": total, "payload": b"".join(pieces)}  # one copy: the views are the tensors
 
 
 def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadata: dict[str, str]) -> int:

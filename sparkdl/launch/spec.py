@@ -11,6 +11,7 @@ from typing import Any, Callable
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.data.parquet_shards import ParquetShards
+from sparkdl.launch.model_transfer import ModelSink
 from sparkdl.layouts import StrategyLayout
 
 
@@ -31,7 +32,7 @@ class TrainSpec:
     # Direct Parquet delivery: the pieces every rank reads itself (the job's own input is one placeholder row).
     source: ParquetShards | None = None
     # Where each rank sends its part of the trained model (launch/model_transfer.ModelSink); set per attempt.
-    model_sink: Any = None
+    model_sink: ModelSink | None = None
 
     @property
     def world_size(self) -> int:

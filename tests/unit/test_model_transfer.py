@@ -158,3 +158,47 @@ def test_storage_writes_are_atomic(tmp_path) -> None:  # type: ignore[no-untyped
             raise RuntimeError("killed mid-write")
     assert read_all(where) == b"x" * 100 and os.listdir(tmp_path / "a") == ["b.bin"]
     assert not exists(locate(str(tmp_path / "nothing")))
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_stay_one_tensor_through_the_skeleton_and_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trained = _Tied()
+    path = tmp_path / "part.safetensors"
+    with open(path, "wb") as out:
+        write_tensors(out, trained.state_dict())
+    rebuilt = module_from_files(skeleton_bytes(trained), [str(path)])
+    assert rebuilt.head.weight is rebuilt.embed.weight and torch.equal(rebuilt.embed.weight, trained.embed.weight)
+    assert len(list(rebuilt.parameters())) == 1
+
+
+def test_a_missing_part_is_named_before_anything_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.errors import TrainingError
+
+    module = nn.Linear(3, 2)
+    with pytest.raises(TrainingError, match="cannot be read"):
+        module_from_files(skeleton_bytes(module), [str(tmp_path / "gone.safetensors")])
+
+
+def test_hadoop_only_schemes_are_not_taken_for_local_names() -> None:
+    from sparkdl.storage import is_local_path, pyarrow_reaches
+
+    assert not pyarrow_reaches("dbfs:/mnt/models/m") and not pyarrow_reaches("hdfs:/user/m")
+    assert pyarrow_reaches("/tmp/m") and pyarrow_reaches("file:/tmp/m") and pyarrow_reaches("relative/m")
+    assert is_local_path("/tmp/m") and not is_local_path("dbfs:/m") and not is_local_path("s3://b/m")
+
+
+def test_an_explicit_channel_fails_instead_of_falling_back() -> None:
+    from sparkdl.launch.channel import ChannelAddress
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    sink = ModelSink("channel", ChannelAddress("127.0.0.1", port, "s" * 64), fallback=False)
+    with pytest.raises(OSError, match='model_transfer="channel"'):
+        deliver(sink, 1, {"w": torch.ones(3)})
