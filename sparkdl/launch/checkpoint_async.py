@@ -77,6 +77,7 @@ class BackgroundWriter:
             self._thread = None
 
     def _run(self) -> None:
+        _yield_the_cores()
         while (job := self._jobs.get()) is not None:
             started = time.perf_counter()
             try:
@@ -90,6 +91,18 @@ class BackgroundWriter:
 
 def _done() -> None:
     pass
+
+
+def _yield_the_cores() -> None:
+    """The writer thread at the lowest priority (Linux nice 19 for this thread only): where the ranks
+    keep every core busy, it runs in the gaps (a rank waiting on its peers, on data) instead of taking
+    time slices from training; where a core is idle it runs at full speed anyway."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the write only competes a little more
+        pass
 
 
 _WRITERS: "weakref.WeakSet[BackgroundWriter]" = weakref.WeakSet()
