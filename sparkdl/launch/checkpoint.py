@@ -105,15 +105,18 @@ class CheckpointStore:
     def part(self, step: int, rank: int) -> storage.Location:
         return self.step_dir(step).child(f"rank-{rank}.pt")
 
-    def write_part(self, step: int, state: dict[str, Any],
+    def write_part(self, step: int, state: dict[str, Any] | bytes | memoryview,
                    after_piece: Callable[[int], None] | None = None) -> None:
         """This rank's state for `step`, atomically. `after_piece(bytes so far)` runs between the
         pieces of the write (the file exists only under its temporary name then): a test seam."""
         import torch
 
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        view, written = buffer.getbuffer(), 0
+        if isinstance(state, (bytes, bytearray, memoryview)):  # serialised already (checkpoint_async.serialize)
+            view, written = memoryview(state), 0
+        else:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            view, written = buffer.getbuffer(), 0
         with storage.atomic_output(self.part(step, self.rank)) as stream:
             while written < len(view):
                 piece = view[written: written + storage.WRITE_PIECE_BYTES]
