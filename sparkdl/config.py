@@ -18,6 +18,7 @@ from sparkdl.config_values import (check_feature_spec, check_input_spec, check_t
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config_training import (DELIVERY_MODES, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
                                      check_training_essentials)
+from sparkdl.config_training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -255,71 +256,6 @@ class LaunchConfig:
                               hint="5 (the default) lets the rank that failed first be named; 0 fails at once")
         if self.threads_per_worker is not None:
             positive_int("launch.threads_per_worker", self.threads_per_worker)
-
-
-@dataclass(frozen=True)
-class TrackingConfig:
-    """MLflow and progress. The driver owns the run; executors never talk to the tracking server."""
-
-    tracking: bool = True
-    tracking_uri: str | None = None  # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)
-    experiment: str | None = None  # None: MLflow's current experiment
-    run_name: str | None = None
-    log_every: int = 20  # steps between metric points (and progress updates)
-    progress: bool = True
-
-    def validate(self) -> None:
-        positive_int("tracking.log_every", self.log_every)
-
-
-@dataclass(frozen=True)
-class InputConfig:
-    """Where the CLI reads its DataFrame from: a table name or a Parquet/CSV path."""
-
-    table: str | None = None
-    path: str | None = None
-    format: str = "auto"
-
-    def validate(self) -> None:
-        choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
-        if self.table and self.path:
-            raise ConfigError(f"input.table ({self.table!r}) and input.path ({self.path!r}) are both set",
-                              hint="set only one of them")
-
-
-@dataclass(frozen=True)
-class OutputConfig:
-    model_path: str | None = None
-    overwrite: bool = False
-    # False: the fit never loads the trained model on the driver; it logs the MLflow model from the
-    # ranks' files and returns a TorchModel that loads them on first use (a model larger than the
-    # driver's memory can be trained, logged and served).
-    load_model: bool = True
-
-    def validate(self) -> None:
-        if not isinstance(self.load_model, bool):
-            raise ConfigError(f"output.load_model must be true or false, got {self.load_model!r}")
-        if self.model_path is not None and not isinstance(self.model_path, str):
-            raise ConfigError(f"output.model_path must be a path string, got {self.model_path!r}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model of a TOML-driven run (`sparkdl train`), since a file cannot hold an nn.Module:
-    either `factory`, the import path of a zero-argument callable returning one, or an MLP."""
-
-    factory: str | None = None  # "package.module:function"
-    hidden: tuple[int, ...] = (128,)
-    outputs: int = 0  # 0: the number of classes for a classification loss, else 1
-
-    def validate(self) -> None:
-        if self.factory is not None and (":" not in self.factory or not all(self.factory.partition(":")[::2])):
-            raise ConfigError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
-        if not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in self.hidden):
-            raise ConfigError(f"model.hidden must be a list of positive layer widths, got {list(self.hidden)!r}",
-                              hint="for example hidden = [128] or --set model.hidden=[64,64]")
-        if not isinstance(self.outputs, int) or isinstance(self.outputs, bool) or self.outputs < 0:
-            raise ConfigError(f"model.outputs must be an integer >= 0 (0 = automatic), got {self.outputs!r}")
 
 
 @dataclass(frozen=True)

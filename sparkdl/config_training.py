@@ -1,5 +1,7 @@
 """Validators of the training-essential options: learning-rate schedules, precision, gradient
-accumulation, validation metrics, early stopping and driver callbacks (TrainConfig's second half).
+accumulation, validation metrics, early stopping and driver callbacks (TrainConfig's second half);
+and the small sections around training (tracking, the CLI's input and output, a TOML run's model),
+which config.py re-exports.
 
 Split from config_values.py so that each stays small; like it, imports nothing from sparkdl but
 errors and config_values, so every layer (the worker's metrics included) may use the name grammar.
@@ -7,6 +9,7 @@ errors and config_values, so every layer (the worker's metrics included) may use
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from sparkdl.config_values import choice, positive_int, suggest
@@ -220,3 +223,69 @@ def check_horovod_env(env: Any, backend: str) -> None:
         raise ConfigError(f"launch.horovod_env sets {reserved}, which sparkdl sets for Horovod's rendezvous",
                           hint="ranks, sizes and the rendezvous come from the barrier job; tune other HOROVOD_* "
                                "settings only")
+
+
+# -- the sections around training: tracking, the CLI's input and output, the model of a TOML run --
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow and progress. The driver owns the run; executors never talk to the tracking server."""
+
+    tracking: bool = True
+    tracking_uri: str | None = None  # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)
+    experiment: str | None = None  # None: MLflow's current experiment
+    run_name: str | None = None
+    log_every: int = 20  # steps between metric points (and progress updates)
+    progress: bool = True
+
+    def validate(self) -> None:
+        positive_int("tracking.log_every", self.log_every)
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """Where the CLI reads its DataFrame from: a table name or a Parquet/CSV path."""
+
+    table: str | None = None
+    path: str | None = None
+    format: str = "auto"
+
+    def validate(self) -> None:
+        choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
+        if self.table and self.path:
+            raise ConfigError(f"input.table ({self.table!r}) and input.path ({self.path!r}) are both set",
+                              hint="set only one of them")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    model_path: str | None = None
+    overwrite: bool = False
+    # False: the fit never loads the trained model on the driver; it logs the MLflow model from the
+    # ranks' files and returns a TorchModel that loads them on first use (a model larger than the
+    # driver's memory can be trained, logged and served).
+    load_model: bool = True
+
+    def validate(self) -> None:
+        if not isinstance(self.load_model, bool):
+            raise ConfigError(f"output.load_model must be true or false, got {self.load_model!r}")
+        if self.model_path is not None and not isinstance(self.model_path, str):
+            raise ConfigError(f"output.model_path must be a path string, got {self.model_path!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model of a TOML-driven run (`sparkdl train`), since a file cannot hold an nn.Module:
+    either `factory`, the import path of a zero-argument callable returning one, or an MLP."""
+
+    factory: str | None = None  # "package.module:function"
+    hidden: tuple[int, ...] = (128,)
+    outputs: int = 0  # 0: the number of classes for a classification loss, else 1
+
+    def validate(self) -> None:
+        if self.factory is not None and (":" not in self.factory or not all(self.factory.partition(":")[::2])):
+            raise ConfigError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
+        if not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in self.hidden):
+            raise ConfigError(f"model.hidden must be a list of positive layer widths, got {list(self.hidden)!r}",
+                              hint="for example hidden = [128] or --set model.hidden=[64,64]")
+        if not isinstance(self.outputs, int) or isinstance(self.outputs, bool) or self.outputs < 0:
+            raise ConfigError(f"model.outputs must be an integer >= 0 (0 = automatic), got {self.outputs!r}")
