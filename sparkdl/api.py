@@ -305,6 +305,7 @@ def new_tracker(config: RunConfig) -> Any:
 
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
+    from sparkdl.data.epochs import check_shards
     from sparkdl.data.prepare import prepare_run
     from sparkdl.launch.driver import ensure_training_slots, new_run_id
     from sparkdl.launch.spec import TrainSpec
@@ -322,15 +323,20 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)
+    job_df, layout, source, row_counts, rows = spark.range(0, num_workers, 1, num_workers), None, None, (), 0
     if df is not None:
         prepared = prepare_run(df, config, custom_loop=True)
         if prepared.num_rows < num_workers:
             check_enough_rows(config, prepared.num_rows)
         job_df, layout, source = prepared.launch_df(), prepared.layout, prepared.source
-    else:
-        job_df, layout, source = spark.range(0, num_workers, 1, num_workers), None, None
+        # Counted up front (free for a kept partitioning or direct reads), so that ctx.batches(0)
+        # streams while the partition arrives, as the built-in loop's epoch 1 does.
+        row_counts = prepared.training_shards(num_workers)
+        check_shards(row_counts, config.data)
+        rows = prepared.num_rows + prepared.num_validation_rows
     ship_by_value(train_fn, config.data.transform_fn)
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn, source=source)
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn, source=source,
+                     row_counts=row_counts, rows=rows)
     check_picklable(spec)
     check_backend(config)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),

@@ -155,6 +155,10 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release the backend; safe to call twice."""
 
+    def alive(self) -> bool:
+        """The backend still runs collectives (a custom loop may have shut it down itself)."""
+        return True
+
     def _charge(self, nbytes: int) -> None:
         self.bytes_sent += nbytes
 

@@ -117,6 +117,9 @@ class EmulatedNetwork(Communicator):
     def record_allreduce(self, nbytes: int) -> None:
         self.inner.record_allreduce(nbytes)
 
+    def alive(self) -> bool:
+        return self.inner.alive()
+
     def close(self) -> None:
         self.inner.close()
 

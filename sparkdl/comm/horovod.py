@@ -135,6 +135,9 @@ class HorovodCommunicator(Communicator):
         return self.hvd.DistributedOptimizer(optimizer, named_parameters=module.named_parameters(),
                                              op=self.hvd.Average)
 
+    def alive(self) -> bool:
+        return bool(self.hvd.is_initialized())
+
     def close(self) -> None:
         try:
             self.hvd.shutdown()

@@ -140,6 +140,9 @@ class TorchDistCommunicator(Communicator):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def alive(self) -> bool:
+        return dist.is_initialized()
+
 
 class TorchGroupCommunicator(Communicator):
     """Collectives over a subset of the ranks (one torch process group). Ranks given to and taken

@@ -29,6 +29,7 @@ from sparkdl.data.layout import FIXED, FeedLayout
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
 from sparkdl.data.spool_space import check_free_space, out_of_space
 from sparkdl.errors import EmptyDataError
+from sparkdl.phases import Clock, maybe_timed
 
 
 _GROUP_BYTES = 1 << 19  # shuffled rows gathered per numpy call, see _gathered
@@ -196,13 +197,15 @@ class Spool:
 
     @classmethod
     def write(cls, batches: Iterable[pa.RecordBatch], layout: FeedLayout, directory: str | Path, *,
-              chunk_bytes: int = 64 << 20, expected_bytes: int = 0) -> Spool:
+              chunk_bytes: int = 64 << 20, expected_bytes: int = 0, clock: Clock | None = None) -> Spool:
         """Consume `batches` (a single-pass mapInArrow iterator) into a new file under `directory`;
         `expected_bytes` (spool_space.spool_bytes of the rows expected) is checked against the free
-        space first, and a disk that fills up anyway is named (SpoolSpaceError)."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        if expected_bytes:
-            check_free_space(directory, expected_bytes)
+        space first, and a disk that fills up anyway is named (SpoolSpaceError). `clock` sums the
+        seconds of the free-space check, the conversion and the writes (phases.Clock)."""
+        with maybe_timed(clock, "space_check"):
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            if expected_bytes:
+                check_free_space(directory, expected_bytes)
         final = Path(directory) / f"sparkdl-spool-{uuid.uuid4().hex}.arrow"
         # A task killed mid-write leaves a .tmp name, never a truncated file that looks complete.
         partial = final.with_name(final.name + ".tmp")
@@ -211,8 +214,12 @@ class Spool:
                     pa.ipc.new_file(sink, spool_schema(layout)) as out:
                 chunks = ChunkWriter(out, layout, chunk_bytes)
                 for batch in batches:
-                    chunks.add(*incoming_arrays(batch, layout))
-                chunks.flush()
+                    with maybe_timed(clock, "conversion"):
+                        arrays = incoming_arrays(batch, layout)
+                    with maybe_timed(clock, "spool_write"):
+                        chunks.add(*arrays)
+                with maybe_timed(clock, "spool_write"):
+                    chunks.flush()
             os.replace(partial, final)
         except BaseException as exc:
             written = partial.stat().st_size if partial.exists() else 0

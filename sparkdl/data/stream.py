@@ -22,9 +22,10 @@ import pyarrow as pa
 
 from sparkdl.data.arrow_rows import Arrays, incoming_arrays, slice_rows, split_validation
 from sparkdl.data.layout import FeedLayout
-from sparkdl.errors import EmptyDataError, PartitionChangedError
+from sparkdl.errors import ConfigError, EmptyDataError, PartitionChangedError
+from sparkdl.phases import Clock, maybe_timed
 
-__all__ = ["PartitionChangedError", "StreamedPartition", "cut", "epoch_rows", "shuffled", "skip"]
+__all__ = ["PartitionChangedError", "StreamedPartition", "cut", "epoch_rows", "rows_after", "shuffled", "skip"]
 
 _STREAM_BUFFER_BYTES = 64 << 20  # the default shuffle buffer: about this much of a rank's rows
 _QUEUED_BATCHES = 16  # Arrow batches received ahead of the loop (10k rows each by default)
@@ -200,8 +201,8 @@ class StreamedPartition:
 
     def __init__(self, batches: Iterable[pa.RecordBatch], layout: FeedLayout, *,
                  write: Callable[[Iterator[pa.RecordBatch]], Any] | None,
-                 keep_rows: int = 0) -> None:
-        self._batches, self._layout, self._write = batches, layout, write
+                 keep_rows: int = 0, clock: Clock | None = None) -> None:
+        self._batches, self._layout, self._write, self._clock = batches, layout, write, clock
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUED_BATCHES)
         self._handing_over = threading.Event()
         self._handing_over.set()
@@ -225,11 +226,13 @@ class StreamedPartition:
                 return
             if not batch.num_rows:
                 continue
-            arrays = incoming_arrays(batch, self._layout)
+            with maybe_timed(self._clock, "conversion"):
+                arrays = incoming_arrays(batch, self._layout)
             self.reserve.keep(arrays)
             yield batch  # the spool writes it before the loop may touch (and write into) its rows
             self.received_rows += batch.num_rows
-            self._hand_over(arrays)
+            with maybe_timed(self._clock, "handover_wait"):
+                self._hand_over(arrays)
 
     def _hand_over(self, item: Any) -> None:
         while self._handing_over.is_set() and not self._stop.is_set():
@@ -252,17 +255,37 @@ class StreamedPartition:
             self.seconds = time.perf_counter() - self._started
             self._hand_over(self._end)
 
+    @property
+    def handing_over(self) -> bool:
+        """Rows still go to the loop as they arrive (nothing has asked for the whole partition yet)."""
+        return self._handing_over.is_set()
+
     def pieces(self) -> Iterator[Arrays]:
-        """The training rows as they arrive, once; an error while receiving is raised here."""
+        """The training rows as they arrive, once; an error while receiving is raised here. When
+        something waits for the whole partition meanwhile (finish(): a custom loop asking for a later
+        epoch or its validation rows before this pass ends), the rest of the rows come from the spool,
+        in the same order; without a spool (spool="none") that is an error."""
+        handed = 0
         try:
             while True:
-                item = self._queue.get()
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    if self._handing_over.is_set():
+                        continue
+                    break  # handing over stopped: the rest is in the spool
                 if item is self._end:
-                    break
+                    self.finish()
+                    return
+                handed += length(item)
                 yield item
         finally:
             self.stop_handing_over()
         self.finish()
+        if self.spool is None:
+            raise ConfigError("the rows of epoch 1 stopped streaming before the pass ended, and spool='none' "
+                              "keeps no copy to finish it from", hint="use spool='disk'")
+        yield from rows_after(self.spool.chunks(), handed)
 
     def stop_handing_over(self) -> None:
         """The loop needs no more rows: the reader keeps receiving (and spooling) without handing over."""
@@ -285,6 +308,17 @@ class StreamedPartition:
         self._stop.set()
         self.stop_handing_over()
         self._thread.join(timeout=30)
+
+
+def rows_after(pieces: Iterable[Arrays], count: int) -> Iterator[Arrays]:
+    """The rows of `pieces` after the first `count`."""
+    for piece in pieces:
+        rows = length(piece)
+        if count >= rows:
+            count -= rows
+            continue
+        yield slice_arrays(piece, count, rows) if count else piece
+        count = 0
 
 
 def skip(batches: Iterator[Arrays], start: int) -> Iterator[Arrays]:

@@ -58,7 +58,9 @@ class StreamingSpool:
             return self.spool().epoch_batches(epoch, plan, rank=rank, shuffle=shuffle, seed=seed, assemble=assemble,
                                               start=start)
         sizes = list(batch_sizes(plan.batch_size(rank), plan.steps, plan.full_steps_only, plan.last_batch_size(rank)))
-        live = not self._streamed
+        # Live only while the rows still stream: once something waited for the whole partition (a
+        # later epoch, the validation rows, spool_seconds), epoch 0 reads the spool, the same batches.
+        live = not self._streamed and self._partition.handing_over
         if live:
             self._streamed = True
             pieces, wrap = self._partition.pieces(), self._wrap_live(rank)

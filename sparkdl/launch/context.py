@@ -18,6 +18,7 @@ from sparkdl.launch.spec import TrainSpec
 
 if TYPE_CHECKING:
     from sparkdl.data.batches import Spool
+    from sparkdl.phases import Clock
     from sparkdl.launch.reporter import Reporter
 
 __all__ = ["WorkerContext", "EpochPlan", "epoch_plan", "check_shards", "rank_threads"]
@@ -43,14 +44,31 @@ class WorkerContext:
     validation: "Spool | None" = None  # this rank's validation rows, None without validation data
     reporter: "Reporter | None" = None  # metrics and progress to the driver (rank 0)
     batch_shares: tuple[int, ...] | None = None  # rows per rank and step when shared by speed (launch.balance)
-    spool_seconds: float = 0.0  # receiving this rank's partition from Spark and spooling it (epoch 1's extra)
+    # Receiving this rank's partition and spooling it before the loop started (0 when epoch 1 streams).
+    spooled_first_seconds: float = 0.0
     task_started: float = 0.0  # time.perf_counter() when this rank's task began (for time_to_first_step_s)
+    clock: "Clock | None" = None  # this task's phases so far (task_phases)
 
     @property
     def partition_seconds(self) -> float:
-        """Receiving this rank's partition (and spooling it): a streamed partition waits until it is in."""
+        """Receiving this rank's partition (and spooling it), from the task's start. When epoch 1
+        streams while the partition arrives, this waits until the last row is in: read it after the
+        first pass, or the rest of that pass comes from the spool instead of the stream."""
         seconds = getattr(self.spool, "seconds", None)
-        return float(seconds) if seconds is not None else self.spool_seconds
+        return float(seconds) if seconds is not None else self.spooled_first_seconds
+
+    @property
+    def spool_seconds(self) -> float:
+        """partition_seconds, under the name the first custom loops used."""
+        return self.partition_seconds
+
+    @property
+    def task_phases(self) -> dict[str, float]:
+        """Seconds of this task's phases so far (phases.Clock): imports, memory_reset, delivery (waiting
+        for Spark's next Arrow batch), conversion, spool_write, space_check, rendezvous, communicator,
+        agreement... Delivery, conversion and the spool writes run on the reader thread while epoch 1
+        streams, so the phases need not add up to the task's wall time."""
+        return self.clock.snapshot() if self.clock is not None else {}
 
     @property
     def rank(self) -> int:

@@ -30,6 +30,10 @@ def _return_free_memory() -> None:
     import gc
 
     gc.collect()
+    # What survives this collection outlives the task (modules, a reused worker's caches): frozen, so
+    # that the next task's collection skips it. A full collection of torch's ~300k objects cost every
+    # task 0.2 s (a no-op sparkdl.run took 0.25 s longer for it).
+    gc.freeze()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -10,7 +10,8 @@ import json
 import socket
 import threading
 import time
-from typing import Any, Protocol, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Protocol, Sequence
 
 from sparkdl.comm.base import WorldInfo
 
@@ -77,6 +78,39 @@ def rendezvous_through_driver(context: BarrierContext, listening_port: int, clie
         time.sleep(poll_s)
     thread.join()
     return _world(context, gathered[0]), thread
+
+
+@contextmanager
+def spark_barriers_after(context: Any, gathering: threading.Thread | None) -> Iterator[None]:
+    """While a custom loop runs: its own calls of Spark's barrier() or allGather() (say, to exchange
+    an address, or through a library that bootstraps over them) first wait for the rendezvous's
+    allGather, which may still be returning on its thread (rendezvous_through_driver); two barrier
+    calls at once on one task break Spark's barrier epochs. The loop gets the same context object
+    from BarrierTaskContext.get(), so the wait is set on that object, and removed afterwards."""
+    if gathering is None:
+        yield
+        return
+    wrapped = []
+    for name in ("barrier", "allGather"):
+        original = getattr(context, name, None)
+        if original is None:
+            continue
+
+        def after_rendezvous(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            gathering.join()
+            return _original(*args, **kwargs)
+
+        try:
+            setattr(context, name, after_rendezvous)
+        except AttributeError:  # a context that takes no attributes: join now instead
+            gathering.join()
+            break
+        wrapped.append(name)
+    try:
+        yield
+    finally:
+        for name in wrapped:
+            delattr(context, name)
 
 
 def _barrier_key(context: BarrierContext) -> str:

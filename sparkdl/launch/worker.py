@@ -104,33 +104,41 @@ def _forward_output(client: Any, rank: int) -> Any:
 def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
              client: Any = None) -> Iterator[pa.RecordBatch]:
     from sparkdl import comm as comm_registry
+    from sparkdl.phases import Clock
 
     with ExitStack() as stack:
         task_started = time.perf_counter()
+        clock = Clock()
         from sparkdl.launch.memory import reset_peak
 
         _import_what_training_imports(spec)
+        clock.lap("imports")
         reset_peak()  # the rank's peak RSS counts from this task (Spark reuses Python workers)
+        clock.lap("memory_reset")
         if spec.source is not None:
             batches = _read_own_rows(spec, context.partitionId(), batches)
-        streaming = bool(spec.row_counts) and spec.train_fn is None and spec.layout is not None
+        batches = clock.iterate(batches, "delivery")
+        streaming = bool(spec.row_counts) and spec.layout is not None
         if streaming:
             # Rows stream in on a thread from now on; the rank trains as soon as its first batch is here.
             _share_the_gil(stack)
-            spool, validation = _stream_input(spec, context.partitionId(), batches, stack)
+            spool, validation = _stream_input(spec, context.partitionId(), batches, stack, clock)
         else:
             # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
             # picks at the rendezvous must be bound by gloo right after, not minutes later.
-            spool, validation = _spool_input(spec, batches, stack)
-        spool_seconds = time.perf_counter() - task_started
+            spool, validation = _spool_input(spec, batches, stack, clock)
+        spooled_seconds = time.perf_counter() - task_started
+        clock.lap("spool")
         launch = spec.config.launch
-        world, listening = _rendezvous(spec, context, client)
+        world, listening, gathering = _rendezvous(spec, context, client)
+        clock.lap("rendezvous")
         _limit_threads(spec, world, stack)
         _pin_gpus(world, stack)
         comm = comm_registry.create(launch.backend, world, launch.timeout_s, exchange=context.allGather,
                                     env=launch.horovod_env, listening=listening[1] if listening else None)
         stack.callback(comm.close)
         comm = _maybe_emulate(spec, comm)
+        clock.lap("communicator")
         # Runs before comm.close (LIFO): the error reaches the driver while peers are still waiting.
         stack.push(lambda kind, exc, tb: report_error(client, exc) if isinstance(exc, Exception) else None)
         row_counts = spec.row_counts if streaming else \
@@ -138,17 +146,20 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         if spool is not None:
             check_shards(row_counts, spec.config.data)  # same verdict on every rank: nobody waits in a collective
         store, resume, shares = _agree_before_training(spec, comm, world, row_counts)
+        clock.lap("agreement")
         from sparkdl.launch.reporter import Reporter
 
         ctx = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, spool=spool,
-                            validation=validation, spool_seconds=0.0 if streaming else spool_seconds,
-                            task_started=task_started,
-                            batch_shares=shares,
+                            validation=validation, spooled_first_seconds=0.0 if streaming else spooled_seconds,
+                            task_started=task_started, batch_shares=shares, clock=clock,
                             reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
         history: list[dict[str, Any]] | None = None
         part: bytes | None = None
         if spec.train_fn is not None:
-            result = spec.train_fn(ctx)
+            from sparkdl.launch.rendezvous import spark_barriers_after
+
+            with spark_barriers_after(context, gathering):
+                result = spec.train_fn(ctx)
             payload = dumps_any(result) if world.rank == 0 else None
         else:
             from sparkdl.launch.loop import train
@@ -156,9 +167,11 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
             # Several ranks may each return part of the model (pipeline stages); merged on the driver.
             state, history = train(ctx, resume, store)
             part, payload = _deliver_part(spec, world.rank, state)
+        clock.lap("training")
         if streaming:
             spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
-        _last_barrier(spec, context, comm)
+        _last_barrier(spec, context, comm, gathering)
+        clock.lap("last_barrier")
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload, part)
 
 
@@ -198,22 +211,26 @@ def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBa
     return shard_batches(spec.source, rank, spec.layout)
 
 
-def _last_barrier(spec: TrainSpec, context: Any, comm: Communicator) -> None:
-    if spec.train_fn is not None and hasattr(context, "barrier"):
-        # Spark's own barrier, not the communicator's: a train_fn may have shut its backend down
-        # (hvd.shutdown() at the end of a Horovod script) and its result must still come back.
-        context.barrier()
-    else:
-        # Spark's barrier wakes a rank that waits in it only once a second (its RPC is polled):
-        # the built-in loop's backend is alive, and its barrier returns at once.
+def _last_barrier(spec: TrainSpec, context: Any, comm: Communicator, gathering: Any) -> None:
+    """Every rank is done before any rank's task ends. The communicator's barrier while the backend
+    is alive: Spark's barrier wakes a rank that waits in it only once a second (its RPC is polled).
+    A train_fn may have shut its backend down (hvd.shutdown() at the end of a Horovod script): then
+    Spark's own, after the rendezvous's allGather returned (two Spark barrier calls at once on one
+    task break Spark's barrier epochs)."""
+    if spec.train_fn is None or comm.alive():
         comm.barrier()
+        return
+    if hasattr(context, "barrier"):
+        if gathering is not None:
+            gathering.join()
+        context.barrier()
 
 
-def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, Any]:
-    """(the world, rank 0's listening handle or None). A backend that listens before the rendezvous
-    lets the built-in loop learn rank 0's port from the driver channel instead of waiting for
-    Spark's allGather (launch/rendezvous.py says why); a train_fn may use Spark's barrier itself and
-    Horovod bootstraps over it, so they gather through Spark only."""
+def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, Any, Any]:
+    """(the world, rank 0's listening handle or None, the thread still waiting in Spark's allGather
+    or None). A backend that listens before the rendezvous lets the ranks learn rank 0's port from
+    the driver channel instead of waiting for Spark's allGather (launch/rendezvous.py says why);
+    Horovod bootstraps over Spark's barrier, so it gathers through Spark only."""
     from sparkdl import comm as comm_registry
     from sparkdl.launch.rendezvous import rendezvous, rendezvous_through_driver
 
@@ -221,13 +238,13 @@ def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, 
     backend = comm_registry.backend_class(launch.backend)
     listening = backend.listen(launch.timeout_s) if backend.listens and context.partitionId() == 0 else None
     port = listening[0] if listening else 0
-    if backend.listens and spec.train_fn is None and launch.backend not in comm_registry.BOOTSTRAPS_THROUGH_SPARK:
-        world, _ = rendezvous_through_driver(context, port, client)
-        # Not joined: every rank's request is in by the time any rank trained, so the barrier is
+    if backend.listens and launch.backend not in comm_registry.BOOTSTRAPS_THROUGH_SPARK:
+        # Not joined here: every rank's request is in by the time any rank trained, so the barrier is
         # complete on Spark's side; its thread returns on Spark's next poll (up to 1 s), which a
-        # short fit would otherwise wait for at its end.
-        return world, listening
-    return rendezvous(context, port), listening
+        # short run would otherwise wait for at its start. Joined before any other Spark barrier call.
+        world, gathering = rendezvous_through_driver(context, port, client)
+        return world, listening, gathering
+    return rendezvous(context, port), listening, None
 
 
 def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo, row_counts: tuple[int, ...]
@@ -276,10 +293,11 @@ def _share_the_gil(stack: ExitStack) -> None:
     stack.callback(sys.setswitchinterval, previous)
 
 
-def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch], stack: ExitStack
-                  ) -> tuple[Any, Any]:
+def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch], stack: ExitStack,
+                  clock: Any) -> tuple[Any, Any]:
     """(StreamingSpool, its late validation rows or None): the partition arrives on a thread while
-    epoch 1 trains; spool="disk" writes the spool for later epochs alongside."""
+    epoch 1 trains; spool="disk" writes the spool for later epochs alongside (always for a custom
+    loop, which may read its epochs in any order)."""
     from sparkdl.config_training import spool_mode
     from sparkdl.data.epochs import epoch_plan
     from sparkdl.data.stream import StreamedPartition, default_buffer_rows
@@ -287,20 +305,20 @@ def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch],
     from sparkdl.data.arrow_rows import spool_columns
 
     data = spec.config.data
-    one_pass = spool_mode(data.spool, spec.config.train) == "none"
+    one_pass = spec.train_fn is None and spool_mode(data.spool, spec.config.train) == "none"
     expected = spec.row_counts[rank]
     # Under spool="none" a shard smaller than epoch 1's steps need wraps around copies of its first rows.
     plan = epoch_plan(spec.row_counts, data)
     needed = (plan.steps - 1) * plan.batch_size(rank) + plan.last_batch_size(rank) if plan.steps else 0
-    write = None if one_pass else _spool_writer(spec)
-    partition = StreamedPartition(batches, spec.layout, write=write, keep_rows=max(needed - expected, 0))
+    write = None if one_pass else _spool_writer(spec, clock)
+    partition = StreamedPartition(batches, spec.layout, write=write, keep_rows=max(needed - expected, 0), clock=clock)
     row_bytes = sum(c.row_bytes for c in spool_columns(spec.layout)) or 1024
     buffer_rows = data.shuffle_buffer_rows or default_buffer_rows(row_bytes, data.batch_size)
     source = stack.enter_context(closing(StreamingSpool(partition, spec.layout, expected, buffer_rows, one_pass)))
     return source, source.validation() if spec.layout.split_column is not None else None
 
 
-def _spool_writer(spec: TrainSpec) -> Any:
+def _spool_writer(spec: TrainSpec, clock: Any) -> Any:
     """batches -> Spool under data.spool_dir, free space checked first against the average share
     (validation rows included): the driver's shards differ by a few rows; a kept, skewed partitioning
     is caught while writing instead."""
@@ -310,16 +328,17 @@ def _spool_writer(spec: TrainSpec) -> Any:
     directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
     expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
     return lambda batches, check=True: Spool.write(batches, spec.layout, directory,
-                                                   expected_bytes=expected if check else 0)
+                                                   expected_bytes=expected if check else 0, clock=clock)
 
 
-def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack) -> tuple[Any, Any]:
+def _spool_input(spec: TrainSpec, batches: Iterable[pa.RecordBatch], stack: ExitStack, clock: Any
+                 ) -> tuple[Any, Any]:
     """(training spool, validation spool or None); both None for a run without a DataFrame."""
     if spec.layout is None:
         for _ in batches:  # the placeholder input of a run without a DataFrame is drained
             pass
         return None, None
-    write = _spool_writer(spec)
+    write = _spool_writer(spec, clock)
     if spec.layout.split_column is None:
         return stack.enter_context(write(batches)), None
     from sparkdl.data.arrow_rows import split_validation

@@ -70,3 +70,59 @@ def test_odd_column_names_are_quoted_everywhere(spark) -> None:  # type: ignore[
     assert prepared.num_rows == 1 and prepared.dropped_rows == 1
     row = prepared.df.collect()[0]
     assert list(row[0]) == [4.0, 5.0, 6.0] and row[1] == 0
+
+
+def _streaming_loop(ctx):  # type: ignore[no-untyped-def]
+    """Reads epoch 0 as it streams, then again, then epoch 1, and reports what each rank saw."""
+    import time
+
+    from pyspark.taskcontext import BarrierTaskContext
+
+    def labels(batches):  # type: ignore[no-untyped-def]
+        return [int(v) for _, y in batches for v in y]
+
+    started = time.perf_counter()
+    first = next(ctx.batches(0))  # the rows are still arriving: the first batch does not wait for the rest
+    first_s = time.perf_counter() - started
+    phases_before = set(ctx.task_phases)
+    streamed = labels(ctx.batches(0))
+    again = labels(ctx.batches(0))  # the same batches, from the spool
+    later = labels(ctx.batches(1))
+    # The loop's own Spark barrier calls do not collide with the rendezvous's allGather.
+    BarrierTaskContext.get().barrier()
+    gathered = BarrierTaskContext.get().allGather(str(ctx.rank))
+    return ctx.comm.allgather_object({"rows": ctx.num_rows, "first": len(first[0]), "first_s": first_s,
+                                      "streamed": streamed, "again": again, "later": later,
+                                      "spool_s": ctx.spool_seconds, "phases_before": sorted(phases_before),
+                                      "phases": ctx.task_phases, "gathered": sorted(gathered)})
+
+
+def test_a_custom_loop_streams_epoch_one_and_replays_it_from_the_spool(spark) -> None:  # type: ignore[no-untyped-def]
+    df = spark.range(0, 4000, 1, 2).selectExpr("cast(id as float) as a", "cast(id % 7 as float) as b",
+                                               "cast(id as long) as label")
+    ranks = sparkdl.run(_streaming_loop, df=df, num_workers=2, feature_cols=["a", "b"], label_col="label",
+                        batch_size=64, shuffle=True, progress=False)
+    assert sum(r["rows"] for r in ranks) == 4000
+    seen = []
+    for r in ranks:
+        assert r["first"] == 64
+        assert r["again"] == r["streamed"] and sorted(r["later"]) == sorted(r["streamed"]) != r["later"]
+        assert len(set(r["streamed"])) == r["rows"]
+        seen += r["streamed"]
+        assert r["spool_s"] > 0 and r["gathered"] == ["0", "1"]
+        # Spark's delivery was timed before the loop's first batch; the other phases as they ended.
+        assert {"delivery", "memory_reset", "rendezvous", "communicator"} <= set(r["phases_before"])
+        assert {"conversion", "spool_write"} <= set(r["phases"])
+    assert sorted(seen) == list(range(4000))
+
+
+def test_a_custom_loop_that_shuts_its_backend_down_still_returns(spark) -> None:  # type: ignore[no-untyped-def]
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        total = torch.tensor([1.0])
+        ctx.comm.allreduce(total)
+        dist.destroy_process_group()  # as a script ending with hvd.shutdown() or destroy_process_group()
+        return total.item()
+
+    assert sparkdl.run(train_fn, num_workers=2, progress=False) == 2.0

@@ -163,3 +163,47 @@ def test_an_error_while_receiving_reaches_the_loop(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="connection to the JVM lost"):
         list(source.epoch_batches(0, epoch_plan([30], BatchOptions(10)), rank=0, shuffle=False, seed=0))
     assert not list(tmp_path.iterdir())  # nothing half-written left behind
+
+
+def test_a_later_epoch_asked_mid_pass_lets_the_live_pass_finish_from_the_spool(tmp_path: Path) -> None:
+    """A custom loop may ask for epoch 1 (or its validation rows) while epoch 0 still streams: the
+    partition is then received whole, and the rest of epoch 0 comes from the spool, same batches."""
+    plan = epoch_plan([300], BatchOptions(16))
+    reference = _labels(_stream(tmp_path / "a", _batches(300, 7), expected=300)
+                        .epoch_batches(0, plan, rank=0, shuffle=True, seed=2))
+    source = _stream(tmp_path / "b", _batches(300, 7), expected=300)
+    live = source.epoch_batches(0, plan, rank=0, shuffle=True, seed=2)
+    head = [next(live) for _ in range(3)]
+    later = _labels(source.epoch_batches(1, plan, rank=0, shuffle=True, seed=2))  # waits for the whole partition
+    assert sorted(later) == list(range(300))
+    assert _labels(iter(head)) + _labels(live) == reference
+    source.close()
+
+
+def test_epoch_zero_after_the_partition_was_waited_for_reads_the_spool(tmp_path: Path) -> None:
+    plan = epoch_plan([50], BatchOptions(8))
+    reference = _labels(_stream(tmp_path / "a", _batches(50, 7), expected=50)
+                        .epoch_batches(0, plan, rank=0, shuffle=True, seed=4))
+    source = _stream(tmp_path / "b", _batches(50, 7), expected=50)
+    assert source.seconds > 0  # waits until the last row is in (ctx.spool_seconds read before the pass)
+    assert _labels(source.epoch_batches(0, plan, rank=0, shuffle=True, seed=4)) == reference
+    source.close()
+
+
+def test_the_clock_sums_phases_and_the_time_waiting_for_items() -> None:
+    from sparkdl.phases import Clock
+
+    clock = Clock()
+
+    def slow() -> Iterator[int]:
+        for i in range(3):
+            time.sleep(0.02)
+            yield i
+
+    assert list(clock.iterate(slow(), "delivery")) == [0, 1, 2]
+    with clock.timed("conversion"):
+        time.sleep(0.01)
+    clock.lap("first")
+    snapshot = clock.snapshot()
+    assert snapshot["delivery"] >= 0.05 and snapshot["conversion"] >= 0.009
+    assert snapshot["first"] >= snapshot["delivery"]  # the lap covers everything since the clock started
