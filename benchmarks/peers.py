@@ -31,6 +31,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO))
 
+import records  # noqa: E402
 from peers_parts import common, report  # noqa: E402
 
 PARTS = {"ingest": "peers_parts.ingest", "launch": "peers_parts.launch", "steps": "peers_parts.steps",
@@ -52,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "img" / "peers.png")
     parser.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the table in --docs")
+    parser.add_argument("--no-record", action="store_true",
+                        help="compare with benchmarks/results/records/ but do not replace the record")
     args = parser.parse_args()
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in args.parts if p not in PARTS]
@@ -106,6 +109,10 @@ def main() -> None:
                        "sched_autogroup_enabled": autogroup()},
               "versions": versions(), "parts": parts, "wall_s": round(time.time() - began, 1)}
     result["targets_met"] = {r["name"]: r["met"] for r in report.all_ratios(result) if r["met"] is not None}
+    # Each figure against the last recorded run (benchmarks/results/records/): a drop shows here.
+    record_name = "peers" if args.source == "cached" and args.rows == 1_000_000 else \
+        f"peers_{args.source}_{args.rows}"
+    result["against_record"] = records.compare_and_record(record_name, result, keep=not args.no_record)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(result, indent=1))
     report.chart(result, args.png)

@@ -36,15 +36,24 @@ TD_PASS_BUDGET_S = 150.0
 SPARKDL_PASSES = 3  # epoch 0 (right after the spool), then epochs 1 and 2 replayed
 WARM_UP_ROWS = 10_000
 FIGURES = ("spark_arrow_delivery", "sparkdl_epoch1", "sparkdl_epochs2plus", "sparkdl_end_to_end_epoch1", "torchdistributor_loader",
-           "torchdistributor_end_to_end", "petastorm_epoch1", "petastorm_epochs2plus")  # rows/s, in report order
+           "torchdistributor_end_to_end", "petastorm_epoch1", "petastorm_epochs2plus",  # rows/s, in report order
+           "sparkdl_run_noop_s", "torchdistributor_run_noop_s")  # seconds of a no-op job on warm workers
+PHASES = ("memory_reset", "delivery", "conversion", "spool_write", "space_check", "handover_wait", "rendezvous",
+          "communicator", "agreement")  # ctx.task_phases of sparkdl's ranks, slowest rank, seconds
 
 NOTES = [
     (f"'on {common.WORLD} ranks' = rows summed over the ranks / the slowest rank's seconds; figures are "
      "medians over rounds, ratios are medians of per-round ratios (every tool runs once per round)."),
     ("Every tool hands out float32 (batch, features) tensors plus labels, and every batch is summed so "
      "that nothing is skipped lazily; each rank uses 1 torch thread."),
-    ("sparkdl_epoch1: per rank, ctx.spool_seconds (receiving the partition from Spark and spooling it) + "
-     "the first shuffled pass over ctx.batches(0); excludes job launch and the driver's prepare()."),
+    ("sparkdl_epoch1: per rank, from the task's start to the end of the first shuffled pass over "
+     "ctx.batches(0), which streams while the partition arrives (the spool for later epochs is written "
+     "alongside); includes the rendezvous, excludes job launch and the driver's prepare()."),
+    ("sparkdl_phase_*: ctx.task_phases of the slowest rank (seconds): delivery = waiting for Spark's next "
+     "Arrow batch, conversion = Arrow to numpy views, spool_write = copying into the spool file, "
+     "handover_wait = the reader waiting for the loop; these run on the reader thread beside the pass."),
+    ("sparkdl_run_noop_s / torchdistributor_run_noop_s: sparkdl.run(lambda ctx: None) and "
+     "TorchDistributor.run(noop) on 2 ranks, each on warm Python workers (right after an untimed job)."),
     "sparkdl_epochs2plus: median of the shuffled passes over epochs 1 and 2, replayed from the spool.",
     ("sparkdl_end_to_end_epoch1: sparkdl.run's wall time minus the slowest rank's epochs 1-2 passes, so "
      "approximately launch + prepare + spool + epoch 1 + teardown."),
@@ -69,13 +78,16 @@ def _sparkdl_rank(ctx: Any) -> list[dict[str, Any]]:
     """Runs on every rank; rank 0's return value (everyone's timings) comes back from sparkdl.run."""
     import time
 
-    passes = []
+    passes, epoch1_s = [], 0.0
     for epoch in range(SPARKDL_PASSES):
         started, total = time.perf_counter(), 0.0
         for features, _labels in ctx.batches(epoch):
             total += float(features.sum())
         passes.append(time.perf_counter() - started)
-    mine = {"rows": ctx.num_rows, "spool_s": float(ctx.spool_seconds), "pass_s": passes}
+        if epoch == 0:
+            epoch1_s = time.perf_counter() - ctx.task_started
+    mine = {"rows": ctx.num_rows, "epoch1_s": epoch1_s, "spool_s": float(ctx.spool_seconds), "pass_s": passes,
+            "phases": ctx.task_phases}
     return list(ctx.comm.allgather_object(mine))
 
 
@@ -108,18 +120,23 @@ def _sparkdl_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
     # sparkdl's tasks would start in fresh workers and pay interpreter start and imports inside the
     # spool's timer. An untimed no-op job restores what any session that ran a job has.
     sparkdl.run(_noop, num_workers=common.WORLD, progress=False)
+    noop_s, _ = common.timed(lambda: sparkdl.run(_noop, num_workers=common.WORLD, progress=False))
     wall, ranks = common.timed(lambda: sparkdl.run(
         _sparkdl_rank, df=frame, num_workers=common.WORLD, feature_cols=common.feature_names(args.features),
         label_col="label", batch_size=args.batch_size, progress=False, shuffle=True, threads_per_worker=1))
     common.log("ingest: sparkdl per rank: " + "; ".join(
-        f"rows={r['rows']} spool={r['spool_s']:.2f}s passes=" + "/".join(f"{s:.3f}" for s in r["pass_s"])
-        for r in ranks) + f"; run wall={wall:.1f}s")
+        f"rows={r['rows']} epoch1={r['epoch1_s']:.2f}s (partition in after {r['spool_s']:.2f}s) passes="
+        + "/".join(f"{s:.3f}" for s in r["pass_s"]) + " phases=" + ", ".join(
+            f"{k}={r['phases'].get(k, 0.0):.3f}" for k in PHASES) for r in ranks) + f"; run wall={wall:.1f}s; "
+        f"no-op run {noop_s:.2f}s")
     rows = [r["rows"] for r in ranks]
     later = [common.median(r["pass_s"][1:]) for r in ranks]
     replay = max(sum(r["pass_s"][1:]) for r in ranks)
-    return {"sparkdl_epoch1": _rate(rows, [r["spool_s"] + r["pass_s"][0] for r in ranks]),
+    slowest = max(ranks, key=lambda r: r["epoch1_s"])
+    return {"sparkdl_epoch1": _rate(rows, [r["epoch1_s"] for r in ranks]),
             "sparkdl_epochs2plus": _rate(rows, later),
-            "sparkdl_end_to_end_epoch1": sum(rows) / (wall - replay)}
+            "sparkdl_end_to_end_epoch1": sum(rows) / (wall - replay), "sparkdl_run_noop_s": noop_s,
+            **{f"sparkdl_phase_{k}_s": float(slowest["phases"].get(k, 0.0)) for k in PHASES}}
 
 
 def _td_rank(batch_size: int, budget_s: float) -> list[dict[str, Any]]:
@@ -155,10 +172,16 @@ def _td_rank(batch_size: int, budget_s: float) -> list[dict[str, Any]]:
     return gathered
 
 
+def _td_noop() -> None:
+    return None
+
+
 def _td_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     distributor = TorchDistributor(num_processes=common.WORLD, local_mode=False, use_gpu=False)
+    distributor.run(_td_noop)  # as sparkdl's no-op: on workers a job just used
+    noop_s, _ = common.timed(lambda: distributor.run(_td_noop))
     wall, ranks = common.timed(lambda: distributor._train_on_dataframe(
         _td_rank, frame, args.batch_size, TD_PASS_BUDGET_S))
     rows, seconds = [r["rows"] for r in ranks], [r["seconds"] for r in ranks]
@@ -170,6 +193,7 @@ def _td_round(frame: Any, args: argparse.Namespace) -> dict[str, float]:
     full = sum(r["partition_rows"] for r in ranks)
     end_to_end = full / (wall - max(seconds) + full / loader_rate) if capped else full / wall
     return {"torchdistributor_loader": loader_rate, "torchdistributor_end_to_end": end_to_end,
+            "torchdistributor_run_noop_s": noop_s,
             "torchdistributor_capped": float(capped)}  # not in FIGURES: a flag for the notes
 
 
@@ -237,7 +261,8 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
             rounds.append(figures)
     finally:
         frame.unpersist()
-    runs = {name: [r[name] for r in rounds if name in r] for name in FIGURES if any(name in r for r in rounds)}
+    reported = FIGURES + tuple(f"sparkdl_phase_{k}_s" for k in PHASES)
+    runs = {name: [r[name] for r in rounds if name in r] for name in reported if any(name in r for r in rounds)}
     ratios = []
     for name, a, b, target in (("sparkdl epoch 1 / TorchDistributor loader", "sparkdl_epoch1",
                                 "torchdistributor_loader", 10),
@@ -250,6 +275,11 @@ def measure(spark: Any, args: argparse.Namespace) -> dict[str, Any]:
         pairs = [(r[a], r[b]) for r in rounds if a in r and b in r]  # only rounds where both ran
         if pairs:
             ratios.append(common.ratio_entry(name, pairs, target, "higher"))
+    noops = [(r["sparkdl_run_noop_s"], r["torchdistributor_run_noop_s"]) for r in rounds
+             if "sparkdl_run_noop_s" in r and "torchdistributor_run_noop_s" in r]
+    if noops:
+        ratios.append(common.ratio_entry("no-op job, warm workers: sparkdl.run / TorchDistributor.run", noops, 0.2,
+                                         "lower"))
     if any(r.get("torchdistributor_capped") for r in rounds):
         notes.append(f"TorchDistributor's loader pass was cut after {TD_PASS_BUDGET_S:.0f} s per rank (a per-row "
                      "Python loop: constant cost per row); its end-to-end figure extrapolates the full pass at "
@@ -286,6 +316,8 @@ if __name__ == "__main__":
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--source", choices=("cached", "parquet"), default="cached",
                         help="the frame every tool reads: cached in Spark's memory, or a Parquet scan")
+    parser.add_argument("--no-record", action="store_true",
+                        help="compare with benchmarks/results/records/ but do not replace the record")
     cli = parser.parse_args()
     if min(cli.rows, cli.features, cli.batch_size, cli.repeats) < 1:
         parser.error("--rows, --features, --batch-size and --repeats must be >= 1")
@@ -296,4 +328,8 @@ if __name__ == "__main__":
             result = measure(session, cli)
         finally:
             session.stop()
+    result.update(rows=cli.rows, batch_size=cli.batch_size, loadavg_after=os.getloadavg()[0])
+    import records
+
+    records.compare_and_record(f"peers_ingest_{cli.source}_{cli.rows}", result, keep=not cli.no_record)
     print(json.dumps(result))

@@ -75,6 +75,13 @@ def markdown(result: dict[str, Any], command: str, png: str | None) -> str:
                       "instead):", ""]
         lines += [f"- {where}: `{text.strip().splitlines()[0][:300] if text.strip() else text}`"
                   for where, text in errors.items()]
+    against = result.get("against_record") or []
+    if against:
+        worse = [r for r in against if r["worse"]]
+        lines += ["", f"Against the run recorded {against[0]['recorded_when']} (benchmarks/results/records/; "
+                      f"{len(worse)} of {len(against)} figures worse by more than 1.25x):", ""]
+        lines += [f"- {r['figure']}: {_fmt(r['value'])} (was {_fmt(r['recorded'])}, x{r['ratio']:.3g})"
+                  + (" **worse**" if r["worse"] else "") for r in against if "ratio:" in r["figure"] or r["worse"]]
     notes = [f"{part['part']}: {note}" for part in result["parts"] for note in part.get("notes", [])]
     if notes:
         lines += ["", "Notes:", ""] + [f"- {note}" for note in notes]

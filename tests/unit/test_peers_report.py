@@ -51,3 +51,24 @@ def test_chart_is_written(tmp_path: Path) -> None:
     png = tmp_path / "img" / "peers.png"
     report.chart(sample_result(), png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_is_set_against_the_recorded_figures_and_a_drop_is_flagged(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import copy
+
+    import records
+
+    before = sample_result()
+    assert records.compare_and_record("peers", before, directory=tmp_path) == []  # nothing recorded yet
+    after = copy.deepcopy(before)
+    after["parts"][0]["figures"]["sparkdl_noop_s"] = 4.5  # 3x slower: seconds, lower is better
+    after["parts"][1]["ratios"][0]["value"] = 1.4  # a higher-is-better ratio, a little lower
+    rows = {r["figure"]: r for r in records.compare_and_record("peers", after, directory=tmp_path)}
+    noop = rows["parts.launch.figures.sparkdl_noop_s"]
+    assert (noop["ratio"], noop["better"], noop["worse"]) == (3.0, "lower", True)
+    ingest = rows["parts.ingest.ratios.ratio: ingest: sparkdl / Petastorm"]
+    assert ingest["better"] == "higher" and not ingest["worse"]
+    assert "wall_s" in rows and "repeats" not in rows and not any("per_round" in k for k in rows)
+    assert "WORSE" in capsys.readouterr().err
+    # the record now holds the later run
+    assert records.compare("peers", after, directory=tmp_path)[0]["ratio"] == 1.0

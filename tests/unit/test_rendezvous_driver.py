@@ -117,3 +117,26 @@ def test_ports_of_another_stage_attempt_are_not_used() -> None:
     replies: list[dict[str, Any]] = []
     monitor.on_message({"kind": "rendezvous", "key": "7.0", "reply": replies.append})
     assert replies == [{"port": 0}]
+
+
+def test_a_custom_loops_own_spark_barrier_waits_for_the_rendezvous_allgather() -> None:
+    from sparkdl.launch.rendezvous import spark_barriers_after
+
+    calls: list[tuple[str, bool]] = []
+
+    class Task:
+        def barrier(self) -> None:
+            calls.append(("barrier", gathering.is_alive()))
+
+        def allGather(self, message: str = "") -> list[str]:
+            calls.append(("allGather", gathering.is_alive()))
+            return [message]
+
+    gathering = threading.Thread(target=time.sleep, args=(0.3,))
+    gathering.start()
+    task = Task()
+    with spark_barriers_after(task, gathering):
+        task.barrier()  # would overlap the rendezvous's allGather: waits for it first
+        assert task.allGather("x") == ["x"]
+    assert calls == [("barrier", False), ("allGather", False)]
+    assert "barrier" not in vars(task) and "allGather" not in vars(task)  # the class's own methods again
