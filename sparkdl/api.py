@@ -280,7 +280,10 @@ def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: Resolved
 
 
 def _start_tracking(config: RunConfig, df: Any, prepared: Any, resolved: ResolvedPlan, run_id: str) -> Any:
-    tracker = new_tracker(config)
+    from sparkdl.tracking import RunTracker
+
+    t = config.tracking
+    tracker = RunTracker(t.tracking, t.tracking_uri, t.experiment, t.run_name)
     tracker.start(params={**run_params(config, df, prepared), **resolved.as_params()}, tags={"sparkdl.run_id": run_id})
     tracker.log_text(resolved.explain(), "plan.txt")  # the planner's table under "auto", then the layout
     tracker.log_text(resolved.to_json(), "plan.json")  # the same plan as a value: TorchEstimator(plan_from_run=...)
@@ -296,13 +299,6 @@ def _log_prediction(tracker: Any, resolved: ResolvedPlan, history: list[dict[str
                                      "plan_predicted_step_ms": 1e3 * choice.predicted_step_s}, 0)])
 
 
-def new_tracker(config: RunConfig) -> Any:
-    from sparkdl.tracking import RunTracker
-
-    t = config.tracking
-    return RunTracker(t.tracking, t.tracking_uri, t.experiment, t.run_name)
-
-
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
     from sparkdl.data.epochs import check_shards
@@ -310,16 +306,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     from sparkdl.launch.driver import ensure_training_slots, new_run_id
     from sparkdl.launch.spec import TrainSpec
 
-    if not callable(train_fn):
-        raise ConfigError(f"train_fn must be callable, got {type(train_fn).__name__}",
-                          hint="def train_fn(ctx): ... ; sparkdl.run(train_fn, df=df)")
-    config = _run_config(df, num_workers, options)
-    if config.train.callbacks:
-        raise ConfigError("train.callbacks are called with the built-in loop's epoch records, but sparkdl.run runs "
-                          "your train_fn", hint="call your own code from train_fn, or train with fit / TorchEstimator")
-    if config.data.spool == "none":
-        raise ConfigError("data.spool='none' applies to fit: sparkdl.run spools each partition, since a custom "
-                          "loop may read its epochs in any order", hint="use spool='disk' or 'auto' with sparkdl.run")
+    config = _run_config(train_fn, df, num_workers, options)
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)
@@ -345,9 +332,18 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     return result
 
 
-def _run_config(df: Any, num_workers: int, options: dict[str, Any]) -> RunConfig:
+def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any]) -> RunConfig:
     """sparkdl.run's options; with a DataFrame every column but the label is a feature by default."""
+    if not callable(train_fn):
+        raise ConfigError(f"train_fn must be callable, got {type(train_fn).__name__}",
+                          hint="def train_fn(ctx): ... ; sparkdl.run(train_fn, df=df)")
     config = RunConfig.from_kwargs(num_workers=num_workers, **options)
+    if config.train.callbacks:
+        raise ConfigError("train.callbacks are called with the built-in loop's epoch records, but sparkdl.run runs "
+                          "your train_fn", hint="call your own code from train_fn, or train with fit / TorchEstimator")
+    if config.data.spool == "none":
+        raise ConfigError("data.spool='none' applies to fit: sparkdl.run spools each partition, since a custom "
+                          "loop may read its epochs in any order", hint="use spool='disk' or 'auto' with sparkdl.run")
     if df is None:
         # No DataFrame: the data section (feature columns) does not apply.
         config.train.validate()

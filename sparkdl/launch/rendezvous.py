@@ -1,5 +1,5 @@
-"""Rendezvous inside a barrier stage: every rank learns the world through one allGather (or, for
-the built-in loop with a driver channel, rank 0's port from the driver while the allGather runs).
+"""Rendezvous inside a barrier stage: every rank learns the world through one allGather (or, for a
+backend that listens first, rank 0's port from the driver channel while the allGather runs).
 
 Rank 0 picks a free port on its own host; hosts come from the barrier task infos, so ranks on the
 same executor host get distinct local ranks. Never imports pyspark.sql (worker-side module).
