@@ -136,7 +136,7 @@ def _fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...],
     time went, how the data came and how the model came back."""
     return {"mlflow_run_id": tracker.run_id, "model_uri": model_uri, "tracking_uri": tracker.tracking_uri,
             "output_shape": out_shape, "phases": phases.seconds,
-            "delivery": "spark" if prepared.source is None else "parquet",
+            "delivery": prepared.delivery,
             "model_parts": None if config.output.load_model else parts, "model_transfer": dict(parts.via_by_rank),
             "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}
 
@@ -274,7 +274,7 @@ def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: Resolved
     shipped = replace(config, train=replace(train, callbacks=()))
     spec = TrainSpec(run_id=new_run_id(), config=shipped, layout=layout, model=model,
                      strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks), rows=rows,
-                     row_counts=row_counts, source=prepared.source)
+                     row_counts=row_counts, source=prepared.source, packed_rows=prepared.packed is not None)
     check_picklable(spec)
     return spec
 
@@ -310,12 +310,12 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)
-    job_df, layout, source, row_counts, rows = spark.range(0, num_workers, 1, num_workers), None, None, (), 0
+    job_df, layout, source, row_counts, rows, packed = spark.range(0, num_workers, 1, num_workers), None, None, (), 0, False
     if df is not None:
         prepared = prepare_run(df, config, custom_loop=True)
         if prepared.num_rows < num_workers:
             check_enough_rows(config, prepared.num_rows)
-        job_df, layout, source = prepared.launch_df(), prepared.layout, prepared.source
+        job_df, layout, source, packed = prepared.launch_df(), prepared.layout, prepared.source, prepared.packed is not None
         # Counted up front (free for a kept partitioning or direct reads), so that ctx.batches(0)
         # streams while the partition arrives, as the built-in loop's epoch 1 does.
         row_counts = prepared.training_shards(num_workers)
@@ -323,7 +323,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
         rows = prepared.num_rows + prepared.num_validation_rows
     ship_by_value(train_fn, config.data.transform_fn)
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn, source=source,
-                     row_counts=row_counts, rows=rows)
+                     row_counts=row_counts, rows=rows, packed_rows=packed)
     check_picklable(spec)
     check_backend(config)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),

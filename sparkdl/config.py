@@ -56,7 +56,9 @@ class DataConfig:
     prefetch_batches: int = 2  # batches made ahead on a background thread when transform_fn is set (0 = off)
     spool: str = "auto"  # "disk": epoch 1 streams, later epochs read a local spool; "none": one pass, no file
     shuffle_buffer_rows: int = 0  # epoch 1's seeded shuffle buffer per rank (0 = about 64 MiB of rows)
-    delivery: str = "auto"  # "parquet": ranks read a plain Parquet scan's files themselves; "spark"; "auto": when eligible
+    # "parquet": ranks read a plain Parquet scan's files themselves; "packed": Spark hands over blocks of rows
+    # packed on the JVM; "spark": Spark's own Arrow rows; "auto": the first of these the DataFrame qualifies for
+    delivery: str = "auto"
 
     def validate(self) -> None:
         if self.input_cols is not None:

@@ -171,7 +171,7 @@ _HOROVOD_CONTRACT = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HORO
 
 
 SPOOL_MODES = ("auto", "disk", "none")
-DELIVERY_MODES = ("auto", "spark", "parquet")  # data.delivery: data/parquet_source.py
+DELIVERY_MODES = ("auto", "spark", "parquet", "packed")  # data.delivery: data/parquet_source.py, data/packed_delivery.py
 
 
 def spool_mode(spool: str, train: Any) -> str:

@@ -25,7 +25,8 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
         "dataset.inputs": "; ".join(f"{c.source}: {c.dtype}{list(c.shape)} ({c.kind})" for c in prepared.layout.inputs)
         or "-",
         "dataset.dropped_invalid_rows": prepared.dropped_rows,
-        "dataset.delivery": "spark" if prepared.source is None else f"parquet ({prepared.source.files} files)",
+        "dataset.delivery": f"parquet ({prepared.source.files} files)" if prepared.source is not None else
+        prepared.delivery,
         "world.workers": config.launch.num_workers, "world.master": facts(df.sparkSession).master(),
     })
     params.update(versions())

@@ -125,6 +125,40 @@ def _static(spark: Any, class_name: str, method: str, types: list[Any], args: li
     return cls.getMethod(method, java_types).invoke(None, java_args)
 
 
+def bridge_loader(spark: Any) -> Any:
+    """The class loader of the bridge classes in this driver JVM, or None (Spark Connect, no jar)."""
+    return _bridge(spark)
+
+
+def call_static(spark: Any, class_name: str, method: str, *args: Any) -> Any:
+    """A public static method of a bridge class, found by name and argument count. An argument is a
+    JVM object, or (element type, value): a list becomes a Java array of that type ("int",
+    "java.lang.String"), a Python scalar stays one."""
+    loader = _bridge(spark)
+    if loader is None:
+        raise RuntimeError("the sparkdl JVM bridge is not reachable from this session")
+    gateway = spark.sparkContext._gateway  # noqa: SLF001
+    jvm = spark.sparkContext._jvm  # noqa: SLF001
+    cls = loader.loadClass(class_name)
+    found = [m for m in cls.getMethods() if m.getName() == method and m.getParameterCount() == len(args)]
+    if not found:
+        raise RuntimeError(f"{class_name} has no public static {method} of {len(args)} arguments")
+    java_args = gateway.new_array(jvm.java.lang.Object, len(args))
+    for i, arg in enumerate(args):
+        if isinstance(arg, tuple) and isinstance(arg[1], (list, tuple)):
+            kind, values = arg
+            element = jvm.int if kind == "int" else getattr(jvm, kind.split(".")[0])
+            for part in kind.split(".")[1:]:
+                element = getattr(element, part)
+            array = gateway.new_array(element, len(values))
+            for j, value in enumerate(values):
+                array[j] = value
+            java_args[i] = array
+        else:
+            java_args[i] = arg[1] if isinstance(arg, tuple) else arg
+    return found[0].invoke(None, java_args)
+
+
 def attach(spark: Any, jar: Path | None = None) -> bool:
     """Make sure a BarrierWatch listens in this session (added now unless it already does)."""
     loader = _bridge(spark, jar)

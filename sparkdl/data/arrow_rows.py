@@ -143,6 +143,34 @@ def incoming_arrays(batch: pa.RecordBatch, layout: FeedLayout) -> Arrays:
                  for c in spool_columns(layout))
 
 
+def unpacked_batches(batches: Iterable[pa.RecordBatch], layout: FeedLayout) -> Iterator[pa.RecordBatch]:
+    """Packed delivery (data/packed_delivery.py): each row of Spark's batches is a block of rows, one
+    binary value per spool column holding its values row-major; each block becomes the record batch
+    Spark's own rows would have made, viewing those bytes without a copy."""
+    specs = spool_columns(layout)
+    schema = spool_schema(layout)
+    for batch in batches:
+        columns = [_column(batch, spec.name) for spec in specs]
+        for row in range(batch.num_rows):
+            arrays = [_block_values(column, row, spec) for spec, column in zip(specs, columns)]
+            if len({len(a) for a in arrays}) != 1:
+                raise ConfigError(f"a packed block holds unequal row counts per column: {[len(a) for a in arrays]}",
+                                  hint="set data.delivery='spark' and report this")
+            if len(arrays[0]):
+                yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _block_values(column: pa.Array, row: int, spec: SpoolColumn) -> pa.Array:
+    """One binary value of a packed block as the spool column's Arrow array (no copy)."""
+    offsets = np.frombuffer(column.buffers()[1], np.int32 if column.type == pa.binary() else np.int64,
+                            2, (column.offset + row) * (4 if column.type == pa.binary() else 8))
+    start, stop = int(offsets[0]), int(offsets[1])
+    data = column.buffers()[2].slice(start, stop - start)
+    rows = (stop - start) // spec.row_bytes
+    values = pa.Array.from_buffers(pa.from_numpy_dtype(np.dtype(spec.storage)), rows * spec.width, [None, data])
+    return values if spec.scalar else pa.FixedSizeListArray.from_arrays(values, spec.width)
+
+
 def split_validation(batches: Iterable[pa.RecordBatch], column: str,
                      held_out: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The training rows of each batch (split column 0); its validation rows (1) go to `held_out`."""

@@ -45,14 +45,26 @@ class PreparedData:
     counted_from: Any = None  # data.shards.balanced's keyed input: counts the shards without the shuffle
     # A plain Parquet scan the ranks read themselves (data/parquet_source.py): a ParquetShards, or None.
     source: Any = None
+    # The same rows as `df` with every feature as its own float column (scalar features only, the
+    # partitioning kept, nothing added): what packed delivery packs (data/packed_delivery.py).
+    flat: DataFrame | None = None
+    packed: DataFrame | None = None  # `flat` packed into blocks of rows on the JVM, when delivered so
 
     def launch_df(self) -> DataFrame:
-        """What the barrier job maps over: the prepared rows, or under direct Parquet reads one
-        placeholder row per rank (each rank reads its own rows)."""
+        """What the barrier job maps over: the prepared rows (packed into blocks, or as Spark's own
+        Arrow rows), or under direct Parquet reads one placeholder row per rank (each rank reads its
+        own rows)."""
+        if self.packed is not None:
+            return self.packed
         if self.source is None:
             return self.df
         workers = len(self.source.pieces)
         return self.df.sparkSession.range(0, workers, 1, workers)
+
+    @property
+    def delivery(self) -> str:
+        """How the ranks get their rows: "parquet" (direct reads), "packed" or "spark"."""
+        return "parquet" if self.source is not None else "packed" if self.packed is not None else "spark"
 
     def training_shards(self, workers: int) -> tuple[int, ...]:
         """Training rows of every rank's shard (one small job unless already counted)."""
@@ -211,8 +223,9 @@ def split_and_shard(prepared: PreparedData, validation: PreparedData | None, *, 
         layout = replace(layout, split_column=SPLIT_COLUMN)
     if kept_rows is None:  # a union cannot run in a barrier stage as is either
         selected, counted_from = balanced(selected, num_workers)
+    flat = prepared.flat if kept_rows is not None and not num_val else None  # the same rows, only so
     return replace(prepared, df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val,
-                   shard_rows=kept_rows, counted_from=counted_from)
+                   shard_rows=kept_rows, counted_from=counted_from, flat=flat)
 
 
 def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
@@ -245,11 +258,27 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     if weight_col is not None:
         selected.append(F.col(quoted(weight_col)).cast("float").alias(WEIGHT_COLUMN))
     prepared = df.select(*selected)
+    flat = _flat(df, feature_cols, label_col, "long" if label_dtype == "int64" else "float", weight_col)
     layout = FeedLayout(num_features=num_features, label_dtype=label_dtype,
                         source_feature_cols=tuple(feature_cols), source_label_col=label_col,
                         num_classes=num_classes, weight_column=WEIGHT_COLUMN if weight_col else None,
                         source_weight_col=weight_col)
-    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]) - dropped, dropped_rows=dropped)
+    return PreparedData(df=prepared, layout=layout, num_rows=int(stats["rows"]) - dropped, dropped_rows=dropped,
+                        flat=flat)
+
+
+def _flat(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, label_cast: str,
+          weight_col: str | None) -> DataFrame | None:
+    """The prepared rows with one float column per feature (None unless every feature is a scalar).
+    SQL text: one py4j call for all the columns."""
+    if any(feature_kind(df, name) != "scalar" for name in feature_cols):
+        return None
+    columns = [f"cast({quoted(name)} as float) as `f{i}`" for i, name in enumerate(feature_cols)]
+    if label_col is not None:
+        columns.append(f"cast({quoted(label_col)} as {label_cast}) as {LABEL_COLUMN}")
+    if weight_col is not None:
+        columns.append(f"cast({quoted(weight_col)} as float) as {WEIGHT_COLUMN}")
+    return df.selectExpr(*columns)
 
 
 def _checked_feature_width(df: DataFrame, feature_cols: Sequence[str], stats: dict, what: str, on_invalid: str) -> int:

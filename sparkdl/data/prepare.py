@@ -1,7 +1,8 @@
 """The one preparation call of fit, plan and run: every option taken from the run's config, so the
 three cannot drift apart (validation rows, seed, invalid rows, classification), whichever layout
 the run uses (feature_cols: data/feed.py; input_cols: data/tensor_feed.py), and whoever delivers
-the rows (Spark, or the ranks reading a plain Parquet scan: data/parquet_source.py)."""
+the rows (Spark's rows, blocks of rows packed on the JVM: data/packed_delivery.py, or the ranks
+reading a plain Parquet scan: data/parquet_source.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 from pyspark.sql import DataFrame
 
 from sparkdl.data.feed import PreparedData, is_classification, prepare
+from sparkdl.data.packed_delivery import with_packed_delivery
 from sparkdl.data.parquet_source import direct_candidate, with_parquet_source
 from sparkdl.data.tensor_feed import prepare_tensors
 
@@ -29,4 +31,4 @@ def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | N
                        validation_fraction=data.validation_fraction, seed=config.train.seed,
                        on_invalid=data.on_invalid, weight_col=data.weight_col,
                        count_kept_partitions=scan is None)  # direct reads count the rows from the footers
-    return with_parquet_source(prepared, scan, config)
+    return with_packed_delivery(with_parquet_source(prepared, scan, config), config)

@@ -115,6 +115,8 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
         try:
             with facts(spark).job_group(*group):
                 rows = _collect(df, job, spec, profile)
+        except ConfigError:
+            raise
         except Exception as exc:  # noqa: BLE001 - turned into one readable error below
             raise training_error(exc) from None
         parts = collect_parts(rows)
@@ -128,10 +130,20 @@ _CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")
 
 def _collect(df: DataFrame, job: DataFrame, spec: TrainSpec, profile: Any) -> list[Any]:
     try:
-        return job.collect()
+        if not spec.packed_rows:
+            return job.collect()
+        from sparkdl.data.packed_delivery import one_block_per_arrow_batch
+
+        with one_block_per_arrow_batch(df.sparkSession):
+            return job.collect()
     except Exception as exc:  # noqa: BLE001
         if "BarrierJobUnsupportedRDDChainException" not in str(exc):
             raise
+    if spec.packed_rows:
+        raise ConfigError("Spark refuses a barrier stage over this DataFrame's plan (e.g. a union), and its rows "
+                          "were packed into blocks (data.delivery), which cannot be dealt over the workers again",
+                          hint="set data.delivery='spark' (the rows are then repartitioned), or repartition "
+                               "the DataFrame before training")
     # Spark refuses barrier stages over some RDD chains (union, partition pruning); it says so at
     # submission, before any task runs. A shuffle boundary is always accepted.
     log.warning("sparkdl: this DataFrame's plan cannot run in a barrier stage as it is (e.g. a union); "

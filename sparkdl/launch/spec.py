@@ -31,6 +31,7 @@ class TrainSpec:
     row_counts: tuple[int, ...] = ()
     # Direct Parquet delivery: the pieces every rank reads itself (the job's own input is one placeholder row).
     source: ParquetShards | None = None
+    packed_rows: bool = False  # the job's rows are blocks of rows packed on the JVM (data/packed_delivery.py)
     # Where each rank sends its part of the trained model (launch/model_transfer.ModelSink); set per attempt.
     model_sink: ModelSink | None = None
 

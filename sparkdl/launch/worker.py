@@ -117,6 +117,10 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         clock.lap("memory_reset")
         if spec.source is not None:
             batches = _read_own_rows(spec, context.partitionId(), batches)
+        elif spec.packed_rows:
+            from sparkdl.data.arrow_rows import unpacked_batches
+
+            batches = unpacked_batches(batches, spec.layout)
         batches = clock.iterate(batches, "delivery")
         streaming = bool(spec.row_counts) and spec.layout is not None
         if streaming:

@@ -66,10 +66,13 @@ def test_what_spark_would_change_is_delivered_by_spark(spark, tmp_path: Path) ->
     from pyspark.sql import functions as F
 
     df = spark.read.parquet(str(write_table(tmp_path / "t")))
-    filtered = df.filter(F.col("f0") > -1)
+    filtered = df.filter(F.col("f0") > -1)  # one partition for one worker, array features: Spark's rows
     assert fit(filtered, epochs=1).extra["delivery"] == "spark"
     computed = df.withColumn("f0", F.col("f0") * 2)
     assert fit(computed, epochs=1).extra["delivery"] == "spark"
+    scalars = computed.drop("v")  # scalar features only: packed on the JVM instead
+    three = lambda: nn.Sequential(nn.Linear(3, 3))  # noqa: E731
+    assert fit(scalars, epochs=1, feature_cols=FEATURES[:3], model=three).extra["delivery"] == "packed"
     assert fit(df, epochs=1, validation_fraction=0.2).extra["delivery"] == "spark"
     df.write.partitionBy("label").parquet(str(tmp_path / "by-label"))  # the label lives in directory names
     assert fit(spark.read.parquet(str(tmp_path / "by-label")), epochs=1).extra["delivery"] == "spark"
