@@ -68,3 +68,27 @@ def test_what_cannot_be_packed_is_delivered_by_spark_or_refused(spark) -> None: 
     arrays = frame(spark, rows=600).selectExpr("array(a, b, c) as v", "label", "w")
     with pytest.raises(ConfigError, match=r"data.delivery='packed'.*array or vector features"):
         fit(arrays, epochs=1, feature_cols=["v"], delivery="packed")
+
+
+def test_cached_columns_of_the_right_types_are_read_without_rows(spark) -> None:  # type: ignore[no-untyped-def]
+    """float features, a bigint label and a float weight, cached: the blocks are the cached column
+    batches themselves (no row conversion), and train what Spark's rows train."""
+    from sparkdl import jvm
+    from sparkdl.data.prepare import prepare_run
+    from sparkdl.data.packed_delivery import PACKER
+
+    df = frame(spark).selectExpr("cast(a as float) as a", "cast(b as float) as b", "c", "cast(label as bigint) as label",
+                                 "cast(w as float) as w").cache()
+    prepared = prepare_run(df, RunConfig.from_kwargs(num_workers=2, feature_cols=FEATURES, label_col="label",
+                                                     weight_col="w"))
+    assert prepared.delivery == "packed"
+    assert jvm.call_static(spark, PACKER, "readsCachedColumns", prepared.flat._jdf)  # noqa: SLF001
+    cast = prepare_run(frame(spark).cache(), RunConfig.from_kwargs(num_workers=2, feature_cols=FEATURES,
+                                                                   label_col="label", weight_col="w"))
+    assert cast.delivery == "packed"  # double and int features cast to float: packed from rows instead
+    assert not jvm.call_static(spark, PACKER, "readsCachedColumns", cast.flat._jdf)  # noqa: SLF001
+    packed, rows = fit(df), fit(df, delivery="spark")
+    got, want = packed.module.state_dict(), rows.module.state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
+    df.unpersist()
