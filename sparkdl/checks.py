@@ -203,9 +203,9 @@ def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: in
     from sparkdl.data.shards import balanced
 
     shuffled, counted_from = balanced(kept, config.launch.num_workers)
-    return replace(prepared, df=shuffled, counted_from=counted_from, shard_rows=None, source=None, num_rows=rows,
-                   dropped_rows=prepared.dropped_rows + dropped,
-                   layout=replace(prepared.layout, num_classes=out_width))
+    return prepared.with_rows(shuffled, counted_from=counted_from, num_rows=rows,
+                              dropped_rows=prepared.dropped_rows + dropped,
+                              layout=replace(prepared.layout, num_classes=out_width))
 
 
 def check_enough_rows(config: RunConfig, num_rows: int) -> None:

@@ -66,6 +66,12 @@ class PreparedData:
         """How the ranks get their rows: "parquet" (direct reads), "packed" or "spark"."""
         return "parquet" if self.source is not None else "packed" if self.packed is not None else "spark"
 
+    def with_rows(self, df: DataFrame, **changes: Any) -> "PreparedData":
+        """The same preparation over other rows (say, some dropped and the rest shuffled): the ways
+        of delivering the old rows (a direct Parquet source, the flat and packed frames, their
+        counted shards) described those rows and go with them."""
+        return replace(self, df=df, source=None, flat=None, packed=None, shard_rows=None, **changes)
+
     def training_shards(self, workers: int) -> tuple[int, ...]:
         """Training rows of every rank's shard (one small job unless already counted)."""
         if self.shard_rows is not None:
