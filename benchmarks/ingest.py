@@ -9,8 +9,17 @@ Part B (--spark): the same shape generated in Spark (cached first), fed through
 mapInArrow(barrier=True) on local[2]; each task spools its iterator (epoch 1) and replays it
 (epochs 2+). A job that only consumes Spark's batches shows what delivery alone costs.
 
+Part C (--peers): the user's view of the same cached DataFrame (64 float columns + an int label,
+in 2 partitions), side by side with PySpark's TorchDistributor in one run: epoch 1 of a
+`sparkdl.run` loop over ctx.batches(0) (streamed, with ctx.task_phases of the slowest rank), its
+epochs 2+, TorchDistributor's loader, Spark's own Arrow delivery, and the no-op `sparkdl.run` /
+`TorchDistributor.run` on warm workers. It is benchmarks/peers_parts/ingest.py (the ingest part of
+benchmarks/peers.py) run from here; --repeats rounds.
+
 Prints one JSON object. Figures are medians over --repeats (part B: --spark-rounds jobs, each
-replaying --repeats epochs); nothing here asserts a timing.
+replaying --repeats epochs); nothing here asserts a timing. Every JSON object is set against the
+figures recorded by the last run (benchmarks/results/records/ingest*.json: the ratio now / then of
+each figure goes to stderr, drops beyond 1.25x marked WORSE), then recorded (--no-record: not).
 
 Tensor columns (input_cols layouts), no Spark, one rank, torch at 1 intra-op thread; each prints its
 own JSON object with the machine's load (os.getloadavg) before and after:
@@ -63,6 +72,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-mb", type=int, default=64, help="spool chunk size")
     parser.add_argument("--spark", action="store_true", help="also run part B through Spark")
     parser.add_argument("--spark-rounds", type=int, default=2, help="part B: spool/deliver job pairs")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run part C: sparkdl.run on the cached DataFrame beside TorchDistributor")
+    parser.add_argument("--no-record", action="store_true",
+                        help="compare with benchmarks/results/records/ but do not replace the record")
     parser.add_argument("--case", choices=("features", "tokens", "images", "all"), default="features",
                         help="features: parts A (and B), the default; tokens / images: tensor columns")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens: tokens per row (--rows rows)")
@@ -489,9 +502,36 @@ def main() -> None:
     if args.case in ("features", "all"):
         features_case(args)
     if args.case in ("tokens", "all"):
-        print(json.dumps(tokens_case(args)), flush=True)
+        emit(f"ingest_tokens_{args.rows}_{args.seq_len}", tokens_case(args), args)
     if args.case in ("images", "all"):
-        print(json.dumps(images_case(args)), flush=True)
+        emit(f"ingest_images_{args.image_rows}_{args.image_step}", images_case(args), args)
+
+
+def emit(record_name: str, result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Set against the last recorded figures (stderr), recorded, then printed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import records
+
+    result["against_record"] = records.compare_and_record(record_name, result, keep=not args.no_record)
+    print(json.dumps(result), flush=True)
+
+
+def part_c(args: argparse.Namespace) -> dict[str, Any]:
+    """The ingest part of benchmarks/peers.py on the cached DataFrame: sparkdl.run beside
+    TorchDistributor (and Petastorm where it imports) in one local[2] application."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from peers_parts import common
+    from peers_parts import ingest as peers_ingest
+
+    options = argparse.Namespace(rows=args.rows, features=args.features, batch_size=args.batch_size,
+                                 repeats=args.repeats, source="cached")
+    with tempfile.TemporaryDirectory(prefix="ingest-peers-") as scratch:
+        options.work_dir = Path(scratch)
+        spark = common.spark_session()
+        try:
+            return peers_ingest.measure(spark, options)
+        finally:
+            spark.stop()
 
 
 def features_case(args: argparse.Namespace) -> None:
@@ -505,8 +545,12 @@ def features_case(args: argparse.Namespace) -> None:
     report["part_a"] = part_a(args)
     if args.spark:
         report["part_b"] = part_b(args)
+    if args.peers:
+        report["part_c"] = part_c(args)
     report["wall_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(report), flush=True)
+    report["loadavg_after"] = loadavg()
+    parts = "a" + ("b" if args.spark else "") + ("c" if args.peers else "")
+    emit(f"ingest_{parts}_{args.rows}_{args.features}", report, args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ _LOWER_WORDS = ("seconds", "bytes", "rss", "memory", "stall", "wall")
 _NOT_FIGURES = frozenset({"runs", "per_round", "host", "versions", "when", "repeats", "targets_met", "rows", "features",
                           "batch_size", "step_rows", "step_epochs", "seed", "workers", "num_workers", "epochs",
                           "target", "config", "loadavg_after", "loadavg_before", "source",
-                          "against_record"})
+                          "against_record", "loadavg_start", "loadavg_end", "loadavg", "cpus", "rank", "ranks_count",
+                          "steps_per_epoch", "chunk_mb", "input_batch_rows", "seq_len", "image_rows", "spark_rounds",
+                          "rounds", "master"})
 
 
 def figures_of(result: Any, prefix: str = "") -> dict[str, tuple[float, str]]:

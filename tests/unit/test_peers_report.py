@@ -72,3 +72,20 @@ def test_a_run_is_set_against_the_recorded_figures_and_a_drop_is_flagged(tmp_pat
     assert "WORSE" in capsys.readouterr().err
     # the record now holds the later run
     assert records.compare("peers", after, directory=tmp_path)[0]["ratio"] == 1.0
+
+
+def test_ingest_benchmark_sets_its_figures_against_the_record_without_replacing_it_under_no_record() -> None:
+    import json
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    records_dir = repo / "benchmarks" / "results" / "records"
+    name = records_dir / "ingest_a_20000_8.json"
+    before = name.read_text() if name.exists() else None
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "ingest.py"), "--rows", "20000", "--features", "8",
+                           "--repeats", "1", "--no-record"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "ingest" and isinstance(result["against_record"], list)
+    assert "[records] ingest_a_20000_8" in done.stderr
+    assert (name.read_text() if name.exists() else None) == before  # --no-record leaves the record alone
