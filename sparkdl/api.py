@@ -28,6 +28,7 @@ from sparkdl.phases import Phases
 from sparkdl.serving import ServedModel
 from sparkdl.trained_model import ModelParts, check_complete, load_parts
 from sparkdl.session import facts
+from sparkdl.shared_paths import check_run_dirs
 
 _log = logging.getLogger("sparkdl")
 
@@ -100,6 +101,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     spark = _spark(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
     preflight(spark, config.launch.num_workers, config.launch.gpus_per_worker)
+    check_run_dirs(spark, config, config.launch.num_workers)
     phases.mark("slots")
     prepared = prepare_run(df, config, validation_df)
     phases.mark("prepare")
@@ -310,6 +312,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
     preflight(spark, num_workers, config.launch.gpus_per_worker)
+    check_run_dirs(spark, config, num_workers)
     job_df, layout, source, row_counts, rows, packed = spark.range(0, num_workers, 1, num_workers), None, None, (), 0, False
     if df is not None:
         prepared = prepare_run(df, config, custom_loop=True)

@@ -62,6 +62,13 @@ class Shipped:
         self.value = payload
 
 
+def without_driver(executors: list[str], driver: str) -> tuple[str, ...]:
+    """The executors' host:port with the driver's own entry taken out, wherever it sorts (on separate
+    hosts it is not the first one); the driver alone (local mode) stays."""
+    others = tuple(e for e in executors if e != driver)
+    return others or tuple(executors)
+
+
 def local_master_slots(master: str, task_cpus: int) -> int | None:
     """Slots of a local or local-cluster master from its URL alone; None for a cluster manager."""
     if (match := _LOCAL.match(master)) is not None:
@@ -121,13 +128,17 @@ class ClassicSession:
             return int(self.sc.defaultParallelism)
 
     def executors(self) -> tuple[str, ...]:
-        """host:port of every executor, the driver excluded."""
+        """host:port of every executor, the driver excluded (in local mode the driver is the one
+        executor, and is kept)."""
         try:
-            infos = self.sc._jsc.sc().statusTracker().getExecutorInfos()  # noqa: SLF001
-            hosts = sorted(f"{e.host()}:{e.port()}" for e in infos)
-            return tuple(hosts[1:]) if len(hosts) > 1 else tuple(hosts)  # the first entry is the driver
+            listed = self.sc._jsc.sc().statusStore().executorList(True)  # noqa: SLF001 - ids, which the tracker lacks
+            entries, items = [], listed.iterator()
+            while items.hasNext():
+                entry = items.next()
+                entries.append((str(entry.id()), str(entry.hostPort())))
         except Exception:  # noqa: BLE001
             return ()
+        return without_driver(sorted(hp for _, hp in entries), next((hp for i, hp in entries if i == "driver"), ""))
 
     def channel_host(self) -> str:
         """The address executors reach this driver at."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from typing import Any, Callable, Sequence
 
 import torch
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Communicator, WorldInfo
+from sparkdl.comm.interfaces import interface_of, is_loopback, resolved, spans_hosts
 from sparkdl.errors import ConfigError
 
 INSTALL_HINT = "make horovod   (builds horovod 0.28.1 for this torch; see scripts/build_horovod.sh)"
@@ -46,16 +48,20 @@ def slot_plan(hosts: Sequence[str]) -> list[Any]:
     return plan
 
 
-def interface_of(address: str) -> str | None:
-    """The network interface holding `address`, for HOROVOD_GLOO_IFACE."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addresses):
-            return name
-    return None
+def check_horovod_can_bind(own_address: str, hosts: "tuple[str, ...]", rank: int) -> None:
+    """Horovod 0.28 builds each process set's gloo device (the global set included) from the host
+    name alone: HOROVOD_GLOO_IFACE reaches only its first context. Where the host name resolves to
+    loopback and the ranks span hosts, that connection cannot work; say so before training."""
+    if not spans_hosts(hosts):
+        return
+    name = socket.gethostname()
+    if is_loopback(name):
+        raise ConfigError(f"rank {rank} on host {name!r}: the host name resolves to {resolved(name)}, and Horovod's "
+                          f"process-set connection binds to whatever the host name resolves to (HOROVOD_GLOO_IFACE "
+                          f"does not reach it), so ranks on other hosts would dial their own loopback",
+                          hint=f"make {name!r} resolve to this host's address {own_address} on every worker host "
+                               f"(an /etc/hosts line '{own_address} {name}'), or use backend='torch', which binds the "
+                               "executor's own interface")
 
 
 class HorovodCommunicator(Communicator):
@@ -71,6 +77,7 @@ class HorovodCommunicator(Communicator):
                               hint="create it through sparkdl.comm.create inside a barrier task")
         user_env = env
         self.hvd = import_horovod()
+        check_horovod_can_bind(world.hosts[world.rank], world.hosts, world.rank)
         self._server: Any = None
         plan = slot_plan(world.hosts)
         port = 0
@@ -89,7 +96,8 @@ class HorovodCommunicator(Communicator):
         env.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": world.master_addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
                     "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
                     "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(max(timeout_s, 1)))})
-        iface = interface_of(world.hosts[world.rank])
+        own = world.hosts[world.rank]
+        iface = interface_of(own)
         if iface:
             env["HOROVOD_GLOO_IFACE"] = iface
         env.update({k: str(v) for k, v in (user_env or {}).items()})

@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 from sparkdl.comm.base import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator, Work,
                                WorldInfo)
+from sparkdl.comm.interfaces import (GLOO_INTERFACE_ENV, check_not_loopback_across_hosts, gloo_interface_env,
+                                     restore_environment, set_environment, spans_hosts)
+from sparkdl.comm.reachability import PROBE_DEADLINE_S, PeerProbe, dial_one, dial_peers
 from sparkdl.errors import ConfigError
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -22,6 +25,14 @@ def cuda_index(address: str) -> int:
     if address in visible:
         return visible.index(address)
     return int(address)
+
+
+def _store_gather(store: Any, world: WorldInfo, key: str, value: str, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's `value`, in rank order, through the group's store."""
+    store.set(f"{key}/{world.rank}", value)
+    keys = [f"{key}/{rank}" for rank in range(world.size)]
+    store.wait(keys, timeout)
+    return [store.get(k).decode() for k in keys]
 
 
 class TorchDistCommunicator(Communicator):
@@ -49,12 +60,27 @@ class TorchDistCommunicator(Communicator):
             # A reused Python worker may still hold the group of a task that died mid-run.
             dist.destroy_process_group()
         timeout = datetime.timedelta(seconds=timeout_s)
-        # Rank 0 serves the store it opened in listen(); the others connect to it. Kept alive with
-        # the group (the store must outlive it).
-        self._store = listening if world.rank == 0 and listening is not None else \
-            dist.TCPStore(world.master_addr, world.master_port, world.size, world.rank == 0, timeout=timeout)
-        dist.init_process_group(backend=backend, store=self._store, rank=world.rank, world_size=world.size,
-                                timeout=timeout)
+        own = world.hosts[world.rank] if world.hosts else "127.0.0.1"
+        # gloo binds the interface of the executor's own address, not what the host name resolves to.
+        self._saved_env = set_environment(gloo_interface_env(own))
+        self._probe: PeerProbe | None = None
+        try:
+            check_not_loopback_across_hosts(own, world.hosts, world.rank, GLOO_INTERFACE_ENV)
+            if world.rank != 0:
+                dial_one(world.rank, own, 0, f"{world.master_addr}:{world.master_port}", min(timeout_s, PROBE_DEADLINE_S))
+            # Rank 0 serves the store it opened in listen(); the others connect to it. Kept alive with
+            # the group (the store must outlive it).
+            self._store = listening if world.rank == 0 and listening is not None else \
+                dist.TCPStore(world.master_addr, world.master_port, world.size, world.rank == 0, timeout=timeout)
+            if spans_hosts(world.hosts):
+                self._probe = PeerProbe(own)
+                endpoints = _store_gather(self._store, world, "sparkdl/probe", self._probe.address, timeout)
+                dial_peers(world.rank, own, endpoints, min(timeout_s, PROBE_DEADLINE_S))
+            dist.init_process_group(backend=backend, store=self._store, rank=world.rank, world_size=world.size,
+                                    timeout=timeout)
+        except BaseException:
+            self._release_network()
+            raise
 
     @property
     def device(self) -> torch.device:
@@ -137,8 +163,19 @@ class TorchDistCommunicator(Communicator):
         return mine
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            self._release_network()
+
+    def _release_network(self) -> None:
+        """Undo this rank's network settings (Spark reuses the Python worker for later tasks)."""
+        if getattr(self, "_probe", None) is not None:
+            self._probe.close()
+            self._probe = None
+        restore_environment(getattr(self, "_saved_env", {}))
+        self._saved_env = {}
 
     def alive(self) -> bool:
         return dist.is_initialized()

@@ -139,7 +139,8 @@ def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config:
     text = str(message.get("text", "")).strip()
     line = text.splitlines()[0] if text else ""
     host = f" (on host {message['host']})" if message.get("host") else ""
-    return TrainingError(f"training failed on rank {rank}: {line}{host}", hint=exc.hint)
+    # A rank's own SparkdlError knows the fix better than the driver's generic hint.
+    return TrainingError(f"training failed on rank {rank}: {line}{host}", hint=message.get("hint") or exc.hint)
 
 
 def explain_lost_executors(spark: Any, exc: Any) -> Any:

@@ -2,8 +2,9 @@
 prices a layout with, and hands it back as data (planner/cluster.py turns it into a ClusterInfo).
 
 Every rank measures its matrix-product FLOP/s with the torch threads it trains with (and reports that
-thread count); every pair of ranks measures latency (8-byte ping-pong) and bandwidth (4 MiB
-ping-pong); rank 0 times the backend's allreduce. Each measurement is kept at two ends: the median
+thread count); every pair of ranks measures latency (8-byte ping-pong) and bandwidth (a ping-pong of a message
+sized from a first 256 KiB one: up to 4 MiB on fast links, ~0.1 s of transfer on slow ones);
+rank 0 times the backend's allreduce (sized the same way). Each measurement is kept at two ends: the median
 (what the cluster did during the probe) and the best (what it can do: on a shared host noise only
 slows a measurement down), so the planner can tell a decision that holds from one that hinges on
 noise. `run_probe` launches the job through the launch modules directly, as `sparkdl.run` does for a
@@ -18,8 +19,14 @@ from typing import Any
 from sparkdl.planner.speed import matmul_rates
 
 PING_ROUNDS = 20  # 8-byte round trips per pair
-BANDWIDTH_ROUNDS = 3  # 4 MiB round trips per pair
-ALLREDUCE_ROUNDS = (20, 5)  # timed allreduces of 8 bytes, of 4 MiB
+BANDWIDTH_ROUNDS = 3  # round trips of the sized message per pair
+ALLREDUCE_ROUNDS = (20, 5)  # timed allreduces of 8 bytes, of the sized message
+# Message sizes come from a first measurement, so that a slow link is measured in about a second,
+# not in the tens of seconds 4 MiB messages take at 20 Mbit/s: one transfer of the sized message
+# takes about TRANSFER_S, within [MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES].
+SIZING_BYTES = 256 << 10
+TRANSFER_S = 0.1
+MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 << 10, 4 << 20
 
 
 def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[str, Any]:
@@ -50,9 +57,9 @@ def probe(ctx: Any) -> dict[str, Any]:
     import torch
 
     rates = matmul_rates()  # with the threads the worker set for this rank, as training runs
-    small, large = torch.zeros(2), torch.zeros(1 << 20)  # 8 bytes, 4 MiB
-    links = _links(ctx, small, large)
-    collective = _collective(ctx, small, large)
+    small, sizing = torch.zeros(2), torch.zeros(SIZING_BYTES // 4)  # 8 bytes, 256 KiB
+    links = _links(ctx, small, sizing)
+    collective = _collective(ctx, small, sizing)
     rates += matmul_rates()  # again after the messages: a burst of load shows as spread, not as speed
     mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
             **links}
@@ -69,20 +76,38 @@ def probe(ctx: Any) -> dict[str, Any]:
     return result
 
 
-def _links(ctx: Any, small: Any, large: Any) -> dict[str, list[list[float]]]:
-    """Ping-pong every pair (i < j): one-way latency of 8 bytes, bandwidth of 4 MiB beyond it."""
+def message_bytes(sample_bytes: int, sample_s: float, latency_s: float = 0.0) -> int:
+    """Bytes of the measured message: what a transfer of `sample_bytes` in `sample_s` says moves in
+    TRANSFER_S, within [MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES], a whole number of float32 values."""
+    rate = sample_bytes / max(sample_s - latency_s, 1e-9)
+    wanted = int(min(max(rate * TRANSFER_S, MIN_MESSAGE_BYTES), MAX_MESSAGE_BYTES))
+    return wanted - wanted % 4
+
+
+def _links(ctx: Any, small: Any, sizing: Any) -> dict[str, list[list[float]]]:
+    """Ping-pong every pair (i < j): one-way latency of 8 bytes, bandwidth of a message sized from a
+    first ping-pong of `sizing`, beyond the latency."""
+    import torch
+
     world, rank = ctx.world_size, ctx.rank
     tables = {key: [[0.0 if key.startswith("latency") else float("inf")] * world for _ in range(world)]
               for key in ("latency", "latency_best", "bandwidth", "bandwidth_best")}
     for i in range(world):
         for j in range(i + 1, world):
-            one_way = {}
-            for buffer, rounds in ((small, PING_ROUNDS), (large, BANDWIDTH_ROUNDS)):
-                ctx.comm.barrier()
-                one_way[buffer.numel()] = _ping_pong(ctx, buffer, rounds, i, j)
+            ctx.comm.barrier()
+            small_times = _ping_pong(ctx, small, PING_ROUNDS, i, j)
+            sized = torch.zeros(1, dtype=torch.int64)
+            if rank == i:
+                sample = min(_ping_pong(ctx, sizing, 1, i, j))
+                sized[0] = message_bytes(sizing.numel() * 4, sample, statistics.median(small_times))
+                ctx.comm.send(sized, j, 33).wait()  # both ends of the pair must send the same bytes
+            elif rank == j:
+                _ping_pong(ctx, sizing, 1, i, j)
+                ctx.comm.recv(sized, i, 33)
+            large = torch.zeros(max(int(sized[0]) // 4, 1))
+            large_times = _ping_pong(ctx, large, BANDWIDTH_ROUNDS, i, j)
             if rank != i:
                 continue
-            small_times, large_times = one_way[small.numel()], one_way[large.numel()]
             nbytes = large.numel() * large.element_size()
             typical, best = link_figures(small_times, large_times, nbytes)
             for suffix, (latency, bandwidth) in (("", typical), ("_best", best)):
@@ -117,14 +142,24 @@ def _ping_pong(ctx: Any, buffer: Any, rounds: int, i: int, j: int) -> list[float
     return times
 
 
-def _collective(ctx: Any, small: Any, large: Any) -> dict[str, float]:
-    """Ring parameters that reproduce the measured allreduce of 8 bytes and of 4 MiB:
-    T(n) = 2(W-1) a + 2(W-1)/W n / b, from rank 0's median times and from its best ones (after a
-    barrier, so all ranks start together). Every rank returns rank 0's figures."""
+def _collective(ctx: Any, small: Any, sizing: Any) -> dict[str, float]:
+    """Ring parameters that reproduce the measured allreduce of 8 bytes and of a message sized from a
+    first allreduce of `sizing`: T(n) = 2(W-1) a + 2(W-1)/W n / b, from rank 0's median times and
+    from its best ones (after a barrier, so all ranks start together). Every rank returns rank 0's
+    figures."""
+    import torch
+
     world = ctx.world_size
     if world < 2:
         return {"collective_latency": 0.0, "collective_bandwidth": 0.0,
                 "collective_latency_best": 0.0, "collective_bandwidth_best": 0.0}
+    ctx.comm.barrier()
+    ctx.comm.allreduce(sizing.clone(), op="sum")  # warm-up (connections, buffers)
+    started = time.perf_counter()
+    ctx.comm.allreduce(sizing.clone(), op="sum")
+    # Every rank sizes from the slowest rank's time, so all of them allreduce the same bytes.
+    slowest = ctx.comm.allreduce(torch.tensor([time.perf_counter() - started], dtype=torch.float64), op="max")
+    large = torch.zeros(message_bytes(sizing.numel() * 4, float(slowest[0])) // 4)
     samples = []
     for buffer, rounds in zip((small, large), ALLREDUCE_ROUNDS):
         ctx.comm.barrier()

@@ -43,7 +43,8 @@ def report_error(client: Any, exc: BaseException) -> None:
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     import socket
 
-    client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc), host=socket.gethostname())
+    client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc), host=socket.gethostname(),
+                    hint=getattr(exc, "hint", None))
     try:
         exc._sparkdl_reported = True  # type: ignore[attr-defined]
     except AttributeError:  # some C-level exceptions take no attributes

@@ -1,0 +1,289 @@
+"""A multi-host test bed on one Linux machine: emulated hosts that are network namespaces on one
+bridge, each with its own address in 198.18.0.0/24 (the benchmarking range; no other address is
+ever used), its own host name (resolving to 127.0.0.1, as the default /etc/hosts of Debian and
+Ubuntu images and of many containers has it), its own /tmp (a tmpfs in a private mount
+namespace) and a link shaped on both ends of its veth with tc `tbf` (these kernels have no netem:
+bandwidth only, no added delay). A directory outside /tmp is the same on every host, as /dbfs,
+/Volumes or an NFS mount are on real clusters.
+
+On it: a Spark standalone master on its own host, one worker per worker host (pyspark's own
+bin/spark-class) and drivers on their own host. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN);
+`why_not()` says why a machine cannot host it. Everything started is stopped by PID, and every
+namespace and link removed, also when a test fails.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyspark
+
+SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
+SUBNET = "198.18.0"  # RFC 2544 benchmarking range: only addresses in it are assigned
+MASTER_PORT = 7077
+GBIT = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # its host name (what `hostname` prints on it; resolves to 127.0.0.1 there)
+    address: str  # 198.18.0.x
+    rate_bps: int  # its link's rate, both directions
+    namespace: str
+    index: int
+
+
+@dataclass
+class Started:
+    host: Host
+    process: subprocess.Popen[Any]
+    log: Path
+
+
+def why_not() -> str | None:
+    """None when this machine can host the bed, else why not (the tests skip with it)."""
+    if not sys.platform.startswith("linux"):
+        return "the multi-host bed needs Linux network and mount namespaces"
+    if os.geteuid() != 0:
+        return "the multi-host bed needs root (CAP_NET_ADMIN for namespaces and links, CAP_SYS_ADMIN for mounts)"
+    for tool in ("ip", "tc", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"the multi-host bed needs `{tool}` (iproute2 / util-linux)"
+    probe = f"sdlprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def tbf_burst_bytes(rate_bps: int) -> int:
+    """About 1 ms of the rate (a larger bucket lets short transfers ride above the rate), but at
+    least two full frames, which tbf needs to pass a packet at all."""
+    return max(rate_bps // 8 // 1000, 2 * 1514)
+
+
+class Bed:
+    """`Bed(root, workers=3).start()`; `bed.run_on(bed.driver, [...])`; `bed.stop()` (also a
+    context manager). `rates` sets each worker host's link (bits/s), default 1 Gbit/s."""
+
+    def __init__(self, root: Path, workers: int = 2, rates: dict[int, int] | None = None,
+                 worker_cores: int = 1, worker_memory: str = "2g") -> None:
+        if workers < 1:
+            raise ValueError("the bed needs at least one worker host")
+        self.root = Path(root)
+        if str(self.root.resolve()).startswith("/tmp"):
+            raise ValueError("the bed's root must lie outside /tmp: every host mounts its own /tmp")
+        self.tag = f"sdl{os.getpid() % 100000}"
+        self.switch = f"{self.tag}-sw"
+        rates = rates or {}
+        names = ["master", "driver"] + [f"worker{i}" for i in range(1, workers + 1)]
+        # master .2, driver .3, workers .11, .12, ...
+        octets = [2, 3] + [10 + i for i in range(1, workers + 1)]
+        self.hosts = [Host(name=f"{self.tag}-{n}", address=f"{SUBNET}.{o}",
+                           rate_bps=rates.get(i - 1, GBIT) if i >= 2 else GBIT,
+                           namespace=f"{self.tag}-{n}", index=i)
+                      for i, (n, o) in enumerate(zip(names, octets))]
+        self.worker_cores, self.worker_memory = worker_cores, worker_memory
+        self.shared = self.root / "shared"
+        self._started: list[Started] = []
+        self._namespaces: list[str] = []
+
+    # -- hosts -----------------------------------------------------------------------------------
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    @property
+    def driver(self) -> Host:
+        return self.hosts[1]
+
+    @property
+    def workers(self) -> list[Host]:
+        return self.hosts[2:]
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://{self.master.address}:{MASTER_PORT}"
+
+    def start(self, spark: bool = True) -> "Bed":
+        """The hosts and their links, then (spark) the master and one worker per worker host."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.shared.mkdir(exist_ok=True)
+            self._make_switch()
+            for host in self.hosts:
+                self._make_host(host)
+            if spark:
+                self._start_spark()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __enter__(self) -> "Bed":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "del", name, check=False)  # a leftover of a killed run of this pid
+        _run("ip", "netns", "add", name)
+        self._namespaces.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _make_switch(self) -> None:
+        self._add_namespace(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+
+    def _make_host(self, host: Host) -> None:
+        self._add_namespace(host.namespace)
+        port = f"p{host.index}"
+        _run("ip", "-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+             "netns", host.namespace)
+        _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+        _run("ip", "-n", self.switch, "link", "set", port, "up")
+        _run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _run("ip", "-n", host.namespace, "link", "set", "eth0", "up")
+        self.shape(host, host.rate_bps)
+        hosts_dir = self.root / "hosts" / host.name
+        hosts_dir.mkdir(parents=True, exist_ok=True)
+        # Its own name resolves to loopback, as on a stock Debian/Ubuntu image or container.
+        (hosts_dir / "etc-hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.0.1\t{host.name}\n")
+
+    def shape(self, host: Host, rate_bps: int) -> None:
+        """Set `host`'s link to `rate_bps` both ways (egress of its eth0 and of its switch port)."""
+        for namespace, dev in ((host.namespace, "eth0"), (self.switch, f"p{host.index}")):
+            _run("tc", "-n", namespace, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit",
+                 "burst", str(tbf_burst_bytes(rate_bps)), "latency", "200ms")
+
+    def cut(self, host: Host) -> None:
+        """Take `host`'s link down (its switch port): nothing reaches it or leaves it."""
+        _run("ip", "-n", self.switch, "link", "set", f"p{host.index}", "down")
+
+    def mend(self, host: Host) -> None:
+        _run("ip", "-n", self.switch, "link", "set", f"p{host.index}", "up")
+
+    # -- processes -------------------------------------------------------------------------------
+    def command_on(self, host: Host, argv: list[str]) -> list[str]:
+        """argv run on `host`: its network namespace, a private mount namespace with its own /tmp
+        and /etc/hosts, and its host name (UTS namespace)."""
+        etc_hosts = self.root / "hosts" / host.name / "etc-hosts"
+        setup = (f"mount -t tmpfs -o size=4g,mode=1777 sparkdl-bed-tmp /tmp && "
+                 f"mount --bind {etc_hosts} /etc/hosts && hostname {host.name} && exec \"$@\"")
+        return ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--uts", "--propagation", "private",
+                "/bin/sh", "-c", setup, "sh", *argv]
+
+    def start_on(self, host: Host, argv: list[str], name: str, env: dict[str, str] | None = None) -> Started:
+        log = self.root / "hosts" / host.name / f"{name}.log"
+        with open(log, "ab") as out:
+            process = subprocess.Popen(self.command_on(host, argv), stdout=out, stderr=subprocess.STDOUT,
+                                       env={**self.environment(), **(env or {})}, start_new_session=True)
+        started = Started(host, process, log)
+        self._started.append(started)
+        return started
+
+    def run_on(self, host: Host, argv: list[str], timeout: float, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+        """argv on `host` to its end (its process group killed after `timeout` s)."""
+        process = subprocess.Popen(self.command_on(host, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env={**self.environment(), **(env or {})}, start_new_session=True)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            out, err = process.communicate()
+            err += f"\n[bed] killed after {timeout} s"
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+    def environment(self) -> dict[str, str]:
+        """Executors run this Python; nothing pins Spark to an address (it finds the host's own)."""
+        env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP", "SPARK_LOCAL_HOSTNAME")}
+        env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+                   PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+        return env
+
+    def _start_spark(self) -> None:
+        master = self.start_on(self.master, [str(SPARK_CLASS), "org.apache.spark.deploy.master.Master", "--host",
+                                             self.master.address, "--port", str(MASTER_PORT), "--webui-port",
+                                             "8080"], "master")
+        _wait_for_line(master, "I have been elected leader", 90)
+        for host in self.workers:
+            work = self.root / "hosts" / host.name / "work"
+            work.mkdir(parents=True, exist_ok=True)
+            self.start_on(host, [str(SPARK_CLASS), "org.apache.spark.deploy.worker.Worker", "--cores",
+                                 str(self.worker_cores), "--memory", self.worker_memory, "--work-dir", str(work),
+                                 "--webui-port", "8081", self.master_url], "worker")
+        for started in self._started[1:]:
+            _wait_for_line(started, "Successfully registered with master", 90)
+
+    def worker_process(self, host: Host) -> Started:
+        return next(s for s in self._started if s.host == host and s.log.name == "worker.log")
+
+    def executor_pids(self, host: Host) -> list[int]:
+        """PIDs of the executor JVMs the worker on `host` started (children of its worker JVM)."""
+        worker = self.worker_process(host).process.pid
+        out = _run("ps", "-e", "-o", "pid=,ppid=,args=", check=False).stdout
+        children: dict[int, list[tuple[int, str]]] = {}
+        for line in out.splitlines():
+            parts = line.split(None, 2)
+            if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+                children.setdefault(int(parts[1]), []).append((int(parts[0]), parts[2] if len(parts) > 2 else ""))
+        found, todo = [], [worker]
+        while todo:
+            pid = todo.pop()
+            for child, args in children.get(pid, []):
+                if "CoarseGrainedExecutorBackend" in args:
+                    found.append(child)
+                todo.append(child)
+        return found
+
+    def stop(self) -> None:
+        for started in reversed(self._started):
+            _kill_group(started.process)
+        self._started.clear()
+        for name in reversed(self._namespaces):
+            _run("ip", "netns", "del", name, check=False)
+        self._namespaces.clear()
+
+
+def _kill_group(process: subprocess.Popen[Any]) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=10)
+
+
+def _wait_for_line(started: Started, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if started.log.exists() and text in started.log.read_text(errors="replace"):
+            return
+        if started.process.poll() is not None:
+            break
+        time.sleep(0.2)
+    tail = started.log.read_text(errors="replace")[-3000:] if started.log.exists() else ""
+    raise RuntimeError(f"{started.log.name} on {started.host.name} did not print {text!r} within {timeout} s:\n{tail}")
