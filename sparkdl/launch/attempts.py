@@ -73,7 +73,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                 exc = explain_lost_executors(spark, exc)
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
-                named = name_the_failure(monitor.errors, spec.world_size, config, exc)
+                named = name_the_failure(monitor.errors, spec.world_size, config, exc, monitor.rank_hosts)
                 named.events = exc.events
                 raise named from None
             except BaseException:
@@ -114,7 +114,8 @@ def open_channel(spark: Any, channel: str, on_message: Any) -> Any:
     return DriverChannel(facts(spark).channel_host() if channel == "auto" else channel, on_message)
 
 
-def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config: RunConfig, exc: Any) -> Any:
+def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config: RunConfig, exc: Any,
+                     rank_hosts: list[str] | None = None) -> Any:
     """The error to raise: the rank (and host) whose own exception started the failure with its
     exception line; or, when every report is a collective that timed out, the ranks that never
     reported: they stopped responding (a stalled process cannot say so itself)."""
@@ -128,11 +129,13 @@ def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config:
         silent = [r for r in range(world_size) if r not in errors]
         if silent and all("timed out" in t or "timeout" in t for t in texts):
             waiting = sorted(errors)
+            where = _on_hosts(silent, rank_hosts or [])
             return TrainingError(
-                f"training failed: rank(s) {silent} stopped responding; the collectives of rank(s) {waiting} timed "
-                f"out after launch.timeout_s={config.launch.timeout_s:g} s",
-                hint="a stalled or swapped-out worker (see its executor's log), or a step longer than the timeout: "
-                     "raise launch.timeout_s")
+                f"training failed: rank(s) {silent}{where} stopped responding; the collectives of rank(s) {waiting} "
+                f"timed out after launch.timeout_s={config.launch.timeout_s:g} s",
+                hint="an unreachable host (its network link or a firewall between the executors), a stalled or "
+                     "swapped-out worker (see its executor's log), or a step longer than the timeout: raise "
+                     "launch.timeout_s")
         rank, message = sorted(errors.items())[0]
     else:
         return exc
@@ -141,6 +144,12 @@ def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config:
     host = f" (on host {message['host']})" if message.get("host") else ""
     # A rank's own SparkdlError knows the fix better than the driver's generic hint.
     return TrainingError(f"training failed on rank {rank}: {line}{host}", hint=message.get("hint") or exc.hint)
+
+
+def _on_hosts(ranks: list[int], rank_hosts: list[str]) -> str:
+    """" (on host a, b)" for `ranks` whose executor address the driver heard, else ""."""
+    known = [rank_hosts[r] for r in ranks if 0 <= r < len(rank_hosts)]
+    return f" (on host {', '.join(dict.fromkeys(known))})" if known else ""
 
 
 def explain_lost_executors(spark: Any, exc: Any) -> Any:

@@ -201,7 +201,7 @@ def _report_start(ctx: WorkerContext) -> None:
         return
     ctx.reporter.start(epochs=ctx.spec.config.train.epochs, steps_per_epoch=ctx.steps_per_epoch,
                        world_size=ctx.world_size, rows=sum(ctx.row_counts), hosts=sorted(set(ctx.world.hosts)),
-                       device=str(ctx.comm.device), gpus=list(ctx.world.gpus))
+                       rank_hosts=list(ctx.world.hosts), device=str(ctx.comm.device), gpus=list(ctx.world.gpus))
 
 
 def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals,

@@ -23,6 +23,7 @@ class RunMonitor:
         self.progress = progress
         self.callbacks = callbacks  # train.callbacks, resolved (launch/callbacks.py)
         self.errors: dict[int, dict[str, Any]] = {}
+        self.rank_hosts: list[str] = []  # each rank's executor address, from rank 0's start message
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         self._bar: Any = None
         self._last_step = 0
@@ -48,6 +49,7 @@ class RunMonitor:
 
     def _on_start(self, message: dict[str, Any]) -> None:
         hosts = message.get("hosts", [])
+        self.rank_hosts = [str(h) for h in message.get("rank_hosts", [])]
         self.tracker.log_params({"world.size": message.get("world_size"), "world.hosts": ", ".join(hosts),
                                  "world.num_hosts": len(hosts), "world.device": message.get("device"),
                                  "world.gpus_rank0": ", ".join(message.get("gpus", [])) or "none",

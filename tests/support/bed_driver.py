@@ -39,7 +39,8 @@ def rows(count: int = 1200, seed: int = 3) -> list[tuple[Any, ...]]:
 
 
 def frame(spark: Any, workers: int) -> Any:
-    return spark.createDataFrame(rows(), FEATURES + ["label"]).repartition(workers).cache()
+    # Fixed partitions (no shuffle): each rank's rows and their order are the same on every master.
+    return spark.sparkContext.parallelize(rows(), workers).toDF(FEATURES + ["label"]).cache()
 
 
 def accuracy(model: Any, df: Any) -> float:
@@ -54,7 +55,7 @@ def fit(spark: Any, df: Any, workers: int, strategy: str, backend: str = "torch"
                                    num_workers=workers, optimizer="adam", lr=0.01, seed=7, strategy=strategy,
                                    backend=backend, tracking=False, progress=False)
     if strategy == "diloco":
-        options.update(strategy="data_parallel", sync="diloco", sync_every=4)
+        options.update(strategy="data_parallel", sync="diloco", sync_every=2, epochs=10)
     if strategy == "hybrid":
         options.update(stages=2)
     options.update(extra)
@@ -62,6 +63,41 @@ def fit(spark: Any, df: Any, workers: int, strategy: str, backend: str = "torch"
     model = TorchEstimator(**options).fit(df)
     return {"accuracy": accuracy(model, df), "seconds": round(time.monotonic() - started, 1),
             "history": model.history[-1] if model.history else None}
+
+
+CUT = {"marker": "", "calls": 0}
+
+
+def marking_loss(output: Any, labels: Any) -> Any:
+    """Cross-entropy; rank 0's 40th call asks the test to cut a link (a marker file in the shared
+    directory) and pauses a second, so that the cut lands while the ranks still train."""
+    CUT["calls"] += 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if CUT["marker"] and rank == 0 and CUT["calls"] == 40:
+        Path(CUT["marker"]).touch()
+        time.sleep(1.0)
+    return nn.functional.cross_entropy(output, labels)
+
+
+def weights_of(spark: Any, df: Any, workers: int, marker: str, **extra: Any) -> dict[str, Any]:
+    from sparkdl import TorchEstimator
+
+    CUT.update(marker=marker, calls=0)
+    model = TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=16, epochs=4,
+                           num_workers=workers, optimizer="sgd", lr=0.05, seed=7, tracking=False, progress=False,
+                           loss=marking_loss, **extra).fit(df)
+    return {k: v.detach().clone() for k, v in model.torch_module().state_dict().items()}
+
+
+def cut_short(spark: Any, df: Any, workers: int, shared: Path) -> dict[str, Any]:
+    """The same fit twice: untouched, then with a link cut shorter than launch.timeout_s mid-run
+    (the test cuts it when the marker appears): training goes on, to the same weights."""
+    reference = weights_of(spark, df, workers, "")
+    started = time.monotonic()
+    cut = weights_of(spark, df, workers, str(shared / "cut-now"), timeout_s=60)
+    same = all(torch.equal(reference[k], cut[k]) for k in reference)
+    return {"same_weights": same, "seconds": round(time.monotonic() - started, 1),
+            "cut_seen": (shared / "cut-done").exists()}
 
 
 def plan(spark: Any, df: Any, workers: int) -> dict[str, Any]:
@@ -83,11 +119,12 @@ def calibration(spark: Any, workers: int) -> dict[str, Any]:
 
     first = calibrate(spark, workers, refresh=True)  # also starts the Python workers and imports torch
     info = calibrate(spark, workers, refresh=True)
-    links = {}
+    links, best = {}, {}
     for i in range(info.workers):
         for j in range(i + 1, info.workers):
             links[f"{info.rank_executors[i]}-{info.rank_executors[j]}"] = info.bandwidth_Bps[i][j]
-    return {"probe_s": info.probe_s, "first_probe_s": first.probe_s, "links_Bps": links, "rank_executors": list(info.rank_executors),
+            best[f"{info.rank_executors[i]}-{info.rank_executors[j]}"] = info.best_bandwidth_Bps[i][j]
+    return {"probe_s": info.probe_s, "first_probe_s": first.probe_s, "links_Bps": links, "best_links_Bps": best, "rank_executors": list(info.rank_executors),
             "cache_executors": list(session_facts(spark, workers).executors),
             "driver_host": spark.conf.get("spark.driver.host")}
 
@@ -119,7 +156,9 @@ def main() -> None:
         for scenario in args.scenarios.split(","):
             started = time.monotonic()
             try:
-                if scenario == "calibrate":
+                if scenario == "fit-cut-short":
+                    results[scenario] = cut_short(spark, df, args.workers, args.shared)
+                elif scenario == "calibrate":
                     results[scenario] = calibration(spark, args.workers)
                 elif scenario == "plan":
                     results[scenario] = plan(spark, df, args.workers)

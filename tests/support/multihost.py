@@ -25,6 +25,8 @@ from typing import Any
 
 import pyspark
 
+from standalone import descendants
+
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 SUBNET = "198.18.0"  # RFC 2544 benchmarking range: only addresses in it are assigned
 MASTER_PORT = 7077
@@ -236,25 +238,15 @@ class Bed:
     def worker_process(self, host: Host) -> Started:
         return next(s for s in self._started if s.host == host and s.log.name == "worker.log")
 
-    def executor_pids(self, host: Host) -> list[int]:
-        """PIDs of the executor JVMs the worker on `host` started (children of its worker JVM)."""
-        worker = self.worker_process(host).process.pid
-        out = _run("ps", "-e", "-o", "pid=,ppid=,args=", check=False).stdout
-        children: dict[int, list[tuple[int, str]]] = {}
-        for line in out.splitlines():
-            parts = line.split(None, 2)
-            if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
-                children.setdefault(int(parts[1]), []).append((int(parts[0]), parts[2] if len(parts) > 2 else ""))
-        found, todo = [], [worker]
-        while todo:
-            pid = todo.pop()
-            for child, args in children.get(pid, []):
-                if "CoarseGrainedExecutorBackend" in args:
-                    found.append(child)
-                todo.append(child)
-        return found
-
     def stop(self) -> None:
+        # Executor JVMs (and their Python workers) run in sessions of their own under the workers:
+        # found by parent PID first, then stopped by PID with everything else.
+        for started in self._started:
+            for pid in descendants(started.process.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for started in reversed(self._started):
             _kill_group(started.process)
         self._started.clear()

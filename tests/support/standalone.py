@@ -70,6 +70,14 @@ class StandaloneCluster:
         raise TimeoutError(f"{name} did not log {line!r} within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        # Executors are children of the workers but in sessions of their own: none may outlive the
+        # test. Found by parent PID before the workers go, and stopped by PID.
+        executors = [pid for process in self._processes for pid in descendants(process.pid)]
+        for pid in executors:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for process in reversed(self._processes):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -78,5 +86,19 @@ class StandaloneCluster:
                 process.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
-        # Executors are children of the workers but in sessions of their own: none may outlive the test.
-        subprocess.run(["pkill", "-f", f"CoarseGrainedExecutorBackend.*{self.port}"], check=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below `pid` (children, their children, ...)."""
+    listing = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in listing.split("\n"):
+        fields = line.split()
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(int(fields[0]))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

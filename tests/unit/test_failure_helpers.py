@@ -65,6 +65,20 @@ def test_silent_ranks_are_named_when_every_report_is_a_timeout() -> None:
     assert "launch.timeout_s" in (named.hint or "")
 
 
+def test_silent_ranks_are_named_with_their_hosts_when_the_driver_heard_them() -> None:
+    config = RunConfig.from_kwargs(timeout_s=30.0)
+    named = name_the_failure({0: echo("RuntimeError: timed out")}, 2, config, TrainingError("x"),
+                             ["198.18.0.11", "198.18.0.12"])
+    assert "rank(s) [1] (on host 198.18.0.12) stopped responding" in str(named)
+    assert "unreachable host" in (named.hint or "")
+
+
+def test_a_ranks_own_hint_replaces_the_generic_one() -> None:
+    message = {**own("ConfigError: rank 1 cannot reach rank 0", host="h1"), "hint": "open the ports"}
+    named = name_the_failure({1: message}, 2, RunConfig(), TrainingError("x", hint="see the executor logs"))
+    assert named.hint == "open the ports"
+
+
 def test_no_reports_keep_sparks_error() -> None:
     fallback = TrainingError("the training job failed: executor lost")
     assert name_the_failure({}, 2, RunConfig(), fallback) is fallback
