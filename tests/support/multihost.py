@@ -187,8 +187,15 @@ class Bed:
         """argv run on `host`: its network namespace, a private mount namespace with its own /tmp
         and /etc/hosts, and its host name (UTS namespace)."""
         etc_hosts = self.root / "hosts" / host.name / "etc-hosts"
-        setup = (f"mount -t tmpfs -o size=4g,mode=1777 sparkdl-bed-tmp /tmp && "
-                 f"mount --bind {etc_hosts} /etc/hosts && hostname {host.name} && exec \"$@\"")
+        # The machine's /tmp stays reachable at `original` for what the bed's processes run from
+        # there (a checkout cloned under /tmp, its venv): bound back into the host's fresh /tmp.
+        original = self.root / "hosts" / host.name / "machine-tmp"
+        original.mkdir(parents=True, exist_ok=True)
+        keep = " && ".join(f"mkdir -p /tmp/{rel} && mount --bind {original}/{rel} /tmp/{rel}"
+                           for rel in _kept_under_tmp())
+        setup = (f"mount --bind /tmp {original} && mount -t tmpfs -o size=4g,mode=1777 sparkdl-bed-tmp /tmp && "
+                 + (keep + " && " if keep else "")
+                 + f"mount --bind {etc_hosts} /etc/hosts && hostname {host.name} && exec \"$@\"")
         return ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--uts", "--propagation", "private",
                 "/bin/sh", "-c", setup, "sh", *argv]
 
@@ -253,6 +260,17 @@ class Bed:
         for name in reversed(self._namespaces):
             _run("ip", "netns", "del", name, check=False)
         self._namespaces.clear()
+
+
+def _kept_under_tmp() -> list[str]:
+    """Paths (relative to /tmp) of this checkout, its interpreter and pyspark, where they lie
+    under /tmp: every emulated host mounts a /tmp of its own, and needs them there too."""
+    tmp = Path("/tmp").resolve()
+    places = {Path(__file__).resolve().parents[2], Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+              Path(pyspark.__file__).resolve().parent}
+    relative = sorted(str(p.relative_to(tmp)) for p in places if p.is_relative_to(tmp) and p != tmp)
+    # A path inside another kept one comes with it.
+    return [r for r in relative if not any(r != o and r.startswith(o + "/") for o in relative)]
 
 
 def _kill_group(process: subprocess.Popen[Any]) -> None:
