@@ -41,9 +41,11 @@ class PeerProbe:
 
 
 def dial_peers(rank: int, own_address: str, endpoints: Sequence[str], deadline_s: float = PROBE_DEADLINE_S,
-               dial: Callable[[tuple[str, int], float], None] | None = None) -> None:
+               dial: Callable[[tuple[str, int], float], None] | None = None, wait_for_listener: bool = False) -> None:
     """Connect once to every other rank's endpoint ("host:port"); the first one that cannot be
-    reached within `deadline_s` raises a ConfigError naming both ranks, the address and the fix."""
+    reached within `deadline_s` raises a ConfigError naming both ranks, the address and the fix.
+    A refused connection fails at once (the peers listen before they publish), unless
+    `wait_for_listener` (a peer that may not listen yet): then it is retried until the deadline."""
     dial = dial or _connect
     for peer, endpoint in enumerate(endpoints):
         if peer == rank or not endpoint:
@@ -57,15 +59,16 @@ def dial_peers(rank: int, own_address: str, endpoints: Sequence[str], deadline_s
                 break
             except OSError as exc:
                 refused = exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
-                if refused or remaining <= _RETRY_S:
+                if (refused and not wait_for_listener) or remaining <= _RETRY_S:
                     raise unreachable(rank, own_address, peer, endpoint, exc) from None
                 time.sleep(_RETRY_S)
 
 
-def dial_one(rank: int, own_address: str, peer: int, endpoint: str, deadline_s: float = PROBE_DEADLINE_S) -> None:
+def dial_one(rank: int, own_address: str, peer: int, endpoint: str, deadline_s: float = PROBE_DEADLINE_S,
+             wait_for_listener: bool = False) -> None:
     """dial_peers for one peer (rank 0's store, say) whatever this rank's index among them."""
     endpoints = [endpoint if r == peer else "" for r in range(max(rank, peer) + 1)]
-    dial_peers(rank, own_address, endpoints, deadline_s)
+    dial_peers(rank, own_address, endpoints, deadline_s, wait_for_listener=wait_for_listener)
 
 
 def unreachable(rank: int, own_address: str, peer: int, endpoint: str, exc: OSError) -> ConfigError:

@@ -67,7 +67,10 @@ class TorchDistCommunicator(Communicator):
         try:
             check_not_loopback_across_hosts(own, world.hosts, world.rank, GLOO_INTERFACE_ENV)
             if world.rank != 0:
-                dial_one(world.rank, own, 0, f"{world.master_addr}:{world.master_port}", min(timeout_s, PROBE_DEADLINE_S))
+                # Rank 0's store may not listen yet (it listens before the rendezvous under Spark, not
+                # in every caller): refused is retried until the deadline, unreachable is named then.
+                dial_one(world.rank, own, 0, f"{world.master_addr}:{world.master_port}",
+                         min(timeout_s, PROBE_DEADLINE_S), wait_for_listener=True)
             # Rank 0 serves the store it opened in listen(); the others connect to it. Kept alive with
             # the group (the store must outlive it).
             self._store = listening if world.rank == 0 and listening is not None else \

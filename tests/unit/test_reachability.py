@@ -89,3 +89,26 @@ def test_probe_messages_are_sized_to_the_link_from_a_first_measurement() -> None
     assert abs(at_20_mbit - 2.5e6 * probe.TRANSFER_S) < 8 and at_20_mbit % 4 == 0
     assert probe.message_bytes(256 << 10, (256 << 10) / 125e6) == probe.MAX_MESSAGE_BYTES  # 1 Gbit/s: 4 MiB
     assert probe.message_bytes(256 << 10, 30.0) == probe.MIN_MESSAGE_BYTES  # a crawl: still a measurable size
+
+
+def test_a_store_that_listens_late_is_waited_for() -> None:
+    import threading
+    import time
+
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]
+    late = socket.socket()
+
+    def listen_later() -> None:
+        time.sleep(0.6)
+        late.bind(("127.0.0.1", port))
+        late.listen(4)
+
+    thread = threading.Thread(target=listen_later)
+    thread.start()
+    try:
+        dial_one(1, "127.0.0.1", 0, f"127.0.0.1:{port}", deadline_s=10, wait_for_listener=True)
+    finally:
+        thread.join()
+        late.close()
