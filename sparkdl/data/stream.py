@@ -206,6 +206,7 @@ class StreamedPartition:
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUED_BATCHES)
         self._handing_over = threading.Event()
         self._handing_over.set()
+        self._hand_over_lock = threading.Lock()
         self._stop = threading.Event()
         self._end = object()
         self.reserve = Reserve(keep_rows if write is None else 0)
@@ -235,12 +236,18 @@ class StreamedPartition:
                 self._hand_over(arrays)
 
     def _hand_over(self, item: Any) -> None:
-        while self._handing_over.is_set() and not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        # Under the lock stop_handing_over drains with: no item may slip in after a drain, or the
+        # loop would take it for the next rows while the spool resumes after what it counted.
+        while not self._stop.is_set():
+            with self._hand_over_lock:
+                if not self._handing_over.is_set():
+                    return
+                try:
+                    self._queue.put_nowait(item)
+                    return
+                except queue.Full:
+                    pass
+            time.sleep(0.01)  # the loop is behind: it takes a batch every step
 
     def _receive(self) -> None:
         try:
@@ -289,12 +296,13 @@ class StreamedPartition:
 
     def stop_handing_over(self) -> None:
         """The loop needs no more rows: the reader keeps receiving (and spooling) without handing over."""
-        self._handing_over.clear()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+        with self._hand_over_lock:
+            self._handing_over.clear()
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    return
 
     def finish(self) -> None:
         """Wait until the whole partition arrived (and is spooled); raises what went wrong."""
