@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from sparkdl.checks import (check_backend, check_enough_rows, check_gpus_per_task,  # noqa: F401 - public here
+from sparkdl.checks import (before_training, check_backend, check_enough_rows, check_gpus_per_task,  # noqa: F401 - public here
                             check_inference_batch_size, check_output_width, check_picklable, check_training_options,
                             check_weighted_loss, drop_labels_beyond_the_model, preflight, probe_model,
                             probe_tensor_model)
@@ -28,7 +28,6 @@ from sparkdl.phases import Phases
 from sparkdl.serving import ServedModel
 from sparkdl.trained_model import ModelParts, check_complete, load_parts
 from sparkdl.session import facts
-from sparkdl.shared_paths import check_run_dirs
 
 _log = logging.getLogger("sparkdl")
 
@@ -100,8 +99,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     check_columns(df, _input_columns(config) + [_label_col(config)])
     spark = _spark(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
-    preflight(spark, config.launch.num_workers, config.launch.gpus_per_worker)
-    check_run_dirs(spark, config, config.launch.num_workers)
+    before_training(spark, config, config.launch.num_workers)
     phases.mark("slots")
     prepared = prepare_run(df, config, validation_df)
     phases.mark("prepare")
@@ -311,8 +309,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     config = _run_config(train_fn, df, num_workers, options)
     spark = _spark(df)
     ensure_training_slots(spark, num_workers, config.launch)
-    preflight(spark, num_workers, config.launch.gpus_per_worker)
-    check_run_dirs(spark, config, num_workers)
+    before_training(spark, config, num_workers)
     job_df, layout, source, row_counts, rows, packed = spark.range(0, num_workers, 1, num_workers), None, None, (), 0, False
     if df is not None:
         prepared = prepare_run(df, config, custom_loop=True)

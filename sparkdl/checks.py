@@ -263,6 +263,15 @@ def preflight(spark: Any, workers: int, gpus_per_worker: int = 0) -> None:
         raise ConfigError("; ".join(p["message"] for p in problems), hint="; ".join(p["fix"] for p in problems))
 
 
+def before_training(spark: Any, config: Any, workers: int) -> None:
+    """The cluster checks of a training job: preflight, and the run's directories shared between
+    the driver and the executors' hosts (sparkdl/shared_paths.py)."""
+    from sparkdl.shared_paths import check_run_dirs
+
+    preflight(spark, workers, config.launch.gpus_per_worker)
+    check_run_dirs(spark, config, workers)
+
+
 def check_picklable(spec: Any) -> None:
     """Everything in the TrainSpec must reach the executors; say which part cannot, before the job."""
     from sparkdl.launch.wire import dumps_any
