@@ -1,12 +1,13 @@
 """Driver channel: executors on other hosts cannot reach the driver's MLflow store (DESIGN.md), so
 rank 0 streams metrics and output lines (and any rank its error) to the driver over TCP. Stdlib only:
 imported on both sides, it must not pull in pyspark or torch. A frame is a 4-byte big-endian length
-+ a UTF-8 JSON object; each connection opens with a hello carrying the per-run secret, so a stray or
-hostile peer cannot inject messages into the run. A request gets one reply frame back (rank 0 waits
-for the driver's verdict after each epoch); replies are only ever sent for requests."""
++ a UTF-8 JSON object. The driver opens each connection with a challenge that only a holder of the
+per-run secret can answer (launch/handshake.py), and every later frame carries a tag over its
+sequence number: a stray or hostile peer cannot inject, alter or replay messages, even one that saw
+an earlier connection. A request gets one reply frame back (rank 0 waits for the driver's verdict
+after each epoch); replies are only ever sent for requests."""
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import queue
@@ -19,6 +20,8 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
+
+from sparkdl.launch.handshake import TAG_BYTES, TO_DRIVER, TO_PEER, FrameSeal, new_challenge, proof, proof_holds
 
 log = logging.getLogger("sparkdl")
 MAX_FRAME_BYTES = 1 << 20
@@ -40,15 +43,32 @@ class FrameError(Exception):
     """A frame that breaks the protocol; the connection carrying it is closed."""
 
 
-def encode_frame(obj: dict[str, Any]) -> bytes:
-    """Length-prefixed JSON; default=str so a stray non-JSON value never raises in training code."""
-    data = json.dumps(obj, default=str, separators=(",", ":")).encode("utf-8")
-    return FRAME_HEADER.pack(len(data)) + data
+PURPOSE = "channel"  # what a hello proves the secret for (handshake.proof)
 
 
-def read_frame(stream: BinaryIO, max_bytes: int) -> dict[str, Any] | None:
+def frame_body(obj: dict[str, Any]) -> bytes:
+    """The JSON of a frame; default=str so a stray non-JSON value never raises in training code."""
+    return json.dumps(obj, default=str, separators=(",", ":")).encode("utf-8")
+
+
+def pack_frame(body: bytes, seal: FrameSeal | None = None) -> bytes:
+    """Length-prefixed body, preceded by its tag on a sealed connection (the length counts the tag)."""
+    tag = seal.seal(body) if seal is not None else b""
+    return FRAME_HEADER.pack(len(tag) + len(body)) + tag + body
+
+
+def encode_frame(obj: dict[str, Any], seal: FrameSeal | None = None) -> bytes:
+    return pack_frame(frame_body(obj), seal)
+
+
+def frame_fits(body: bytes, sealed: bool = True) -> bool:
+    """Whether a frame of this body stays within MAX_FRAME_BYTES (the receiver refuses larger ones)."""
+    return 0 < len(body) and len(body) + (TAG_BYTES if sealed else 0) <= MAX_FRAME_BYTES
+
+
+def read_frame(stream: BinaryIO, max_bytes: int, seal: FrameSeal | None = None) -> dict[str, Any] | None:
     """One decoded frame from a buffered stream (socket.makefile("rb")), None on a clean EOF between
-    frames; FrameError when the peer breaks the protocol."""
+    frames; FrameError when the peer breaks the protocol or (with `seal`) a tag does not hold."""
     header = stream.read(FRAME_HEADER.size)
     if not header:
         return None
@@ -58,6 +78,10 @@ def read_frame(stream: BinaryIO, max_bytes: int) -> dict[str, Any] | None:
     body = stream.read(size) if size > 0 else b""
     if size < 0 or len(body) < size:
         raise FrameError("connection closed in the middle of a frame")
+    if seal is not None:
+        tag, body = body[:TAG_BYTES], body[TAG_BYTES:]
+        if len(tag) < TAG_BYTES or not seal.opens(tag, body):
+            raise FrameError("frame fails its authentication tag (forged, altered, replayed or out of order)")
     try:
         obj = json.loads(body.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError is a ValueError too
@@ -67,25 +91,57 @@ def read_frame(stream: BinaryIO, max_bytes: int) -> dict[str, Any] | None:
     return obj
 
 
+def check_hello(hello: dict[str, Any] | None, secret: str, purpose: str, challenge: bytes) -> int:
+    """The rank of a hello that proves the secret for this connection's challenge; FrameError else."""
+    if hello is None:
+        raise FrameError("closed before sending a hello")
+    if hello.get("hello") != 2:
+        raise FrameError("first frame is not a hello")
+    rank = hello.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise FrameError(f"bad rank {rank!r} in the hello")
+    if not proof_holds(secret, purpose, challenge, rank, hello.get("proof")):
+        raise FrameError("wrong secret (the hello's proof does not answer this connection's challenge)")
+    return rank
+
+
+def challenge_of(frame: dict[str, Any] | None) -> bytes:
+    """The challenge the driver opened a connection with; FrameError if that first frame is not one."""
+    text = (frame or {}).get("challenge")
+    try:
+        challenge = bytes.fromhex(text) if isinstance(text, str) else b""
+    except ValueError:
+        challenge = b""
+    if len(challenge) < 16:
+        raise FrameError("the driver's first frame is not a challenge (a sparkdl of another version on the driver?)")
+    return challenge
+
+
+def hello_frame(secret: str, purpose: str, challenge: bytes, rank: int, **fields: Any) -> bytes:
+    """A peer's answer to the challenge: its rank and the proof that it holds the run's secret."""
+    return encode_frame({**fields, "hello": 2, "rank": rank, "proof": proof(secret, purpose, challenge, rank)})
+
+
 class _Reply:
     """msg["reply"] for a request: writes {"reply": id, **obj} once on the request's connection."""
 
     def __init__(self, conn: list[Any], request_id: Any, rank: int) -> None:
+        # conn: [lock, socket (None once closed), the seal of frames to the peer]
         self._conn, self._id, self._rank, self.done = conn, request_id, rank, False
 
     def __call__(self, obj: dict[str, Any]) -> None:
-        frame = b""
+        body = b""
         with suppress(TypeError, ValueError):  # e.g. a circular structure
-            frame = encode_frame({**obj, "reply": self._id})  # the id last: obj cannot change it
-        if not 0 < len(frame) - FRAME_HEADER.size <= MAX_FRAME_BYTES:  # the worker would refuse it
+            body = frame_body({**obj, "reply": self._id})  # the id last: obj cannot change it
+        if not frame_fits(body):  # the worker would refuse it
             log.warning("sparkdl driver channel: reply to rank %d not encodable or too large; sent {}", self._rank)
-            frame = encode_frame({"reply": self._id})
-        with self._conn[0]:  # one writer at a time; the reader's close() waits for us
+            body = frame_body({"reply": self._id})
+        with self._conn[0]:  # one writer at a time (the seal's sequence); the reader's close() waits for us
             done, self.done, sock = self.done, True, self._conn[1]
             if done or sock is None:  # sock None: the worker hung up (or we are closing), nobody waits
                 return
             try:
-                sock.sendall(frame)
+                sock.sendall(pack_frame(body, self._conn[2]))
             except OSError as e:
                 with suppress(OSError):  # maybe half a frame went out: the stream is unusable
                     sock.shutdown(socket.SHUT_RDWR)
@@ -147,15 +203,19 @@ class DriverChannel:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         where, rank, stream = f"{peer[0]}:{peer[1]}", -1, conn.makefile("rb")
-        state = [threading.Lock(), conn]  # shared with this connection's _Reply objects; conn None once closed
+        challenge = new_challenge()
+        # Shared with this connection's _Reply objects; conn None once closed.
+        state: list[Any] = [threading.Lock(), conn, FrameSeal(self._address.secret, challenge, TO_PEER)]
         try:
             conn.settimeout(HELLO_TIMEOUT_S)  # a silent peer must not hold a thread forever
-            rank = self._check_hello(read_frame(stream, self._max))
+            conn.sendall(encode_frame({"challenge": challenge.hex()}))
+            rank = self._check_hello(read_frame(stream, self._max), challenge)
+            inbound = FrameSeal(self._address.secret, challenge, TO_DRIVER)
             conn.settimeout(None)
             if sys.platform != "win32":  # 5 s per send(): a worker that stops reading must not hold the
                 with suppress(OSError, AttributeError):  # consumer; reads stay blocking (Windows wants ms)
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
-            while (msg := read_frame(stream, self._max)) is not None:
+            while (msg := read_frame(stream, self._max, inbound)) is not None:
                 msg["rank"] = rank
                 if "request" in msg:
                     msg["reply"] = _Reply(state, msg.pop("request"), rank)
@@ -178,18 +238,8 @@ class DriverChannel:
                 stream.close()
                 conn.close()
 
-    def _check_hello(self, hello: dict[str, Any] | None) -> int:
-        if hello is None:
-            raise FrameError("closed before sending a hello")
-        if hello.get("hello") != 1:
-            raise FrameError("first frame is not a hello")
-        secret = hello.get("secret")
-        if not isinstance(secret, str) or not hmac.compare_digest(secret.encode(), self._address.secret.encode()):
-            raise FrameError("wrong secret")
-        rank = hello.get("rank")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise FrameError(f"bad rank {rank!r} in the hello")
-        return rank
+    def _check_hello(self, hello: dict[str, Any] | None, challenge: bytes) -> int:
+        return check_hello(hello, self._address.secret, PURPOSE, challenge)
 
     def _consume(self) -> None:
         while (msg := self._queue.get()) is not _STOP:

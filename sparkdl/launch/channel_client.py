@@ -11,18 +11,19 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from sparkdl.launch.channel import (FRAME_HEADER, MAX_FRAME_BYTES, ChannelAddress, FrameError, encode_frame,
-                                    read_frame)
+from sparkdl.launch.channel import (MAX_FRAME_BYTES, PURPOSE, ChannelAddress, FrameError, challenge_of, frame_body,
+                                    frame_fits, hello_frame, pack_frame, read_frame)
+from sparkdl.launch.handshake import TO_DRIVER, TO_PEER, FrameSeal
 
 log = logging.getLogger("sparkdl")
 _STOP = object()  # queue sentinel of the sender thread
 
 
 class _Urgent:
-    """A frame whose sender waits until it is written (send_now) or, with an rid, answered (request)."""
+    """A frame's body whose sender waits until it is written (send_now) or, with an rid, answered (request)."""
 
-    def __init__(self, frame: bytes, rid: int | None = None, deadline: float = 0.0) -> None:
-        self.frame, self.ok, self.done = frame, False, threading.Event()
+    def __init__(self, body: bytes, rid: int | None = None, deadline: float = 0.0) -> None:
+        self.body, self.ok, self.done = body, False, threading.Event()
         self.rid, self.deadline, self.reply = rid, deadline, None
 
 
@@ -32,6 +33,7 @@ class _Replies:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock, self._buf, self._pos, self._deadline = sock, bytearray(), 0, 0.0
+        self.seal: FrameSeal | None = None  # of the driver's frames, once the hello is sent
 
     def read(self, n: int) -> bytes:  # all of BinaryIO that read_frame uses; the frame starts at _buf[0]
         while len(self._buf) < self._pos + n:
@@ -42,13 +44,20 @@ class _Replies:
         self._pos += n
         return bytes(self._buf[self._pos - n:self._pos])
 
+    def challenge(self, deadline: float) -> bytes:
+        """The challenge the driver opens the connection with (TimeoutError when it sends none by deadline)."""
+        self._deadline, self._pos = deadline, 0
+        frame = read_frame(self, MAX_FRAME_BYTES)  # type: ignore[arg-type]
+        del self._buf[:self._pos]
+        return challenge_of(frame)
+
     def reply_to(self, rid: int, deadline: float) -> dict[str, Any] | None:
         """The reply to request rid, skipping late replies to earlier (timed-out) requests; None: due."""
         self._deadline, sock_timeout = deadline, self._sock.gettimeout()
         try:
             while True:
                 self._pos = 0
-                frame = read_frame(self, MAX_FRAME_BYTES)  # type: ignore[arg-type]
+                frame = read_frame(self, MAX_FRAME_BYTES, self.seal)  # type: ignore[arg-type]
                 del self._buf[:self._pos]
                 if frame is None:
                     raise ConnectionError("the driver closed the connection")
@@ -89,19 +98,19 @@ class ChannelClient:
         """Queue the message (wrapped as _Urgent when wait is set); None when it was dropped."""
         if rid is None:  # a plain message must not pass for a request: its reply would be read as another's
             fields.pop("request", None)
-        try:
-            frame = encode_frame({"kind": kind, **fields})
+        try:  # sealed by the sender thread: tags follow the order frames are written in
+            body = frame_body({"kind": kind, **fields})
         except (TypeError, ValueError):  # e.g. a circular structure
-            frame = b""
-        item = _Urgent(frame, rid, time.monotonic() + (wait or 0.0))
+            body = b""
+        item = _Urgent(body, rid, time.monotonic() + (wait or 0.0))
         with self._lock:
-            ok = 0 < len(frame) - FRAME_HEADER.size <= MAX_FRAME_BYTES and not (self._failed or self._closed)
+            ok = frame_fits(body) and not (self._failed or self._closed)
             if ok and self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="sparkdl-channel-client")
                 self._thread.start()
         with suppress(queue.Full):
             if ok:
-                self._queue.put(item if wait is not None else frame, block=wait is not None, timeout=wait)
+                self._queue.put(item if wait is not None else body, block=wait is not None, timeout=wait)
                 if self._failed:  # the sender died meanwhile: nobody reads the queue any more
                     self._drop_queued()
                 return item
@@ -132,9 +141,9 @@ class ChannelClient:
             while (item := self._queue.get()) is not _STOP:
                 if self._sock is None:
                     self._sock = socket.create_connection((self._address.host, self._address.port), self._timeout)
-                    self._sock.sendall(encode_frame({"hello": 1, "secret": self._address.secret, "rank": self._rank}))
                     replies = _Replies(self._sock)
-                self._sock.sendall(item.frame if isinstance(item, _Urgent) else item)
+                    seal = self._hello(self._sock, replies)
+                self._sock.sendall(pack_frame(item.body if isinstance(item, _Urgent) else item, seal))
                 if isinstance(item, _Urgent):
                     if item.rid is not None:
                         item.reply = replies.reply_to(item.rid, item.deadline)
@@ -155,6 +164,15 @@ class ChannelClient:
         finally:
             if self._sock is not None:
                 self._sock.close()
+
+    def _hello(self, sock: socket.socket, replies: _Replies) -> FrameSeal:
+        """Answer the driver's challenge; the seal of the frames this client sends after it (that of
+        the driver's replies goes to `replies`)."""
+        challenge = replies.challenge(time.monotonic() + self._timeout)
+        sock.settimeout(self._timeout)
+        sock.sendall(hello_frame(self._address.secret, PURPOSE, challenge, self._rank))
+        replies.seal = FrameSeal(self._address.secret, challenge, TO_PEER)
+        return FrameSeal(self._address.secret, challenge, TO_DRIVER)
 
     def _drop_queued(self) -> None:
         while True:

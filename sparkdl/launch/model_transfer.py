@@ -17,10 +17,10 @@ A rank that cannot reach the receiver falls back to rows by itself and says so. 
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -30,11 +30,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.launch.channel import FRAME_HEADER, ChannelAddress, FrameError, encode_frame, read_frame
+from sparkdl.launch.channel import (FRAME_HEADER, ChannelAddress, FrameError, challenge_of, check_hello, encode_frame,
+                                    hello_frame, read_frame)
+from sparkdl.launch.handshake import TAG_BYTES, TO_PEER, FrameSeal, StreamTag, new_challenge
 
 log = logging.getLogger("sparkdl")
 PART_SUFFIX = ".safetensors"
 CONNECT_TIMEOUT_S = 10.0
+PURPOSE = "model"  # what a hello proves the secret for (handshake.proof)
 RECEIVE_PIECE_BYTES = 4 << 20
 TRANSFERS = ("auto", "channel", "storage", "rows")
 
@@ -105,11 +108,15 @@ def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadat
     total, pieces = tensor_pieces(state, metadata)
     with socket.create_connection((address.host, address.port), CONNECT_TIMEOUT_S) as sock:
         sock.settimeout(sink.timeout_s)
-        sock.sendall(encode_frame({"hello": 1, "secret": address.secret, "rank": rank, "bytes": total}))
+        challenge = challenge_of(_raw_frame(sock))
+        sock.sendall(hello_frame(address.secret, PURPOSE, challenge, rank, bytes=total))
+        tag = StreamTag(address.secret, challenge)  # the receiver keeps the part only if it holds
         for piece in pieces:
             sock.sendall(piece)
+            tag.update(piece)
+        sock.sendall(tag.digest())
         with sock.makefile("rb") as replies:
-            reply = read_frame(replies, 1 << 16)
+            reply = read_frame(replies, 1 << 16, FrameSeal(address.secret, challenge, TO_PEER))
     if not reply or not reply.get("ok"):
         raise OSError(f"the driver refused the part: {(reply or {}).get('error', 'no reply')}")
     return total
@@ -129,7 +136,7 @@ class PartReceiver:
         except OSError:  # the address executors see need not be bindable here (NAT)
             self._server = socket.create_server(("", 0), backlog=128)
         self._server.settimeout(0.2)
-        self.address = ChannelAddress(host, self._server.getsockname()[1], uuid.uuid4().hex + uuid.uuid4().hex)
+        self.address = ChannelAddress(host, self._server.getsockname()[1], secrets.token_hex(32))
         self.errors: dict[int, str] = {}
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -153,26 +160,31 @@ class PartReceiver:
             thread.start()
 
     def _receive(self, conn: socket.socket) -> None:
-        rank, temporary = -1, ""
+        rank, temporary, challenge = -1, "", new_challenge()
+        secret = self.address.secret
         try:
             conn.settimeout(CONNECT_TIMEOUT_S)
-            hello = _hello(conn)
-            secret = str(hello.get("secret", ""))
-            if not hmac.compare_digest(secret.encode(), self.address.secret.encode()):
-                raise FrameError("wrong secret")
-            rank, size = int(hello["rank"]), int(hello["bytes"])
+            conn.sendall(encode_frame({"challenge": challenge.hex()}))
+            hello = _raw_frame(conn)
+            rank = check_hello(hello, secret, PURPOSE, challenge)
+            size = int(hello["bytes"])
+            if size < 0:
+                raise ValueError(f"a part of {size} bytes")
             conn.settimeout(self._timeout)  # a rank whose host vanished (no FIN) must not hold us forever
             temporary = os.path.join(self.directory, f".{part_name(rank)}.{uuid.uuid4().hex[:8]}")
-            _copy_exactly(conn, temporary, size)
+            tag = StreamTag(secret, challenge)
+            _copy_exactly(conn, temporary, size, tag)
+            if not tag.matches(_recv_exactly(conn, TAG_BYTES)):
+                raise FrameError("the part fails its authentication tag (altered or not from this run)")
             os.replace(temporary, os.path.join(self.directory, part_name(rank)))
-            conn.sendall(encode_frame({"ok": True, "bytes": size}))
+            conn.sendall(encode_frame({"ok": True, "bytes": size}, FrameSeal(secret, challenge, TO_PEER)))
         except (OSError, FrameError, KeyError, TypeError, ValueError) as exc:
             if rank >= 0:
                 self.errors[rank] = str(exc)
             if temporary and os.path.exists(temporary):
                 os.unlink(temporary)
             try:
-                conn.sendall(encode_frame({"ok": False, "error": str(exc)[:500]}))
+                conn.sendall(encode_frame({"ok": False, "error": str(exc)[:500]}, FrameSeal(secret, challenge, TO_PEER)))
             except OSError:
                 pass
         finally:
@@ -199,19 +211,19 @@ class PartReceiver:
         self.close()
 
 
-def _hello(conn: socket.socket) -> dict[str, Any]:
-    """The first frame, read straight off the socket: a buffered reader would swallow the start of
-    the part that follows it."""
+def _raw_frame(conn: socket.socket) -> dict[str, Any]:
+    """A challenge or a hello, read straight off the socket: a buffered reader would swallow the
+    start of the part that follows it."""
     (size,) = FRAME_HEADER.unpack(_recv_exactly(conn, FRAME_HEADER.size))
     if size > 1 << 16:
-        raise FrameError(f"hello of {size} bytes")
+        raise FrameError(f"a first frame of {size} bytes")
     try:
-        hello = json.loads(_recv_exactly(conn, size).decode("utf-8"))
+        frame = json.loads(_recv_exactly(conn, size).decode("utf-8"))
     except ValueError:
-        raise FrameError("hello is not UTF-8 JSON") from None
-    if not isinstance(hello, dict) or hello.get("hello") != 1:
-        raise FrameError("first frame is not a hello")
-    return hello
+        raise FrameError("the first frame is not UTF-8 JSON") from None
+    if not isinstance(frame, dict):
+        raise FrameError("the first frame is not a JSON object")
+    return frame
 
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:
@@ -224,9 +236,9 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def _copy_exactly(conn: socket.socket, path: str, size: int) -> None:
-    """`size` bytes from the connection into a new file, one piece buffered at a time (recv_into:
-    no copy but the kernel's)."""
+def _copy_exactly(conn: socket.socket, path: str, size: int, tag: StreamTag) -> None:
+    """`size` bytes from the connection into a new file (and `tag`), one piece buffered at a time
+    (recv_into: no copy but the kernel's)."""
     buffer = bytearray(min(RECEIVE_PIECE_BYTES, max(size, 1)))
     view = memoryview(buffer)
     left = size
@@ -235,6 +247,7 @@ def _copy_exactly(conn: socket.socket, path: str, size: int) -> None:
             got = conn.recv_into(view[: min(left, len(view))])
             if not got:
                 raise OSError(f"the connection closed with {left} of {size} bytes still to come")
+            tag.update(view[:got])
             written = 0
             while written < got:
                 written += out.write(view[written:got])

@@ -13,7 +13,9 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from sparkdl.launch.channel import ChannelAddress, DriverChannel, encode_frame, read_frame
+from sparkdl.launch.channel import (PURPOSE, ChannelAddress, DriverChannel, challenge_of, encode_frame, hello_frame,
+                                    read_frame)
+from sparkdl.launch.handshake import TO_DRIVER, TO_PEER, FrameSeal
 from sparkdl.launch.channel_client import ChannelClient
 from sparkdl.launch.output import LineForwarder, forward_output
 
@@ -60,13 +62,38 @@ def raw_connect(address: ChannelAddress) -> socket.socket:
     return socket.create_connection((address.host, address.port), timeout=2.0)
 
 
-def hello(address: ChannelAddress, rank: int = 0, secret: str | None = None) -> bytes:
-    return encode_frame({"hello": 1, "secret": address.secret if secret is None else secret, "rank": rank})
+class RawPeer:
+    """A connection driven by hand: reads the driver's challenge and prepares the answer (`hello`,
+    with the run's secret unless given another) and the tags of the frames after it (`frame`)."""
+
+    def __init__(self, address: ChannelAddress, rank: int = 0, secret: str | None = None) -> None:
+        self.sock = raw_connect(address)
+        self.stream = self.sock.makefile("rb")
+        self.challenge = challenge_of(read_frame(self.stream, 1 << 20))
+        secret = address.secret if secret is None else secret
+        self.hello = hello_frame(secret, PURPOSE, self.challenge, rank)
+        self.outbound, self.inbound = FrameSeal(secret, self.challenge, TO_DRIVER), FrameSeal(secret, self.challenge, TO_PEER)
+
+    def frame(self, obj: dict[str, Any]) -> bytes:
+        return encode_frame(obj, self.outbound)
+
+    def close(self) -> None:
+        self.stream.close()
+        self.sock.close()
+
+    def __enter__(self) -> "RawPeer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def assert_closed_by_peer(sock: socket.socket) -> None:
+    """The driver closes the connection (after its challenge, which is all it ever sends unasked)."""
+    sock.settimeout(2.0)
     try:
-        assert sock.recv(1) == b""
+        while sock.recv(1 << 16):
+            pass
     except ConnectionResetError:
         pass
 
@@ -113,7 +140,7 @@ def test_wrong_secret_is_refused_and_logged(channel: DriverChannel, inbox: Inbox
     channel.close()
     assert [m["loss"] for m in inbox.messages] == [1.0]
     refusals = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
-    assert len(refusals) == 1 and refusals[0].endswith("wrong secret")
+    assert len(refusals) == 1 and "wrong secret" in refusals[0]
     assert "from 127.0.0.1:" in refusals[0]
 
 
@@ -140,9 +167,9 @@ def test_garbage_and_oversized_frames_are_refused_without_killing_the_server(
 def test_oversized_frame_after_hello_closes_only_that_connection(channel: DriverChannel, inbox: Inbox,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="sparkdl")
-    with raw_connect(channel.address) as sock:
-        sock.sendall(hello(channel.address, 3) + encode_frame({"kind": "a"}) + struct.pack(">I", 1 << 30))
-        assert_closed_by_peer(sock)
+    with RawPeer(channel.address, 3) as peer:
+        peer.sock.sendall(peer.hello + peer.frame({"kind": "a"}) + struct.pack(">I", 1 << 30))
+        assert_closed_by_peer(peer.sock)
     assert inbox.wait_for(1) == [{"kind": "a", "rank": 3}]
     assert any("closed the connection" in r.getMessage() and "(rank 3)" in r.getMessage() for r in caplog.records)
     client = ChannelClient(channel.address, 0)
@@ -232,15 +259,16 @@ def test_drain_waits_for_in_flight_messages() -> None:
         handled.append(msg["i"])
 
     with DriverChannel("127.0.0.1", slow) as ch:
-        with raw_connect(ch.address) as sock:
-            sock.sendall(hello(ch.address) + b"".join(encode_frame({"kind": "m", "i": i}) for i in range(10)))
+        with RawPeer(ch.address) as peer:
+            sock = peer.sock
+            sock.sendall(peer.hello + b"".join(peer.frame({"kind": "m", "i": i}) for i in range(10)))
             wait_until(lambda: ch._pending == 10)  # all received (queued), none handled: the handler is gated
             assert handled == []
             gate.set()
             ch.drain(timeout=2.0)
             assert handled == list(range(10))
             gate.clear()
-            sock.sendall(encode_frame({"kind": "m", "i": 10}))
+            sock.sendall(peer.frame({"kind": "m", "i": 10}))
             wait_until(lambda: ch._pending == 1)
             start = time.monotonic()
             ch.drain(timeout=0.1)  # a stuck handler: drain gives up after its timeout
@@ -266,13 +294,84 @@ def test_close_is_idempotent_and_handles_what_was_sent(inbox: Inbox) -> None:
 
 def test_close_reads_from_still_connected_clients(inbox: Inbox) -> None:
     ch = DriverChannel("127.0.0.1", inbox)
-    with raw_connect(ch.address) as sock:  # stays open while the driver closes
-        sock.sendall(hello(ch.address, 4) + encode_frame({"kind": "m"}))
+    with RawPeer(ch.address, 4) as peer:  # stays open while the driver closes
+        peer.sock.sendall(peer.hello + peer.frame({"kind": "m"}))
         wait_until(lambda: len(inbox.messages) == 1)
         start = time.monotonic()
         ch.close()
         assert time.monotonic() - start < 1.0
     assert inbox.messages == [{"kind": "m", "rank": 4}]
+
+
+class Tap:
+    """A relay between one client and the driver that keeps a copy of what the client sends: a host
+    on the path of the connection, as on a shared network."""
+
+    def __init__(self, target: ChannelAddress) -> None:
+        self.sent = bytearray()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = ChannelAddress("127.0.0.1", self._listener.getsockname()[1], target.secret)
+        self._target = target
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def _relay(self) -> None:
+        client, _ = self._listener.accept()
+        driver = socket.create_connection((self._target.host, self._target.port))
+
+        def pump(source: socket.socket, sink: socket.socket, copy: bytearray | None) -> None:
+            while chunk := source.recv(1 << 16):
+                if copy is not None:
+                    copy += chunk
+                sink.sendall(chunk)
+            sink.shutdown(socket.SHUT_WR)
+
+        back = threading.Thread(target=pump, args=(driver, client, None), daemon=True)
+        back.start()
+        pump(client, driver, self.sent)
+        back.join(5.0)
+        client.close()
+        driver.close()
+        self._listener.close()
+
+    def join(self) -> bytes:
+        self._thread.join(5.0)
+        return bytes(self.sent)
+
+
+def test_a_connection_seen_on_the_wire_cannot_be_replayed_and_never_shows_the_secret(
+        channel: DriverChannel, inbox: Inbox, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sparkdl")
+    tap = Tap(channel.address)
+    client = ChannelClient(tap.address, 1)
+    for step in range(3):
+        client.send("metric", step=step, loss=0.5)
+    client.close()
+    seen = tap.join()
+    assert [m["step"] for m in inbox.wait_for(3)] == [0, 1, 2]
+    assert channel.address.secret.encode() not in seen and b"secret" not in seen
+    with raw_connect(channel.address) as sock:  # the same bytes again, on a connection of its own
+        sock.sendall(seen)
+        assert_closed_by_peer(sock)
+    wait_until(lambda: channel.refused == 1)
+    channel.close()
+    assert [m["step"] for m in inbox.messages] == [0, 1, 2]
+    assert any("wrong secret" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("tamper", ["altered", "replayed", "reordered", "untagged"])
+def test_a_frame_altered_replayed_or_reordered_on_a_live_connection_closes_it(
+        channel: DriverChannel, inbox: Inbox, caplog: pytest.LogCaptureFixture, tamper: str) -> None:
+    caplog.set_level(logging.WARNING, logger="sparkdl")
+    with RawPeer(channel.address, 2) as peer:
+        first, second = peer.frame({"kind": "m", "loss": 1.0}), peer.frame({"kind": "m", "loss": 2.0})
+        forged = {"altered": first + second.replace(b"2.0", b"9.0"), "replayed": first + first,
+                  "reordered": second + first, "untagged": first + encode_frame({"kind": "m", "loss": 9.0})}[tamper]
+        peer.sock.sendall(peer.hello + forged)
+        assert_closed_by_peer(peer.sock)
+    wait_until(lambda: any("authentication tag" in r.getMessage() for r in caplog.records))
+    channel.close()
+    assert [m["loss"] for m in inbox.messages] == ([] if tamper == "reordered" else [1.0])
 
 
 def test_silent_peer_is_refused_after_hello_timeout(monkeypatch: pytest.MonkeyPatch, inbox: Inbox,
@@ -354,6 +453,13 @@ def test_channel_module_imports_only_the_stdlib(repo_root: Any) -> None:
     tree = ast.parse((repo_root / "sparkdl" / "launch" / "channel.py").read_text())
     roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert roots <= set(sys.stdlib_module_names) | {"__future__", "sparkdl"}, roots
+    sparkdl_modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                       and n.module.startswith("sparkdl")}
+    assert sparkdl_modules == {"sparkdl.launch.handshake"}, sparkdl_modules
+    handshake = ast.parse((repo_root / "sparkdl" / "launch" / "handshake.py").read_text())
+    roots = {a.name.split(".")[0] for n in ast.walk(handshake) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(handshake) if isinstance(n, ast.ImportFrom) and n.module}
     assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
 
 
@@ -457,9 +563,9 @@ def test_a_plain_send_cannot_pose_as_a_request() -> None:
 
 
 def test_request_on_a_raw_connection_gets_a_reply_frame(channel: DriverChannel, inbox: Inbox) -> None:
-    with raw_connect(channel.address) as sock:
-        sock.sendall(hello(channel.address, 2) + encode_frame({"kind": "epoch", "request": "abc"}))
-        reply = read_frame(sock.makefile("rb"), 1 << 20)
+    with RawPeer(channel.address, 2) as peer:
+        peer.sock.sendall(peer.hello + peer.frame({"kind": "epoch", "request": "abc"}))
+        reply = read_frame(peer.stream, 1 << 20, peer.inbound)
     assert reply == {"reply": "abc"}  # Inbox never replies: the channel answers {}
     assert inbox.messages[0]["rank"] == 2 and "request" not in inbox.messages[0]
 
@@ -499,10 +605,12 @@ def test_a_reply_breaking_the_protocol_fails_the_client(caplog: pytest.LogCaptur
         thread.start()
         conn, _ = listener.accept()
         with conn:
-            stream = conn.makefile("rb")
-            assert read_frame(stream, 1 << 20)["hello"] == 1  # type: ignore[index]
-            rid = read_frame(stream, 1 << 20)["request"]  # type: ignore[index]
-            conn.sendall(encode_frame({"reply": rid + 1}) + struct.pack(">I", 2_000_000))  # stale, then too big
+            stream, challenge = conn.makefile("rb"), b"c" * 32
+            conn.sendall(encode_frame({"challenge": challenge.hex()}))
+            assert read_frame(stream, 1 << 20)["hello"] == 2  # type: ignore[index]
+            rid = read_frame(stream, 1 << 20, FrameSeal("x" * 64, challenge, TO_DRIVER))["request"]  # type: ignore[index]
+            stale = encode_frame({"reply": rid + 1}, FrameSeal("x" * 64, challenge, TO_PEER))
+            conn.sendall(stale + struct.pack(">I", 2_000_000))  # stale, then too big
             start = time.monotonic()
             thread.join(5.0)
             assert result == [None] and time.monotonic() - start < 1.0

@@ -202,3 +202,21 @@ def test_an_explicit_channel_fails_instead_of_falling_back() -> None:
     sink = ModelSink("channel", ChannelAddress("127.0.0.1", port, "s" * 64), fallback=False)
     with pytest.raises(OSError, match='model_transfer="channel"'):
         deliver(sink, 1, {"w": torch.ones(3)})
+
+
+def test_a_part_altered_on_the_way_is_refused_and_keeps_no_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.launch.channel import challenge_of, hello_frame, read_frame
+    from sparkdl.launch.handshake import TO_PEER, FrameSeal, StreamTag
+
+    with PartReceiver("127.0.0.1", str(tmp_path)) as receiver:
+        address, payload = receiver.address, b"a model part" * 100
+        with socket.create_connection((address.host, address.port), timeout=5) as sock, sock.makefile("rb") as stream:
+            challenge = challenge_of(read_frame(stream, 1 << 16))
+            tag = StreamTag(address.secret, challenge)
+            tag.update(payload)  # the tag of what the rank sent; a host on the way changed one byte
+            sock.sendall(hello_frame(address.secret, "model", challenge, 0, bytes=len(payload))
+                         + payload.replace(b"model", b"mode!", 1) + tag.digest())
+            reply = read_frame(stream, 1 << 16, FrameSeal(address.secret, challenge, TO_PEER))
+    assert reply is not None and reply["ok"] is False and "authentication tag" in reply["error"], reply
+    assert "authentication tag" in receiver.errors[0]
+    assert os.listdir(tmp_path) == []
