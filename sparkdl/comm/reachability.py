@@ -16,6 +16,9 @@ from sparkdl.errors import ConfigError
 
 PROBE_DEADLINE_S = 20.0  # per peer, at most: a reachable peer answers in milliseconds
 _RETRY_S = 0.2
+# No route to the peer's host, or a firewall rejecting (ICMP "administratively prohibited"): retrying
+# would only wait out the deadline.
+_NO_ROUTE = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EACCES, errno.EPERM)
 
 
 class PeerProbe:
@@ -45,7 +48,8 @@ def dial_peers(rank: int, own_address: str, endpoints: Sequence[str], deadline_s
     """Connect once to every other rank's endpoint ("host:port"); the first one that cannot be
     reached within `deadline_s` raises a ConfigError naming both ranks, the address and the fix.
     A refused connection fails at once (the peers listen before they publish), unless
-    `wait_for_listener` (a peer that may not listen yet): then it is retried until the deadline."""
+    `wait_for_listener` (a peer that may not listen yet): then it is retried until the deadline.
+    No route to the peer, or a firewall that rejects the connection, fails at once either way."""
     dial = dial or _connect
     for peer, endpoint in enumerate(endpoints):
         if peer == rank or not endpoint:
@@ -58,8 +62,8 @@ def dial_peers(rank: int, own_address: str, endpoints: Sequence[str], deadline_s
                 dial((host, int(port)), max(min(remaining, 5.0), 0.1))
                 break
             except OSError as exc:
-                refused = exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
-                if (refused and not wait_for_listener) or remaining <= _RETRY_S:
+                refused = exc.errno == errno.ECONNREFUSED
+                if (refused and not wait_for_listener) or exc.errno in _NO_ROUTE or remaining <= _RETRY_S:
                     raise unreachable(rank, own_address, peer, endpoint, exc) from None
                 time.sleep(_RETRY_S)
 
@@ -84,3 +88,17 @@ def unreachable(rank: int, own_address: str, peer: int, endpoint: str, exc: OSEr
 def _connect(address: tuple[str, int], timeout: float) -> None:
     with socket.create_connection(address, timeout=timeout):
         pass
+
+
+def host_answers(endpoint: str, timeout_s: float) -> bool:
+    """Whether the host of `endpoint` ("host:port") answers a TCP connection at all: accepted, or
+    refused (only the host itself refuses). False when nothing answers within `timeout_s` or there is
+    no route: its link is down, or a firewall drops what is sent to it."""
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

@@ -1,16 +1,19 @@
 """Driver side of one fit's job attempts: submit with the driver channel open (progress, metrics,
-rank 0's output, errors), retry an attempt whose ranks only lost a peer (checkpoints resume it), and
-turn a failure into one error naming the rank, its host and the exception line.
+rank 0's output, errors), retry an attempt whose ranks only lost a peer or whose silent ranks' hosts
+the network cut off (checkpoints resume it), and turn a failure into one error naming the rank, its
+host and the exception line.
 """
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
-from sparkdl.config import RunConfig
 
 _log = logging.getLogger("sparkdl")
+HOST_DIAL_S = 3.0  # a host that answers at all does so in milliseconds
+HOST_RETURN_POLL_S = 1.0
 
 
 class Untracked:
@@ -47,10 +50,11 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
 
     config = spec.config
     monitor = RunMonitor(tracker, progress=config.tracking.progress, callbacks=callbacks)
-    attempts = max_attempts(spark, config)
+    attempts = max_attempts(spark, config.train.checkpoint_dir)
     from sparkdl import jvm
 
     jvm.drain_events(spark)  # only this job's events explain its failure
+    cut_off: dict[int, str] = {}  # of the last failed attempt
     try:
         with open_channel(spark, config.launch.channel, monitor.on_message) as channel:
             try:
@@ -61,19 +65,20 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                     except TrainingError as failure:
                         channel.drain()
                         monitor.flush()
-                        if attempt == attempts or not retryable(monitor.errors):
+                        cut_off = cut_off_ranks(spark, monitor.errors, spec.world_size, monitor.rank_hosts)
+                        if attempt == attempts or not (retryable(monitor.errors) or cut_off):
                             raise
-                        message = (f"sparkdl: attempt {attempt} of {attempts} failed ({str(failure).splitlines()[0]}); "
-                                   f"retrying, every rank resumes from the latest checkpoint in "
-                                   f"{config.train.checkpoint_dir}")
-                        _log.info("%s", message)
-                        print(message, file=sys.stderr, flush=True)
+                        _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(failure).splitlines()[0]}); "
+                             f"retrying, every rank resumes from the latest checkpoint in {config.train.checkpoint_dir}")
+                        if cut_off:
+                            wait_for_hosts(cut_off, config.launch.timeout_s)
                         monitor.errors.clear()
             except TrainingError as exc:
                 exc = explain_lost_executors(spark, exc)
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
-                named = name_the_failure(monitor.errors, spec.world_size, config, exc, monitor.rank_hosts)
+                named = name_the_failure(monitor.errors, spec.world_size, config.launch.timeout_s, exc,
+                                         monitor.rank_hosts, cut_off)
                 named.events = exc.events
                 raise named from None
             except BaseException:
@@ -114,25 +119,94 @@ def open_channel(spark: Any, channel: str, on_message: Any) -> Any:
     return DriverChannel(facts(spark).channel_host() if channel == "auto" else channel, on_message)
 
 
-def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, config: RunConfig, exc: Any,
-                     rank_hosts: list[str] | None = None) -> Any:
+def _say(message: str) -> None:
+    _log.info("%s", message)
+    print(message, file=sys.stderr, flush=True)
+
+
+def silent_ranks(errors: dict[int, dict[str, Any]], world_size: int) -> list[int]:
+    """The ranks that reported nothing while every report is a collective that timed out: they
+    stopped responding (a stalled or cut-off process cannot say so itself); [] otherwise."""
+    if not errors or any(not m.get("peer_failure") for m in errors.values()):
+        return []
+    texts = [str(m.get("text", "")).lower() for m in errors.values()]
+    if not all("timed out" in t or "timeout" in t for t in texts):
+        return []
+    return [r for r in range(world_size) if r not in errors]
+
+
+def cut_off_ranks(spark: Any, errors: dict[int, dict[str, Any]], world_size: int,
+                  rank_hosts: list[str]) -> dict[int, str]:
+    """Silent ranks whose host the driver cannot reach either ({rank: the endpoint it dialled}): no
+    executor there answers a TCP connection within HOST_DIAL_S. The network cut them off (a link
+    down, a firewall), where a stalled rank's host would still answer."""
+    from sparkdl.comm.reachability import host_answers
+    from sparkdl.session import facts
+
+    silent = [r for r in silent_ranks(errors, world_size) if r < len(rank_hosts)]
+    if not silent:
+        return {}
+    try:
+        endpoints = facts(spark).executors()
+    except Exception:  # noqa: BLE001 - no list of executors (Connect): nothing to dial
+        return {}
+    answered: dict[str, bool] = {}
+    cut_off = {}
+    for rank in silent:
+        host = rank_hosts[rank]
+        there = [e for e in endpoints if e.rsplit(":", 1)[0] == host]
+        if there and host not in answered:
+            answered[host] = any(host_answers(e, HOST_DIAL_S) for e in there)
+        if there and not answered[host]:
+            cut_off[rank] = there[0]
+    return cut_off
+
+
+def wait_for_hosts(cut_off: dict[int, str], timeout_s: float) -> None:
+    """Before resubmitting: until every cut-off host answers again, for at most `timeout_s` (then
+    Spark places the ranks on the executors it can reach)."""
+    from sparkdl.comm.reachability import host_answers
+
+    pending = set(cut_off.values())
+    _say(f"sparkdl: waiting up to {timeout_s:g} s for {', '.join(sorted(pending))} to be reachable again")
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        pending = {e for e in pending if not host_answers(e, min(HOST_DIAL_S, max(deadline - time.monotonic(), 0.1)))}
+        if pending:
+            time.sleep(HOST_RETURN_POLL_S)
+    if not pending:
+        _say("sparkdl: reachable again; resubmitting")
+
+
+def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, timeout_s: float, exc: Any,
+                     rank_hosts: list[str] | None = None, cut_off: dict[int, str] | None = None) -> Any:
     """The error to raise: the rank (and host) whose own exception started the failure with its
     exception line; or, when every report is a collective that timed out, the ranks that never
-    reported: they stopped responding (a stalled process cannot say so itself)."""
+    reported: cut off from the network (`cut_off`, the endpoints the driver dialled in vain) or
+    stopped responding (a stalled process cannot say so itself)."""
     from sparkdl.errors import TrainingError
 
     own = sorted((rank, m) for rank, m in errors.items() if not m.get("peer_failure"))
+    silent = silent_ranks(errors, world_size)
     if own:
         rank, message = own[0]
+    elif silent and cut_off and set(silent) <= set(cut_off):
+        where = _on_hosts(silent, rank_hosts or [])
+        dialled = ", ".join(sorted(set(cut_off.values())))
+        return TrainingError(
+            f"training failed: rank(s) {silent}{where} cannot be reached: the driver dialled {dialled} and "
+            f"nothing answered within {HOST_DIAL_S:g} s; the collectives of rank(s) {sorted(errors)} timed out "
+            f"after launch.timeout_s={timeout_s:g} s",
+            hint="the host's network link is down or a firewall drops its traffic: restore it and fit again; "
+                 "with train.checkpoint_dir on storage every host shares, sparkdl retries by itself and the "
+                 "ranks resume from the latest checkpoint once the host is back")
     elif errors:
-        texts = [str(m.get("text", "")).lower() for m in errors.values()]
-        silent = [r for r in range(world_size) if r not in errors]
-        if silent and all("timed out" in t or "timeout" in t for t in texts):
+        if silent:
             waiting = sorted(errors)
             where = _on_hosts(silent, rank_hosts or [])
             return TrainingError(
                 f"training failed: rank(s) {silent}{where} stopped responding; the collectives of rank(s) {waiting} "
-                f"timed out after launch.timeout_s={config.launch.timeout_s:g} s",
+                f"timed out after launch.timeout_s={timeout_s:g} s",
                 hint="an unreachable host (its network link or a firewall between the executors), a stalled or "
                      "swapped-out worker (see its executor's log), or a step longer than the timeout: raise "
                      "launch.timeout_s")
@@ -168,10 +242,10 @@ def explain_lost_executors(spark: Any, exc: Any) -> Any:
     return exc
 
 
-def max_attempts(spark: Any, config: RunConfig) -> int:
+def max_attempts(spark: Any, checkpoint_dir: str | None) -> int:
     """Attempts of one fit: with checkpoints, as many as Spark allows a stage
     (spark.stage.maxConsecutiveAttempts, 4 by default); without, one (a retry would start over)."""
-    if not config.train.checkpoint_dir:
+    if not checkpoint_dir:
         return 1
     try:
         from sparkdl.session import facts

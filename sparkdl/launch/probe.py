@@ -3,7 +3,7 @@ prices a layout with, and hands it back as data (planner/cluster.py turns it int
 
 Every rank measures its matrix-product FLOP/s with the torch threads it trains with (and reports that
 thread count); every pair of ranks measures latency (8-byte ping-pong) and bandwidth (a ping-pong of a message
-sized from a first 256 KiB one: up to 4 MiB on fast links, ~0.1 s of transfer on slow ones);
+sized from a first 256 KiB one: up to 16 MiB on fast links (a 1 Gbit/s link carries 4 MiB in 34 ms, too short to time on a busy host), ~0.1 s of transfer on slow ones);
 rank 0 times the backend's allreduce (sized the same way). Each measurement is kept at two ends: the median
 (what the cluster did during the probe) and the best (what it can do: on a shared host noise only
 slows a measurement down), so the planner can tell a decision that holds from one that hinges on
@@ -26,7 +26,7 @@ ALLREDUCE_ROUNDS = (20, 5)  # timed allreduces of 8 bytes, of the sized message
 # takes about TRANSFER_S, within [MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES].
 SIZING_BYTES = 256 << 10
 TRANSFER_S = 0.1
-MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 << 10, 4 << 20
+MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 << 10, 16 << 20
 
 
 def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[str, Any]:

@@ -116,22 +116,8 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         clock.lap("imports")
         reset_peak()  # the rank's peak RSS counts from this task (Spark reuses Python workers)
         clock.lap("memory_reset")
-        if spec.source is not None:
-            batches = _read_own_rows(spec, context.partitionId(), batches)
-        elif spec.packed_rows:
-            from sparkdl.data.arrow_rows import unpacked_batches
-
-            batches = unpacked_batches(batches, spec.layout)
-        batches = clock.iterate(batches, "delivery")
         streaming = bool(spec.row_counts) and spec.layout is not None
-        if streaming:
-            # Rows stream in on a thread from now on; the rank trains as soon as its first batch is here.
-            _share_the_gil(stack)
-            spool, validation = _stream_input(spec, context.partitionId(), batches, stack, clock)
-        else:
-            # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
-            # picks at the rendezvous must be bound by gloo right after, not minutes later.
-            spool, validation = _spool_input(spec, batches, stack, clock)
+        spool, validation = _take_input(spec, context, batches, streaming, stack, clock)
         spooled_seconds = time.perf_counter() - task_started
         clock.lap("spool")
         launch = spec.config.launch
@@ -158,26 +144,50 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
                             validation=validation, spooled_first_seconds=0.0 if streaming else spooled_seconds,
                             task_started=task_started, batch_shares=shares, clock=clock,
                             reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
-        history: list[dict[str, Any]] | None = None
-        part: bytes | None = None
-        if spec.train_fn is not None:
-            from sparkdl.launch.rendezvous import spark_barriers_after
-
-            with spark_barriers_after(context, gathering):
-                result = spec.train_fn(ctx)
-            payload = dumps_any(result) if world.rank == 0 else None
-        else:
-            from sparkdl.launch.loop import train
-
-            # Several ranks may each return part of the model (pipeline stages); merged on the driver.
-            state, history = train(ctx, resume, store)
-            part, payload = _deliver_part(spec, world.rank, state)
+        history, payload, part = _train(ctx, context, gathering, resume, store)
         clock.lap("training")
         if streaming:
             spool.finish()  # the rest of the partition is received (and spooled): Spark's stream ends cleanly
         _last_barrier(spec, context, comm, gathering)
         clock.lap("last_barrier")
     yield from result_batches(world.rank, (history or []) if world.rank == 0 else None, payload, part)
+
+
+def _take_input(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch], streaming: bool,
+                stack: ExitStack, clock: Any) -> tuple[Any, Any]:
+    """(spool, validation) of this rank's partition, as its delivery mode hands the rows over."""
+    if spec.source is not None:
+        batches = _read_own_rows(spec, context.partitionId(), batches)
+    elif spec.packed_rows:
+        from sparkdl.data.arrow_rows import unpacked_batches
+
+        batches = unpacked_batches(batches, spec.layout)
+    batches = clock.iterate(batches, "delivery")
+    if streaming:
+        # Rows stream in on a thread from now on; the rank trains as soon as its first batch is here.
+        _share_the_gil(stack)
+        return _stream_input(spec, context.partitionId(), batches, stack, clock)
+    # Spool first: it takes as long as Spark takes to deliver the partition, and the port rank 0
+    # picks at the rendezvous must be bound by gloo right after, not minutes later.
+    return _spool_input(spec, batches, stack, clock)
+
+
+def _train(ctx: WorkerContext, context: Any, gathering: Any, resume: Any, store: Any
+           ) -> tuple[list[dict[str, Any]] | None, bytes | None, bytes | None]:
+    """(history, payload, part): a custom loop's result (rank 0's, pickled), or the built-in loop's
+    history and this rank's part of the model (several ranks may each hold one: pipeline stages)."""
+    spec = ctx.spec
+    if spec.train_fn is not None:
+        from sparkdl.launch.rendezvous import spark_barriers_after
+
+        with spark_barriers_after(context, gathering):
+            result = spec.train_fn(ctx)
+        return None, dumps_any(result) if ctx.world.rank == 0 else None, None
+    from sparkdl.launch.loop import train
+
+    state, history = train(ctx, resume, store)
+    part, payload = _deliver_part(spec, ctx.world.rank, state)
+    return history, payload, part
 
 
 def _deliver_part(spec: TrainSpec, rank: int, state: Any) -> tuple[bytes | None, bytes | None]:

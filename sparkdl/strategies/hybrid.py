@@ -102,7 +102,8 @@ class Hybrid(Strategy):
     def place(self, executors: Sequence[str]) -> str | None:
         """The grid placed on measured links between these executors (DT-FM); every rank computes
         the same grid from the same inputs."""
-        placed = self.layout.placed(tuple(executors))
+        self._executors = tuple(executors)
+        placed = self.layout.placed(self._executors)
         if placed is self.layout:
             return None
         self._take_position(placed)
@@ -110,7 +111,11 @@ class Hybrid(Strategy):
                 "(grid[replica][stage] = rank)")
 
     def epoch_record(self) -> dict[str, Any]:
-        return {"hybrid_grid": [list(ranks) for ranks in self.layout.grid]}
+        record: dict[str, Any] = {"hybrid_grid": [list(ranks) for ranks in self.layout.grid]}
+        executors = getattr(self, "_executors", ())
+        if len(executors) == self.layout.stages * self.layout.replicas:  # where each stage of each replica ran
+            record["hybrid_grid_executors"] = [[executors[r] for r in ranks] for ranks in self.layout.grid]
+        return record
 
     def layers_to_build(self) -> Sequence[int] | None:
         return self.layout.stage_layers(self.stage)

@@ -1,15 +1,20 @@
 """sparkdl across separate hosts: the multi-host bed (tests/support/multihost.py) runs a standalone
-master, a driver and two worker hosts, each a network namespace with its own address in
+master, a driver and three worker hosts, each a network namespace with its own address in
 198.18.0.0/24, its own /tmp and a host name that resolves to 127.0.0.1 (as on stock Debian/Ubuntu
 images), on links shaped with tc tbf. Needs root; elsewhere these tests skip and say why.
+
+A session start costs tens of seconds on the bed, so one driver session (`bed_run`) runs every
+scenario that needs no settings of its own, in order, asking this process to shape, cut or
+firewall links as it goes (tests/support/bed_controller.py); the tests assert on its results.
+A Spark Connect server and its client on another host are a second session (`connect_run`).
 
 Run them alone: `.venv/bin/python -m pytest tests/spark/test_multihost.py -v` (as root)."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,11 +26,16 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
 sys.path.insert(0, str(SUPPORT))
 
 import multihost  # noqa: E402
+from bed_controller import Controller  # noqa: E402
 
 pytestmark = pytest.mark.skipif(multihost.why_not() is not None, reason=str(multihost.why_not()))
 
 DRIVER = SUPPORT / "bed_driver.py"
 MBIT = 1_000_000
+STRATEGIES = ["data_parallel", "diloco", "hybrid", "ist", "sharded"]
+SCENARIOS = ([f"fit-{s}" for s in STRATEGIES]
+             + ["fit-horovod", "fit-checkpoint-local", "fit-checkpoint-shared", "fit-firewalled", "save-local",
+                "inject", "calibrate-hetero", "cut-short", "cut-long", "cut-resume", "kill"])
 
 
 @pytest.fixture(scope="module")
@@ -33,141 +43,49 @@ def bed() -> Iterator[multihost.Bed]:
     # Outside /tmp: every emulated host mounts a /tmp of its own; the bed's shared directory is here.
     root = Path("/var/tmp") / f"sparkdl-bed-{os.getpid()}"
     shutil.rmtree(root, ignore_errors=True)
-    with multihost.Bed(root, workers=2) as started:
+    with multihost.Bed(root, workers=3) as started:
         yield started
     shutil.rmtree(root, ignore_errors=True)
 
 
-def drive(bed: multihost.Bed, scenarios: str, *extra: str, timeout: float = 420) -> dict[str, Any]:
-    """bed_driver.py on the driver host; its JSON results per scenario."""
+def drive(bed: multihost.Bed, host: multihost.Host, master: str, scenarios: list[str], ask: Path,
+          timeout: float) -> dict[str, Any]:
+    """bed_driver.py on `host` with this process carrying out what it asks of the network."""
     out = bed.shared / f"results-{time.monotonic_ns()}.json"
-    done = bed.run_on(bed.driver, [sys.executable, str(DRIVER), bed.master_url, str(out), scenarios,
-                                   "--shared", str(bed.shared), *extra], timeout=timeout)
+    with Controller(bed, ask):
+        done = bed.run_on(host, [sys.executable, str(DRIVER), master, str(out), ",".join(scenarios),
+                                 "--shared", str(bed.shared), "--ask", str(ask)], timeout=timeout)
+    print(done.stderr[-6000:])
     assert out.exists(), f"the driver wrote no results (rc {done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(out.read_text())
 
 
-def on_local_cluster(scenarios: str, tmp_path: Path, timeout: float = 420) -> dict[str, Any]:
-    """The same scenarios on local-cluster[2,1,1024] (one host, separate executor JVMs): the reference."""
-    out = tmp_path / "local-cluster.json"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-           "SPARK_LOCAL_IP": "127.0.0.1"}
-    done = subprocess.run([sys.executable, str(DRIVER), "local-cluster[2,1,1024]", str(out), scenarios,
-                           "--shared", str(tmp_path)], env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.exists(), f"the local-cluster driver wrote no results (rc {done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def bed_run(bed: multihost.Bed) -> dict[str, Any]:
+    return drive(bed, bed.driver, bed.master_url, SCENARIOS, bed.shared / "ask", timeout=900)
 
 
-def test_every_strategy_trains_across_hosts_whose_names_resolve_to_loopback(bed: multihost.Bed, tmp_path: Path) -> None:
-    strategies = ["data_parallel", "diloco", "hybrid", "ist", "sharded"]
-    scenarios = ",".join(f"fit-{s}" for s in strategies)
-    results = drive(bed, scenarios)
-    reference = on_local_cluster(scenarios, tmp_path)
-    for strategy in strategies:
-        result, local = results[f"fit-{strategy}"], reference[f"fit-{strategy}"]
-        assert "error" not in result, f"{strategy}: {result.get('message')}\n{result.get('trace')}"
-        assert "error" not in local, f"{strategy} on local-cluster: {local.get('message')}"
+def ok(results: dict[str, Any], name: str) -> dict[str, Any]:
+    result = results[name]
+    assert "error" not in result, f"{name}: {result.get('message')}\n{result.get('trace')}"
+    return result
+
+
+# -- training across hosts ---------------------------------------------------------------------------
+def test_every_strategy_trains_across_hosts_whose_names_resolve_to_loopback(bed_run, spark) -> None:  # type: ignore[no-untyped-def]
+    import bed_driver
+
+    df = bed_driver.frame(spark, 2)  # local-cluster[2,2,1024]: the reference, on the same rows and partitions
+    for strategy in STRATEGIES:
+        result = ok(bed_run, f"fit-{strategy}")
+        local = bed_driver.fit(spark, df, 2, strategy)
         # Same rows, seed and partitioning: the hosts change where the ranks run, not what they learn.
         assert abs(result["accuracy"] - local["accuracy"]) <= 0.02, (strategy, result["accuracy"], local["accuracy"])
         assert result["accuracy"] >= 0.55, (strategy, result)  # the largest class is 47 % of the rows
 
 
-def test_an_unreachable_peer_is_named_within_seconds_not_after_the_timeout(bed: multihost.Bed) -> None:
-    # Pointing gloo at loopback on every executor: each rank would advertise 127.0.0.1 to the other.
-    result = drive(bed, "fit-data_parallel", "--conf", "spark.executorEnv.GLOO_SOCKET_IFNAME=lo")["fit-data_parallel"]
-    assert result.get("error") == "TrainingError", result
-    message = result["message"]
-    assert "cannot reach rank" in message and "127.0.0.1:" in message, message
-    assert "sdl" in message and "-worker" in message, message  # the rank's host name
-    assert "GLOO_SOCKET_IFNAME" in message, message
-    assert result["wall_s"] < 120, result  # launch.timeout_s is 600
-
-
-@pytest.mark.parametrize("rate_mbit", [1000, 20])
-def test_the_probe_measures_a_shaped_link_within_ten_percent_and_keys_the_cache_by_the_executors(
-        bed: multihost.Bed, rate_mbit: int) -> None:
-    slow = bed.workers[1]
-    bed.shape(slow, rate_mbit * MBIT)
-    try:
-        result = drive(bed, "calibrate")["calibrate"]
-    finally:
-        bed.shape(slow, multihost.GBIT)
-    assert "error" not in result, result
-    print(f"[bed] {rate_mbit} Mbit/s: {json.dumps(result)}")
-    (pair, measured), = result["best_links_Bps"].items()
-    wire = rate_mbit * MBIT / 8
-    # TCP payload is 1448 of every 1514 bytes on the wire (95.6 %): within 10 % of the rate. The
-    # probe's optimistic end (its best repeat): at 1 Gbit/s a busy 2-core host slows single repeats.
-    assert 0.9 * wire <= measured <= 1.1 * wire, (pair, measured * 8 / MBIT, "Mbit/s")
-    typical = result["links_Bps"][pair]
-    assert typical >= 0.75 * wire, (pair, typical * 8 / MBIT, "Mbit/s")
-    if rate_mbit == 20:
-        # The probe job on warm Python workers (the first one also starts them and imports torch).
-        assert result["probe_s"] <= 5.0, result
-    # The cache key lists the two executors (on the worker hosts), never the driver.
-    hosts = sorted(e.rsplit(":", 1)[0] for e in result["cache_executors"])
-    assert hosts == sorted(w.address for w in bed.workers), result
-
-
-def test_an_executor_jvm_killed_on_one_host_resumes_from_the_shared_checkpoints_exactly(
-        bed: multihost.Bed, spark) -> None:  # type: ignore[no-untyped-def]
-    import re
-
-    import torch
-
-    import standalone_fit
-
-    marker, out = bed.shared / "killed", bed.shared / "resumed.pt"
-    done = bed.run_on(bed.driver, [sys.executable, str(SUPPORT / "standalone_fit.py"), bed.master_url, str(out),
-                                   "--kill-marker", str(marker), "--checkpoint-dir", str(bed.shared / "kill-ckpt")],
-                      timeout=420)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert marker.exists(), "the executor was never killed"
-    assert "attempt 1 of 4 failed" in output, output[-3000:]
-    resumed_at = int(re.search(r"resumed from the checkpoint of step (\d+)", output).group(1))  # type: ignore[union-attr]
-    resumed = torch.load(out, weights_only=False)
-    assert resumed["history"][0]["resumed_from_step"] == resumed_at
-    # The uninterrupted run on this process's local-cluster session: same rows, partitions and seed.
-    for key, value in standalone_fit.reference_fit(spark).items():
-        torch.testing.assert_close(resumed["state"][key], value, atol=1e-5, rtol=0, msg=key)
-
-
-CUT_FOR_S = 8.0
-
-
-@pytest.fixture(scope="module")
-def loopback_names(bed: multihost.Bed) -> dict[str, Any]:
-    """One driver session for the scenarios that need no settings of their own (a session start
-    costs ~20 s on the bed): Horovod, host-local and shared checkpoint_dir, and a fit during which
-    a worker's link is cut for CUT_FOR_S seconds (when the fit's marker appears)."""
-    import threading
-
-    marker, mended = bed.shared / "cut-now", bed.shared / "cut-done"
-    stop = threading.Event()
-
-    def cut_when_asked() -> None:
-        while not stop.is_set():
-            if marker.exists():
-                bed.cut(bed.workers[1])
-                time.sleep(CUT_FOR_S)
-                bed.mend(bed.workers[1])
-                mended.touch()
-                return
-            time.sleep(0.05)
-
-    cutter = threading.Thread(target=cut_when_asked, daemon=True)
-    cutter.start()
-    try:
-        return drive(bed, "fit-horovod,fit-checkpoint-local,fit-checkpoint-shared,fit-cut-short", timeout=600)
-    finally:
-        stop.set()
-        cutter.join(timeout=CUT_FOR_S + 5)
-        bed.mend(bed.workers[1])
-
-
-def test_horovod_refuses_before_training_where_its_connection_would_dial_loopback(loopback_names) -> None:  # type: ignore[no-untyped-def]
-    result = loopback_names["fit-horovod"]
+def test_horovod_refuses_before_training_where_its_connection_would_dial_loopback(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = bed_run["fit-horovod"]
     assert result.get("error") == "TrainingError", result
     message = result["message"]
     assert "resolves to 127.0.0.1" in message and "process-set" in message, message
@@ -175,22 +93,148 @@ def test_horovod_refuses_before_training_where_its_connection_would_dial_loopbac
     assert result["wall_s"] < 60, result
 
 
+def test_a_peer_behind_a_firewall_is_named_within_seconds_not_after_the_timeout(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = bed_run["fit-firewalled"]
+    assert result.get("error") == "TrainingError", result
+    message = result["message"]
+    assert re.search(r"rank \d on host '\S+-worker\d' \(198\.18\.0\.1\d\) cannot reach rank \d at "
+                     r"198\.18\.0\.1\d:\d+", message), message
+    assert "firewall" in message or "firewall" in str(result.get("trace")), message
+    assert result["wall_s"] < 60, result  # launch.timeout_s is 600
+
+
+# -- storage ------------------------------------------------------------------------------------------
 def test_a_host_local_checkpoint_dir_is_refused_before_training_and_a_shared_one_works(
-        bed: multihost.Bed, loopback_names) -> None:  # type: ignore[no-untyped-def]
-    local = loopback_names["fit-checkpoint-local"]
+        bed: multihost.Bed, bed_run) -> None:  # type: ignore[no-untyped-def]
+    local = bed_run["fit-checkpoint-local"]
     assert local.get("error") == "ConfigError", local
     assert "train.checkpoint_dir='/tmp/sparkdl-ckpt'" in local["message"], local["message"]
     assert "not shared" in local["message"] and "-worker" in local["message"], local["message"]
-    assert "history" not in local  # refused before any training job
-    shared = loopback_names["fit-checkpoint-shared"]
-    assert "error" not in shared, shared
+    assert local["wall_s"] < 30, local  # refused before any training job
+    shared = ok(bed_run, "fit-checkpoint-shared")
     assert shared["accuracy"] >= 0.9
     assert any((bed.shared / "ckpt").iterdir())
 
 
-def test_a_link_cut_shorter_than_the_timeout_only_pauses_training(loopback_names) -> None:  # type: ignore[no-untyped-def]
-    result = loopback_names["fit-cut-short"]
-    assert "error" not in result, result
-    assert result["cut_seen"], "the link was never cut while the fit ran"
+def test_a_model_saved_to_a_path_only_the_driver_host_sees_loads_back_there(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = ok(bed_run, "save-local")
+    assert result["same_predictions"], result
+    assert {"data", "metadata"} <= set(result["files"]), result  # Spark ML metadata on the driver's disk
+
+
+# -- the driver channel ------------------------------------------------------------------------------
+def test_a_host_without_the_runs_key_cannot_inject_into_the_driver_channel(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = ok(bed_run, "inject")
+    attack = result["attack"]
+    assert attack["replayed_connections"] >= 1, attack  # rank 0's connection, recorded on the wire
+    attempts = attack["attempts"]
+    assert {"silent", "garbage", "guessed_proof", "secret_in_clear"} <= set(attempts), attempts
+    for name, outcome in attempts.items():
+        assert outcome.get("closed_by_driver"), (name, outcome)
+        # The driver's challenge is all it ever sent: nothing was taken in, nothing answered.
+        assert all('"challenge"' in frame for frame in outcome["frames"]), (name, outcome)
+    assert result["refused"] >= len(attempts), result
+    assert result["epochs"] == [0, 1, 2] and result["epochs_seen"] == [0, 1, 2], result
+    assert result["same_records"], result  # no injected or altered epoch record reached the callbacks
+
+
+# -- measured links ----------------------------------------------------------------------------------
+def test_the_probe_measures_each_shaped_link_and_hybrid_puts_a_stage_boundary_on_the_slow_host(
+        bed: multihost.Bed, bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = ok(bed_run, "calibrate-hetero")
+    print(f"[bed] heterogeneous: {json.dumps(result)}")
+    slow = result["slow_host"]
+    assert slow == bed.workers[-1].address
+    assert len(result["pairs"]) == 3, result
+    for pair, measured in result["pairs"].items():
+        rate = 20 * MBIT if slow in pair else 1000 * MBIT
+        wire = rate / 8
+        # TCP payload is 1448 of every 1514 bytes on the wire (95.6 %): within 10 % of the rate. The
+        # probe's optimistic end (its best repeat): a busy 2-core host slows single repeats.
+        assert 0.9 * wire <= measured["best"] <= 1.1 * wire, (pair, measured["best"] * 8 / MBIT, "Mbit/s")
+        assert measured["typical"] >= 0.75 * wire, (pair, measured["typical"] * 8 / MBIT, "Mbit/s")
+    # sparkdl.plan prices layouts on the same links (from the calibration it cached).
+    assert len(result["plan_links"]) == 3, result
+    for a, b, bandwidth in result["plan_links"]:
+        slow_pair = slow in (a.rsplit(":", 1)[0], b.rsplit(":", 1)[0])
+        assert (bandwidth < 4e6) if slow_pair else (bandwidth > 50e6), (a, b, bandwidth)
+    # The probe job on warm Python workers (the first one also starts them and imports torch).
+    assert result["probe_s"] <= 5.0, result
+    # The cache key lists the three executors (on the worker hosts), never the driver.
+    hosts = sorted(e.rsplit(":", 1)[0] for e in result["cache_executors"])
+    assert hosts == sorted(w.address for w in bed.workers), result
+    # Three stages, one replica: the slow host runs an end stage, so one boundary crosses its link, not two.
+    (stages,) = result["grid_executors"]
+    on_hosts = [e.rsplit(":", 1)[0] for e in stages]
+    assert sorted(on_hosts) == sorted(w.address for w in bed.workers), result
+    assert on_hosts.index(slow) in (0, 2), (on_hosts, slow)
+
+
+# -- hosts and links that go away ---------------------------------------------------------------------
+def test_a_link_cut_shorter_than_the_timeout_only_pauses_training(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = ok(bed_run, "cut-short")
     assert result["same_weights"], result
-    assert result["seconds"] >= CUT_FOR_S  # the ranks waited through the cut
+    assert result["seconds"] >= result["cut_for_s"]  # the ranks waited through the cut
+
+
+def test_a_link_cut_longer_than_the_timeout_names_the_rank_and_host_within_timeout_plus_30_s(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = bed_run["cut-long"]
+    assert result.get("error") == "TrainingError", result
+    message = result["message"]
+    assert re.search(r"rank\(s\) \[0\] \(on host 198\.18\.0\.1\d\) cannot be reached", message), message
+    assert "launch.timeout_s=15 s" in message and "checkpoint_dir" in result["hint"], result
+    assert result["error_after_cut_s"] is not None, result
+    assert result["error_after_cut_s"] <= result["timeout_s"] + 30, result
+
+
+def test_with_checkpoints_the_attempt_after_a_long_cut_resumes_exactly(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = ok(bed_run, "cut-resume")
+    (after_s, line), = result["attempt_failed"]
+    assert "cannot be reached" in line and after_s <= result["timeout_s"] + 30, result
+    assert result["resumed_from"], result
+    assert result["same_weights"], result
+
+
+def test_an_executor_jvm_killed_on_one_host_resumes_from_the_shared_checkpoints_exactly(bed_run, spark) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import standalone_fit
+
+    result = ok(bed_run, "kill")
+    assert result["killed"], "the executor was never killed"
+    assert any("attempt 1 of" in line for line in result["retried"]), result
+    resumed = torch.load(result["weights"], weights_only=False)
+    assert resumed["history"][0]["resumed_from_step"] == result["resumed_from"] > 0
+    # The uninterrupted run on this process's local-cluster session: same rows, partitions and seed.
+    for key, value in standalone_fit.reference_fit(spark).items():
+        torch.testing.assert_close(resumed["state"][key], value, atol=1e-5, rtol=0, msg=key)
+
+
+# -- Spark Connect -----------------------------------------------------------------------------------
+CONNECT_PORT = 15002
+
+
+@pytest.fixture(scope="module")
+def connect_run(bed: multihost.Bed, bed_run) -> Iterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """A Spark Connect server on the driver host (over the bed's master) and its client on the
+    client host: a fit, and a fit whose executors cannot reach the client (the channel's fallback)."""
+    from connect_server import READY_LINE, SERVER_CLASS, SPARK_SUBMIT
+
+    server = bed.start_on(bed.driver, [str(SPARK_SUBMIT), "--class", SERVER_CLASS, "--master", bed.master_url,
+                                       "--conf", f"spark.connect.grpc.binding.port={CONNECT_PORT}",
+                                       "--conf", f"spark.connect.grpc.binding.address={bed.driver.address}",
+                                       "--conf", "spark.ui.enabled=false", "--conf", "spark.executor.cores=1",
+                                       "--conf", "spark.executor.memory=1g", "spark-internal"], "connect-server")
+    try:
+        multihost.wait_for_line(server, READY_LINE, 120)
+        yield drive(bed, bed.client, f"sc://{bed.driver.address}:{CONNECT_PORT}",
+                    ["fit-data_parallel", "fit-unreachable-client"], bed.shared / "ask-connect", timeout=400)
+    finally:
+        multihost.kill_group(server.process)
+
+
+def test_a_connect_client_on_another_host_fits_also_where_executors_cannot_reach_it(connect_run) -> None:  # type: ignore[no-untyped-def]
+    for name in ("fit-data_parallel", "fit-unreachable-client"):
+        result = ok(connect_run, name)
+        assert result["accuracy"] >= 0.55, (name, result)
+        assert result["history"]["epoch"] == 5, (name, result)  # every epoch (0-based)'s record reached the client

@@ -7,7 +7,7 @@ bandwidth only, no added delay). A directory outside /tmp is the same on every h
 /Volumes or an NFS mount are on real clusters.
 
 On it: a Spark standalone master on its own host, one worker per worker host (pyspark's own
-bin/spark-class) and drivers on their own host. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN);
+bin/spark-class), drivers on their own host, and a client host (a Spark Connect client, say). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN);
 `why_not()` says why a machine cannot host it. Everything started is stopped by PID, and every
 namespace and link removed, also when a test fails.
 """
@@ -81,7 +81,8 @@ def tbf_burst_bytes(rate_bps: int) -> int:
 
 class Bed:
     """`Bed(root, workers=3).start()`; `bed.run_on(bed.driver, [...])`; `bed.stop()` (also a
-    context manager). `rates` sets each worker host's link (bits/s), default 1 Gbit/s."""
+    context manager). `rates` sets worker host n's link (n from 1, bits/s), default 1 Gbit/s. Besides
+    the master, the driver and the workers, a `client` host (for a Spark Connect client, say)."""
 
     def __init__(self, root: Path, workers: int = 2, rates: dict[int, int] | None = None,
                  worker_cores: int = 1, worker_memory: str = "2g") -> None:
@@ -93,13 +94,12 @@ class Bed:
         self.tag = f"sdl{os.getpid() % 100000}"
         self.switch = f"{self.tag}-sw"
         rates = rates or {}
-        names = ["master", "driver"] + [f"worker{i}" for i in range(1, workers + 1)]
-        # master .2, driver .3, workers .11, .12, ...
-        octets = [2, 3] + [10 + i for i in range(1, workers + 1)]
-        self.hosts = [Host(name=f"{self.tag}-{n}", address=f"{SUBNET}.{o}",
-                           rate_bps=rates.get(i - 1, GBIT) if i >= 2 else GBIT,
-                           namespace=f"{self.tag}-{n}", index=i)
-                      for i, (n, o) in enumerate(zip(names, octets))]
+        # master .2, driver .3, client .4 (a second driver-side host: a Connect client, say), workers .11, .12, ...
+        roles = [("master", 2, GBIT), ("driver", 3, GBIT), ("client", 4, GBIT)]
+        roles += [(f"worker{i}", 10 + i, rates.get(i, GBIT)) for i in range(1, workers + 1)]
+        self.hosts = [Host(name=f"{self.tag}-{role}", address=f"{SUBNET}.{octet}", rate_bps=rate,
+                           namespace=f"{self.tag}-{role}", index=index)
+                      for index, (role, octet, rate) in enumerate(roles)]
         self.worker_cores, self.worker_memory = worker_cores, worker_memory
         self.shared = self.root / "shared"
         self._started: list[Started] = []
@@ -115,8 +115,12 @@ class Bed:
         return self.hosts[1]
 
     @property
+    def client(self) -> Host:
+        return self.hosts[2]
+
+    @property
     def workers(self) -> list[Host]:
-        return self.hosts[2:]
+        return self.hosts[3:]
 
     @property
     def master_url(self) -> str:
@@ -182,6 +186,23 @@ class Bed:
     def mend(self, host: Host) -> None:
         _run("ip", "-n", self.switch, "link", "set", f"p{host.index}", "up")
 
+    def reject(self, sources: list[Host], targets: list[Host], on: bool, ports: str = "") -> None:
+        """Reject (ICMP "administratively prohibited", as a firewall's REJECT rule) TCP packets from
+        `sources` to `targets` (not to themselves): all of them, or with `ports` ("lo-hi") those from
+        such a port to such a port, as a firewall that lets through only the ports Spark is
+        configured with. Rules see packets, not connections (no conntrack here): the replies of a
+        connection to an open port go from it to a port in the range, and pass."""
+        match = ["ipproto", "tcp", "sport", ports, "dport", ports] if ports else []
+        for host in sources:
+            for other in targets:
+                if other != host:
+                    _run("ip", "-n", host.namespace, "rule", "add" if on else "del", "to", f"{other.address}/32",
+                         *match, "prohibit", "priority", "100", check=on)
+
+    def host_named(self, name: str) -> Host:
+        """The host whose host name (or address) is `name`."""
+        return next(h for h in self.hosts if name in (h.name, h.address))
+
     # -- processes -------------------------------------------------------------------------------
     def command_on(self, host: Host, argv: list[str]) -> list[str]:
         """argv run on `host`: its network namespace, a private mount namespace with its own /tmp
@@ -216,7 +237,7 @@ class Bed:
         try:
             out, err = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(process)
+            kill_group(process)
             out, err = process.communicate()
             err += f"\n[bed] killed after {timeout} s"
         return subprocess.CompletedProcess(process.args, process.returncode, out, err)
@@ -232,7 +253,7 @@ class Bed:
         master = self.start_on(self.master, [str(SPARK_CLASS), "org.apache.spark.deploy.master.Master", "--host",
                                              self.master.address, "--port", str(MASTER_PORT), "--webui-port",
                                              "8080"], "master")
-        _wait_for_line(master, "I have been elected leader", 90)
+        wait_for_line(master, "I have been elected leader", 90)
         for host in self.workers:
             work = self.root / "hosts" / host.name / "work"
             work.mkdir(parents=True, exist_ok=True)
@@ -240,7 +261,7 @@ class Bed:
                                  str(self.worker_cores), "--memory", self.worker_memory, "--work-dir", str(work),
                                  "--webui-port", "8081", self.master_url], "worker")
         for started in self._started[1:]:
-            _wait_for_line(started, "Successfully registered with master", 90)
+            wait_for_line(started, "Successfully registered with master", 90)
 
     def worker_process(self, host: Host) -> Started:
         return next(s for s in self._started if s.host == host and s.log.name == "worker.log")
@@ -255,7 +276,7 @@ class Bed:
                 except ProcessLookupError:
                     pass
         for started in reversed(self._started):
-            _kill_group(started.process)
+            kill_group(started.process)
         self._started.clear()
         for name in reversed(self._namespaces):
             _run("ip", "netns", "del", name, check=False)
@@ -273,7 +294,7 @@ def _kept_under_tmp() -> list[str]:
     return [r for r in relative if not any(r != o and r.startswith(o + "/") for o in relative)]
 
 
-def _kill_group(process: subprocess.Popen[Any]) -> None:
+def kill_group(process: subprocess.Popen[Any]) -> None:
     if process.poll() is not None:
         return
     try:
@@ -287,7 +308,7 @@ def _kill_group(process: subprocess.Popen[Any]) -> None:
         process.wait(timeout=10)
 
 
-def _wait_for_line(started: Started, text: str, timeout: float) -> None:
+def wait_for_line(started: Started, text: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if started.log.exists() and text in started.log.read_text(errors="replace"):

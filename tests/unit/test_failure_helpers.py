@@ -43,7 +43,7 @@ def test_the_rank_with_its_own_error_is_named_not_the_echoes() -> None:
     config = RunConfig()
     fallback = TrainingError("the training job failed: ...", hint="see the executor logs")
     named = name_the_failure({0: echo(), 3: own("ValueError: shapes (2,3) and (4,5)\ntraceback...", host="node-7")},
-                             4, config, fallback)
+                             4, config.launch.timeout_s, fallback)
     assert isinstance(named, TrainingError)
     assert str(named).startswith("training failed on rank 3: ValueError: shapes (2,3) and (4,5) (on host node-7)")
     assert named.hint == "see the executor logs"
@@ -52,14 +52,14 @@ def test_the_rank_with_its_own_error_is_named_not_the_echoes() -> None:
 def test_the_lowest_own_error_wins_and_echoes_alone_name_the_first_reporter() -> None:
     config = RunConfig()
     fallback = TrainingError("x")
-    assert "rank 1:" in str(name_the_failure({2: own("KeyError: b"), 1: own("KeyError: a")}, 3, config, fallback))
-    only_echoes = name_the_failure({2: echo(), 1: echo("RuntimeError: Broken pipe")}, 3, config, fallback)
+    assert "rank 1:" in str(name_the_failure({2: own("KeyError: b"), 1: own("KeyError: a")}, 3, config.launch.timeout_s, fallback))
+    only_echoes = name_the_failure({2: echo(), 1: echo("RuntimeError: Broken pipe")}, 3, config.launch.timeout_s, fallback)
     assert str(only_echoes).startswith("training failed on rank 1: RuntimeError: Broken pipe")
 
 
 def test_silent_ranks_are_named_when_every_report_is_a_timeout() -> None:
     config = RunConfig.from_kwargs(timeout_s=30.0)
-    named = name_the_failure({0: echo("RuntimeError: timed out"), 2: echo("Socket Timeout")}, 3, config,
+    named = name_the_failure({0: echo("RuntimeError: timed out"), 2: echo("Socket Timeout")}, 3, config.launch.timeout_s,
                              TrainingError("x"))
     assert "rank(s) [1] stopped responding" in str(named) and "launch.timeout_s=30 s" in str(named)
     assert "launch.timeout_s" in (named.hint or "")
@@ -67,21 +67,43 @@ def test_silent_ranks_are_named_when_every_report_is_a_timeout() -> None:
 
 def test_silent_ranks_are_named_with_their_hosts_when_the_driver_heard_them() -> None:
     config = RunConfig.from_kwargs(timeout_s=30.0)
-    named = name_the_failure({0: echo("RuntimeError: timed out")}, 2, config, TrainingError("x"),
+    named = name_the_failure({0: echo("RuntimeError: timed out")}, 2, config.launch.timeout_s, TrainingError("x"),
                              ["198.18.0.11", "198.18.0.12"])
     assert "rank(s) [1] (on host 198.18.0.12) stopped responding" in str(named)
     assert "unreachable host" in (named.hint or "")
 
 
+def test_silent_ranks_the_driver_cannot_reach_are_named_as_cut_off_with_the_address_dialled() -> None:
+    config = RunConfig.from_kwargs(timeout_s=15.0)
+    named = name_the_failure({0: echo("RuntimeError: timed out")}, 2, config.launch.timeout_s, TrainingError("x"),
+                             ["198.18.0.11", "198.18.0.12"], {1: "198.18.0.12:40123"})
+    assert "rank(s) [1] (on host 198.18.0.12) cannot be reached" in str(named), str(named)
+    assert "dialled 198.18.0.12:40123" in str(named) and "launch.timeout_s=15 s" in str(named)
+    assert "checkpoint_dir" in (named.hint or "") and "link" in (named.hint or "")
+
+
+def test_a_host_answers_when_it_accepts_or_refuses_a_connection() -> None:
+    import socket
+
+    from sparkdl.comm.reachability import host_answers
+
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        assert host_answers(f"127.0.0.1:{listening.getsockname()[1]}", 1.0)
+    with socket.socket() as closed:  # bound, not listening: the host refuses, so it is there
+        closed.bind(("127.0.0.1", 0))
+        assert host_answers(f"127.0.0.1:{closed.getsockname()[1]}", 1.0)
+    assert not host_answers("no-such-host.invalid:1", 1.0)
+
+
 def test_a_ranks_own_hint_replaces_the_generic_one() -> None:
     message = {**own("ConfigError: rank 1 cannot reach rank 0", host="h1"), "hint": "open the ports"}
-    named = name_the_failure({1: message}, 2, RunConfig(), TrainingError("x", hint="see the executor logs"))
+    named = name_the_failure({1: message}, 2, RunConfig().launch.timeout_s, TrainingError("x", hint="see the executor logs"))
     assert named.hint == "open the ports"
 
 
 def test_no_reports_keep_sparks_error() -> None:
     fallback = TrainingError("the training job failed: executor lost")
-    assert name_the_failure({}, 2, RunConfig(), fallback) is fallback
+    assert name_the_failure({}, 2, RunConfig().launch.timeout_s, fallback) is fallback
 
 
 # -- training_error / the failure marker ---------------------------------------------------------------

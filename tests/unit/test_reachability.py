@@ -87,7 +87,8 @@ def test_probe_messages_are_sized_to_the_link_from_a_first_measurement() -> None
 
     at_20_mbit = probe.message_bytes(256 << 10, (256 << 10) / 2.5e6 + 0.001, 0.001)  # 20 Mbit/s = 2.5 MB/s
     assert abs(at_20_mbit - 2.5e6 * probe.TRANSFER_S) < 8 and at_20_mbit % 4 == 0
-    assert probe.message_bytes(256 << 10, (256 << 10) / 125e6) == probe.MAX_MESSAGE_BYTES  # 1 Gbit/s: 4 MiB
+    assert probe.message_bytes(256 << 10, (256 << 10) / 125e6) == 12_500_000  # 1 Gbit/s: 0.1 s of it
+    assert probe.message_bytes(256 << 10, (256 << 10) / 1.25e9) == probe.MAX_MESSAGE_BYTES  # 10 Gbit/s: the cap
     assert probe.message_bytes(256 << 10, 30.0) == probe.MIN_MESSAGE_BYTES  # a crawl: still a measurable size
 
 
@@ -112,3 +113,20 @@ def test_a_store_that_listens_late_is_waited_for() -> None:
     finally:
         thread.join()
         late.close()
+
+
+@pytest.mark.parametrize("code", ["EHOSTUNREACH", "EACCES"])
+def test_no_route_or_a_rejecting_firewall_fails_at_once_even_for_a_late_listener(code: str) -> None:
+    import errno
+    import time
+
+    calls: list[float] = []
+
+    def rejected(address: tuple[str, int], timeout: float) -> None:  # what connect() raises on such a route
+        calls.append(time.monotonic())
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 1 .* cannot reach rank 0 at 198.18.0.11:4000"):
+        dial_peers(1, "198.18.0.12", ["198.18.0.11:4000", ""], deadline_s=20, dial=rejected, wait_for_listener=True)
+    assert len(calls) == 1 and time.monotonic() - started < 1.0
