@@ -68,7 +68,9 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                         cut_off = cut_off_ranks(spark, monitor.errors, spec.world_size, monitor.rank_hosts)
                         if attempt == attempts or not (retryable(monitor.errors) or cut_off):
                             raise
-                        _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(failure).splitlines()[0]}); "
+                        named = name_the_failure(monitor.errors, spec.world_size, config.launch.timeout_s, failure,
+                                                 monitor.rank_hosts, cut_off)
+                        _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(named).splitlines()[0]}); "
                              f"retrying, every rank resumes from the latest checkpoint in {config.train.checkpoint_dir}")
                         if cut_off:
                             wait_for_hosts(cut_off, config.launch.timeout_s)

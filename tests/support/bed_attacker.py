@@ -80,7 +80,9 @@ def _try(host: str, port: int, payload: bytes, wait_s: float = 8.0) -> dict[str,
             while chunk := sock.recv(1 << 16):
                 received += chunk
             closed = True
-    except (TimeoutError, ConnectionResetError, BrokenPipeError):
+    except (ConnectionResetError, BrokenPipeError):  # closed with our bytes unread: a reset
+        closed = True
+    except TimeoutError:
         closed = False
     except OSError as exc:
         return {"error": str(exc)}

@@ -8,14 +8,13 @@ files in --ask (tests/support/bed_controller.py).
     python bed_driver.py MASTER OUT SCENARIO[,SCENARIO...] --shared DIR [--ask DIR] [--conf K=V]
 
 Scenarios: fit-<strategy> (data_parallel, diloco, hybrid, ist, sharded), fit-horovod,
-fit-checkpoint-local (checkpoint_dir under this host's /tmp), fit-checkpoint-shared (under
---shared), fit-firewalled (the worker hosts reject each other), fit-unreachable-client (the worker
+fit-checkpoint-local (checkpoint_dir under this host's /tmp), fit-firewalled (the worker hosts reject each other), fit-unreachable-client (the worker
 hosts reject this one: MASTER is then a Connect server's sc:// URL), kill (an executor JVM killed
-mid-fit, resumed from checkpoints), save-local (a model saved under
-this host's /tmp and loaded back), calibrate-hetero (the last worker host at 20 Mbit/s: the probe's
+mid-fit, resumed from checkpoints in --shared), calibrate-hetero (the last worker host at 20 Mbit/s: the probe's
 pair matrix, then a hybrid fit of three stages placed on it), cut-short / cut-long / cut-resume
 (rank 0's host cut off mid-fit: shorter than launch.timeout_s, longer without checkpoints, longer
-with checkpoints), inject (a host without the run's secret tries the driver channel mid-fit), plan.
+with checkpoints in --shared), inject (a host without the run's secret tries the driver channel
+mid-fit; the model is then saved under this host's /tmp and loaded back), plan.
 """
 from __future__ import annotations
 
@@ -103,16 +102,21 @@ def ask(request: dict[str, Any], wait: bool = True, timeout: float = 180.0) -> d
 
 
 # -- cutting rank 0's host off mid-fit ---------------------------------------------------------------
-CUT = {"ask": "", "seconds": 0.0, "calls": 0}
+CUT = {"ask": "", "seconds": 0.0, "calls": 0, "once": ""}
 
 
 def cutting_loss(output: Any, labels: Any) -> Any:
     """Cross-entropy; rank 0's 40th call asks for its own host to be cut off for CUT["seconds"]
     (the request goes through the shared directory, which the executors see too) and waits a
-    second, so that the cut lands while the ranks still train."""
+    second, so that the cut lands while the ranks still train. Once per fit: a retried attempt
+    (a new task, a fresh count) finds the marker file."""
     CUT["calls"] += 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if CUT["ask"] and rank == 0 and CUT["calls"] == 40:
+        try:
+            Path(CUT["once"]).touch(exist_ok=False)
+        except FileExistsError:
+            return nn.functional.cross_entropy(output, labels)
         ASK["dir"] = CUT["ask"]
         ask({"do": "cut", "host": socket.gethostname(), "seconds": CUT["seconds"]}, wait=False)
         time.sleep(1.0)
@@ -122,7 +126,7 @@ def cutting_loss(output: Any, labels: Any) -> Any:
 def trained_weights(df: Any, workers: int, cut_s: float = 0.0, **extra: Any) -> tuple[dict[str, Any], Any]:
     from sparkdl import TorchEstimator
 
-    CUT.update(ask=ASK["dir"] if cut_s else "", seconds=cut_s, calls=0)
+    CUT.update(ask=ASK["dir"] if cut_s else "", seconds=cut_s, calls=0, once=str(Path(ASK["dir"]) / f"cut-{time.time_ns()}"))
     model = TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=16, epochs=4,
                            num_workers=workers, optimizer="sgd", lr=0.05, seed=7, tracking=False, progress=False,
                            loss=cutting_loss, **extra).fit(df)
@@ -167,7 +171,7 @@ def cut_long(df: Any, workers: int, checkpoints: Path | None) -> dict[str, Any]:
     naming the rank and its host; with them the attempt is retried once the host is back and
     resumes to the weights of an uninterrupted run."""
     reference = reference_weights(df, workers) if checkpoints else {}
-    cut_s = CUT_TIMEOUT_S + (12.0 if checkpoints else 20.0)
+    cut_s = CUT_TIMEOUT_S + 12.0
     failures = said("failed (training failed")  # an attempt that is retried
     extra: dict[str, Any] = {"timeout_s": CUT_TIMEOUT_S}
     if checkpoints:
@@ -232,12 +236,10 @@ def kill(spark: Any, shared: Path) -> dict[str, Any]:
             "resumed_from": model.history[0].get("resumed_from_step"), "weights": str(shared / "killed.pt")}
 
 
-def save_local(spark: Any, df: Any, workers: int) -> dict[str, Any]:
-    """A fitted model saved under this host's own /tmp (no executor sees it) and loaded back here."""
-    from sparkdl import TorchEstimator, TorchModel
+def save_and_load(df: Any, model: Any) -> dict[str, Any]:
+    """`model` saved under this host's own /tmp (no executor sees it) and loaded back here."""
+    from sparkdl import TorchModel
 
-    model = TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=32, epochs=2,
-                           num_workers=workers, seed=7, tracking=False, progress=False).fit(df)
     path = f"/tmp/sparkdl-model-{time.time_ns()}"
     model.save(path)
     loaded = TorchModel.load(path)
@@ -276,7 +278,8 @@ def hetero(spark: Any, df: Any) -> dict[str, Any]:
 def inject(spark: Any, df: Any, workers: int) -> dict[str, Any]:
     """A host without the run's secret tries the driver channel (bed_attacker.py) having recorded
     what reached the driver host on the wire, while the fit waits on its first epoch's callback (as
-    a notebook's callback holds training); the run's records must come through intact."""
+    a notebook's callback holds training); the run's records must come through intact. The model
+    is then saved to a path only this host sees, and loaded back."""
     from sparkdl import TorchEstimator
     from sparkdl.launch import channel as channel_module
 
@@ -307,7 +310,7 @@ def inject(spark: Any, df: Any, workers: int) -> dict[str, Any]:
     history = model.history
     return {"attack": report, "refused": opened[-1].refused, "epochs_seen": [r.get("epoch") for r in seen],
             "same_records": [r.get("loss") for r in seen] == [h.get("loss") for h in history],
-            "epochs": [h.get("epoch") for h in history]}
+            "epochs": [h.get("epoch") for h in history], "saved": save_and_load(df, model)}
 
 
 def plan(spark: Any, df: Any, workers: int) -> dict[str, Any]:
@@ -325,12 +328,9 @@ def scenario(name: str, spark: Any, df: Any, workers: int, shared: Path) -> dict
         "fit-horovod": lambda: fit(spark, df, workers, "data_parallel", backend="horovod"),
         "fit-checkpoint-local": lambda: fit(spark, df, workers, "data_parallel", checkpoint_dir="/tmp/sparkdl-ckpt",
                                             checkpoint_every=5),
-        "fit-checkpoint-shared": lambda: fit(spark, df, workers, "data_parallel",
-                                             checkpoint_dir=str(shared / "ckpt"), checkpoint_every=5),
         "fit-firewalled": lambda: firewalled(spark, df, workers, "workers"),
         "fit-unreachable-client": lambda: firewalled(spark, df, workers, "client"),
         "kill": lambda: kill(spark, shared),
-        "save-local": lambda: save_local(spark, df, workers),
         "calibrate-hetero": lambda: hetero(spark, df),
         "cut-short": lambda: cut_short(df, workers),
         "cut-long": lambda: cut_long(df, workers, None),
