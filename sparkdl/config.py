@@ -29,7 +29,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "auto")
 SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
-SYNC_DTYPES = ("fp32", "fp16")
+SYNC_DTYPES = ("fp32", "fp16", "bf16")
 IST_SCALES = ("scale", "batchnorm")
 BATCH_BALANCES = ("equal", "speed")
 BACKENDS = ("torch", "horovod")
@@ -89,7 +89,7 @@ class TrainConfig:
     sync_every: int = 50  # diloco: inner steps H between synchronisations
     outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate (1.0 with momentum 0 = plain averaging)
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
-    sync_dtype: str = "fp32"  # diloco: dtype of the allreduced pseudo-gradient, "fp32" or "fp16"
+    sync_dtype: str = "fp32"  # diloco: the pseudo-gradient on the wire, "fp32", "fp16" or "bf16" (summed in fp32)
     ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0

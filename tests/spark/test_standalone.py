@@ -16,6 +16,7 @@ import torch
 
 from sparkdl.datasets import digits_dataframe
 from sparkdl.estimator import TorchModel
+import multihost
 import standalone_fit
 from standalone import StandaloneCluster, environment
 
@@ -42,6 +43,9 @@ def fit(master: str, out: Path, *extra: str, timeout: float = 400) -> subprocess
     return done
 
 
+@pytest.mark.skipif(multihost.why_not() is None,
+                    reason="the multi-host bed runs this fit with the executor on a host of its own "
+                           "(tests/spark/test_multihost.py, scenario 'kill'); here only where it cannot run")
 def test_a_killed_executor_jvm_is_replaced_and_the_fit_resumes_exactly(spark, cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     marker = tmp_path / "killed"
     done = fit(cluster.url, tmp_path / "resumed.pt", "--kill-marker", str(marker),
