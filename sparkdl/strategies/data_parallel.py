@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from sparkdl.comm import low_precision
+from sparkdl.strategies import low_precision
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
@@ -164,7 +164,7 @@ class DataParallel(Strategy):
             deltas = [g - p for p, g in zip(self._params, self._global)]
             flat = torch.cat([d.reshape(-1) for d in deltas])
             if self.comm.size > 1 and self.train.sync_dtype != "fp32":
-                # Half the bytes on the wire, every sum in fp32 (comm/low_precision.py).
+                # Half the bytes on the wire, every sum in fp32 (strategies/low_precision.py).
                 flat = low_precision.average(self.comm, flat, self.train.sync_dtype)
             elif self.comm.size > 1:
                 self.comm.allreduce(flat, op="avg")

@@ -1,4 +1,4 @@
-"""16-bit averages with fp32 sums (comm/low_precision.py) on real gloo worlds of 3 processes on
+"""16-bit averages with fp32 sums (strategies/low_precision.py) on real gloo worlds of 3 processes on
 127.0.0.1, against the exact fp32 mean and against a plain fp16 allreduce."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from sparkdl.comm import low_precision
+from sparkdl.strategies import low_precision
 
 pytestmark = pytest.mark.timeout(120)
 WORLD = 3
