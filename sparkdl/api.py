@@ -1,8 +1,7 @@
 """Driver entry points fit / run / plan / predict: composition only, each read top-down as named stages.
 
-One fit: check the config and columns -> slots and preflight -> prepare the data (one stats job) ->
-probe the model -> checks -> resolve the plan (the planner under "auto") -> ship the TrainSpec ->
-track -> submit the barrier job -> load the trained state and log the model.
+One fit: config and columns -> slots, preflight -> data (one stats job) -> probe the model -> checks ->
+the plan (the planner under "auto") -> ship the TrainSpec -> track -> submit -> load and log the model.
 """
 from __future__ import annotations
 

@@ -87,6 +87,7 @@ class Hybrid(Strategy):
         super().__init__(comm, layout, train, **options)
         if not isinstance(layout, HybridLayout):
             raise TypeError("the hybrid strategy needs the HybridLayout the driver planned")
+        self._executors: tuple[str, ...] = ()  # each rank's executor, once place() is told them
         self._take_position(layout)
 
     def _take_position(self, layout: HybridLayout) -> None:
@@ -112,7 +113,7 @@ class Hybrid(Strategy):
 
     def epoch_record(self) -> dict[str, Any]:
         record: dict[str, Any] = {"hybrid_grid": [list(ranks) for ranks in self.layout.grid]}
-        executors = getattr(self, "_executors", ())
+        executors = self._executors
         if len(executors) == self.layout.stages * self.layout.replicas:  # where each stage of each replica ran
             record["hybrid_grid_executors"] = [[executors[r] for r in ranks] for ranks in self.layout.grid]
         return record
