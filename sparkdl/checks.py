@@ -228,6 +228,7 @@ def check_backend(config: RunConfig) -> None:
     """A missing backend, or one lacking an operation the strategy needs, fails here, not on every
     executor after the data was shipped."""
     from sparkdl.comm import backend_class
+    from sparkdl.comm.base import SUBGROUP
     from sparkdl.strategies import strategy_class
 
     # "auto" is resolved to a concrete strategy before this check in fit; a custom loop has none.
@@ -237,10 +238,31 @@ def check_backend(config: RunConfig) -> None:
         raise ConfigError(f"train.strategy={config.train.strategy!r} needs {', '.join(sorted(missing))}, which "
                           f"launch.backend={config.launch.backend!r} does not provide",
                           hint="use backend='torch' (torch.distributed has point-to-point and subgroups)")
+    train = config.train
+    if train.sync == "diloco" and train.fragment_sync_delay and SUBGROUP not in backend_class(config.launch.backend).ops:
+        raise ConfigError(f"train.fragment_sync_delay={train.fragment_sync_delay} overlaps each fragment's sync "
+                          "with training on a second process group, which launch.backend="
+                          f"{config.launch.backend!r} cannot make",
+                          hint="use backend='torch', or fragment_sync_delay=0 (fragments still sync at staggered "
+                               "steps)")
     if config.launch.backend == "horovod":
         from sparkdl.comm.horovod import import_horovod
 
         import_horovod()
+
+
+def check_fragments(module: Any, config: RunConfig) -> None:
+    """Streaming DiLoCo deals top-level layers out to fragments: each fragment needs one."""
+    train = config.train
+    if train.sync != "diloco" or train.fragments == 1:
+        return
+    from sparkdl.strategies.diloco import layer_groups
+
+    layers = len(layer_groups(module))
+    if train.fragments > layers:
+        raise ConfigError(f"train.fragments={train.fragments}, but the model has {layers} top-level layer(s) with "
+                          "parameters (children of the model; a ModuleList or Sequential child counts its members)",
+                          hint=f"use fragments <= {layers}")
 
 
 def preflight(spark: Any, workers: int, gpus_per_worker: int = 0) -> None:

@@ -29,7 +29,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "auto")
 SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
-SYNC_DTYPES = ("fp32", "fp16", "bf16")
+SYNC_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
 IST_SCALES = ("scale", "batchnorm")
 BATCH_BALANCES = ("equal", "speed")
 BACKENDS = ("torch", "horovod")
@@ -89,7 +89,12 @@ class TrainConfig:
     sync_every: int = 50  # diloco: inner steps H between synchronisations
     outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate (1.0 with momentum 0 = plain averaging)
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
-    sync_dtype: str = "fp32"  # diloco: the pseudo-gradient on the wire, "fp32", "fp16" or "bf16" (summed in fp32)
+    # diloco: the pseudo-gradient on the wire, "fp32", "fp16", "bf16", "int8" or "int4" (block scales and an
+    # error-feedback residual); always summed in fp32
+    sync_dtype: str = "fp32"
+    fragments: int = 1  # diloco: P fragments of strided top-level layers syncing at staggered steps (Streaming DiLoCo)
+    fragment_sync_delay: int = 0  # diloco: tau, inner steps a fragment's sync overlaps before it lands (< H / P)
+    fragment_update_alpha: float = 0.0  # diloco: a landed fragment = alpha x local + (1 - alpha) x global
     ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
@@ -156,6 +161,7 @@ class TrainConfig:
             raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
                               f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
         positive_int("train.sync_every", self.sync_every)
+        self._validate_streaming()
         positive_int("train.ist_sync_every", self.ist_sync_every)
         if self.sync != "allreduce" and self.strategy not in ("data_parallel", "auto"):
             raise ConfigError(f"train.sync={self.sync!r} is a synchronisation mode of data parallel, but "
@@ -190,6 +196,32 @@ class TrainConfig:
         check_training_essentials(self)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
+
+    def _validate_streaming(self) -> None:
+        """Streaming DiLoCo's options (torchft's rules: H % P == 0, tau < H / P)."""
+        positive_int("train.fragments", self.fragments)
+        positive_int_or_zero("train.fragment_sync_delay", self.fragment_sync_delay)
+        alpha = self.fragment_update_alpha
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+            raise ConfigError(f"train.fragment_update_alpha must be in [0, 1], got {alpha!r}",
+                              hint="0 takes the global weights (the paper's default), 0.5 mixes half of the local ones")
+        streaming = self.fragments > 1 or self.fragment_sync_delay or alpha or self.sync_dtype != "fp32"
+        # Under strategy="auto" they apply if the planner picks DiLoCo (a plan's data parallel then
+        # leaves them unused, as it leaves outer_lr).
+        if streaming and self.strategy not in ("data_parallel", "auto"):
+            raise ConfigError("train.sync_dtype/fragments/fragment_sync_delay/fragment_update_alpha shape DiLoCo's "
+                              f"outer synchronisation, but train.strategy={self.strategy!r}",
+                              hint="set strategy='data_parallel' with sync='diloco' (or strategy='auto')")
+        if self.sync_every % self.fragments:
+            raise ConfigError(f"train.sync_every={self.sync_every} is not a multiple of train.fragments="
+                              f"{self.fragments}: each fragment syncs once every sync_every steps at its own "
+                              "offset of sync_every / fragments",
+                              hint=f"for example sync_every={self.fragments * max(1, self.sync_every // self.fragments)}")
+        if self.fragment_sync_delay >= self.sync_every // self.fragments:
+            raise ConfigError(f"train.fragment_sync_delay={self.fragment_sync_delay} must be below sync_every / "
+                              f"fragments = {self.sync_every // self.fragments}: a fragment's sync lands before "
+                              "the next one starts",
+                              hint="the paper overlaps 1 to 5 inner steps")
 
     def _validate_kept_plan(self) -> None:
         for key, what in (("plan_from_run", "an MLflow run id"), ("plan_file", "a path")):

@@ -127,7 +127,7 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
     named strategy's layout, or (strategy="auto") the planner's choice and then its layout. Every
     configuration that cannot run raises here, before any job. `fallback`: see make_plan;
     `sample`: the probe batch of an input_cols run (see model_input)."""
-    from sparkdl.checks import check_backend, check_strategy_inputs
+    from sparkdl.checks import check_backend, check_fragments, check_strategy_inputs
     from sparkdl.resolved_plan import ResolvedPlan
 
     inputs = model_input(layout, sample)
@@ -140,6 +140,7 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
         config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
     check_strategy_inputs(config, layout)
     check_backend(config)
+    check_fragments(module, config)
     links = auto.executor_links if auto is not None else measured_links(spark, config)
     strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None, inputs=inputs)
     if auto is not None:
@@ -151,7 +152,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     """A kept plan (sparkdl.plan's value, plan.json of an earlier run) applied to this run: its layout
     options replace the run's, and its layout must fit this model, input and world, else a
     ConfigError naming `plan` says what differs. Nothing is planned or measured again."""
-    from sparkdl.checks import check_backend, check_strategy_inputs
+    from sparkdl.checks import check_backend, check_fragments, check_strategy_inputs
     from sparkdl.errors import ConfigError
     from sparkdl.resolved_plan import ResolvedPlan
 
@@ -163,6 +164,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     config = config.merged({"train": dict(plan.settings)}).validate()
     check_strategy_inputs(config, layout)
     check_backend(config)
+    check_fragments(module, config)
     inputs = inputs if inputs is not None else model_input(layout)
     mismatch = _layout_mismatch(plan, module, config, layout, inputs)
     if mismatch:

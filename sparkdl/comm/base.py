@@ -6,6 +6,7 @@ the bytes their rank sends from tensor sizes, so every strategy reports exact tr
 from __future__ import annotations
 
 import abc
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -18,6 +19,8 @@ ALLGATHER = "allgather"
 SEND_RECV = "send_recv"
 BARRIER = "barrier"
 SUBGROUP = "subgroup"
+# Streaming DiLoCo's communication thread charges bytes while the training thread does too.
+_CHARGE_LOCK = threading.Lock()
 
 
 class Work(Protocol):
@@ -160,7 +163,8 @@ class Communicator(abc.ABC):
         return True
 
     def _charge(self, nbytes: int) -> None:
-        self.bytes_sent += nbytes
+        with _CHARGE_LOCK:
+            self.bytes_sent += nbytes
 
     def _count_allreduce(self, nbytes: int) -> None:
         # A ring allreduce sends 2 (W-1)/W of the buffer from each rank (reduce-scatter + allgather).

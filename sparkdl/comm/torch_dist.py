@@ -188,7 +188,7 @@ class TorchGroupCommunicator(Communicator):
     """Collectives over a subset of the ranks (one torch process group). Ranks given to and taken
     from its methods are group-local; the bytes it sends are charged to the parent as well."""
 
-    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER})
+    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV})
 
     def __init__(self, parent: TorchDistCommunicator, handle: Any, ranks: Sequence[int]) -> None:
         super().__init__(parent.world)
@@ -209,8 +209,15 @@ class TorchGroupCommunicator(Communicator):
         return self._parent.device
 
     def _charge(self, nbytes: int) -> None:
-        self.bytes_sent += nbytes
+        super()._charge(nbytes)
         self._parent._charge(nbytes)  # noqa: SLF001 - same module family
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._count_send(tensor.numel() * tensor.element_size())
+        return dist.isend(tensor.contiguous(), dst=self.ranks[dst], group=self._group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return dist.irecv(tensor, src=self.ranks[src], group=self._group, tag=tag)
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.size == 1:

@@ -13,9 +13,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from sparkdl.strategies import low_precision
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
+from sparkdl.strategies.diloco import OuterSchedule, OuterSync
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
@@ -63,7 +63,8 @@ class DataParallel(Strategy):
     """sync="allreduce": gradients averaged every step. sync="diloco" (Douillard et al. 2023): each
     rank takes `sync_every` inner steps alone (its own optimizer state, never reset), then the mean
     pseudo-gradient theta_global - theta_local is applied by an outer Nesterov SGD to the global copy,
-    which every rank then continues from: one allreduce of the model every H steps."""
+    which every rank then continues from: one allreduce of the model every H steps. With
+    `fragments` > 1 or `fragment_sync_delay` > 0 it streams (strategies/diloco.py)."""
 
     name = "data_parallel"
     requires = frozenset({ALLREDUCE, BROADCAST})
@@ -86,11 +87,11 @@ class DataParallel(Strategy):
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._loss_fn = loss_fn
         if self._diloco:
-            self._global = [p.detach().clone() for p in self._params]  # theta_old, identical on every rank
-            momentum = self.train.outer_momentum
-            self._outer = torch.optim.SGD(self._params, lr=self.train.outer_lr, momentum=momentum,
-                                          nesterov=momentum > 0)
-            self._inner_steps = 0
+            train = self.train
+            schedule = OuterSchedule(train.sync_every, train.fragments, train.fragment_sync_delay)
+            self._outer_sync = OuterSync(self.comm, self._model, self._params, schedule, outer_lr=train.outer_lr,
+                                         outer_momentum=train.outer_momentum, wire=train.sync_dtype,
+                                         alpha=train.fragment_update_alpha)
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -114,9 +115,7 @@ class DataParallel(Strategy):
             self._normalise_window()
         if self._diloco:
             self.steps.step(self._optimizer, self._params)
-            self._inner_steps += 1
-            if self._inner_steps == self.train.sync_every:
-                self._outer_step()
+            self._outer_sync.after_inner_step()
             return loss.detach()
         if self._backend_averages:
             self.comm.record_allreduce(self._grad_bytes)
@@ -159,28 +158,6 @@ class DataParallel(Strategy):
         self.comm.allreduce(total, op="sum")
         return global_share(numerator, denominator, total[0], self.comm.size)
 
-    def _outer_step(self) -> None:
-        with torch.no_grad():
-            deltas = [g - p for p, g in zip(self._params, self._global)]
-            flat = torch.cat([d.reshape(-1) for d in deltas])
-            if self.comm.size > 1 and self.train.sync_dtype != "fp32":
-                # Half the bytes on the wire, every sum in fp32 (strategies/low_precision.py).
-                flat = low_precision.average(self.comm, flat, self.train.sync_dtype)
-            elif self.comm.size > 1:
-                self.comm.allreduce(flat, op="avg")
-            flat = flat.to(self._params[0].dtype)
-            offset = 0
-            for param, start in zip(self._params, self._global):
-                param.copy_(start)
-                param.grad = flat[offset: offset + param.numel()].view_as(param).clone()
-                offset += param.numel()
-        self._outer.step()
-        with torch.no_grad():
-            for param, start in zip(self._params, self._global):
-                start.copy_(param)
-                param.grad = None
-        self._inner_steps = 0
-
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]
         return not self._diloco  # DiLoCo's ranks drift apart between synchronisations
@@ -188,22 +165,17 @@ class DataParallel(Strategy):
     def checkpoint_state(self) -> dict[str, Any]:
         state = super().checkpoint_state()
         if self._diloco:
-            state.update(global_params=[p.detach().cpu() for p in self._global], outer=self._outer.state_dict(),
-                         inner_steps=self._inner_steps)
+            state.update(self._outer_sync.state())
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         if self._diloco:
-            with torch.no_grad():
-                for mine, saved in zip(self._global, state["global_params"]):
-                    mine.copy_(saved)
-            self._outer.load_state_dict(state["outer"])
-            self._inner_steps = int(state["inner_steps"])
+            self._outer_sync.load(state)
 
     def finish(self) -> None:
-        if self._diloco and self._inner_steps:
-            self._outer_step()  # the last partial round, so the result is the global model
+        if self._diloco:
+            self._outer_sync.finish()  # the last partial round, so the result is the global model
 
     def evaluate(self, batches: Any, loss_fn: LossFn, classification: bool, metrics: Any = None) -> torch.Tensor:
         # Between synchronisations the ranks' models differ; validate the global one they share.
@@ -222,7 +194,7 @@ class DataParallel(Strategy):
             return
         with torch.no_grad():
             local = [p.detach().clone() for p in self._params]
-            for param, start in zip(self._params, self._global):
+            for param, start in zip(self._params, self._outer_sync.global_params):
                 param.copy_(start)
         try:
             yield

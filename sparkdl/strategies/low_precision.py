@@ -1,42 +1,80 @@
-"""Averages over ranks with 16-bit values on the wire and fp32 sums: what every published
-low-precision outer synchronisation does (DiLoCo at 16 bits, INTELLECT-1's int8 all-reduce,
-Streaming DiLoCo's 4-bit outer gradients, ALGORITHMS.md): reduce what was quantized, accumulate in
-fp32. An allreduce in fp16 instead sums fp16 values (each hop rounds the partial sum), and small
-values (DiLoCo's deltas are lr x steps x gradients) fall into fp16's subnormals.
+"""Averages over ranks with few bits on the wire and fp32 sums: what every published low-precision
+outer synchronisation does (DiLoCo at 16 bits, INTELLECT-1's int8 all-reduce, Streaming DiLoCo's
+4-bit outer gradients, ALGORITHMS.md): reduce what was quantized, accumulate in fp32. An allreduce
+in fp16 instead sums fp16 values (each hop rounds the partial sum), and small values (DiLoCo's
+deltas are lr x steps x gradients) fall into fp16's subnormals.
 
-- One scale shared by all ranks (the largest |value| of any rank) maps the values into [-1, 1]
-  before the cast: fp16 keeps 11 significant bits down to 6e-5 of the largest value.
-- Over send/recv (gloo): a ring reduce-scatter whose partial sums travel in 16 bits and are added in
-  fp32 on arrival, then a ring allgather of the finished 16-bit chunks: 2(W-1)/W x the 16-bit bytes
-  per rank, half of an fp32 allreduce. Without send/recv (Horovod): an allgather of the 16-bit
-  values summed in fp32 locally.
-- Every rank ends with the same values (the owner of a chunk uses its 16-bit copy too), so replicas
-  that step on the result stay identical.
+- 16 bits ("fp16", "bf16"): one scale shared by all ranks (the largest |value| of any rank) maps the
+  values into [-1, 1] before the cast: fp16 keeps 11 significant bits down to 6e-5 of the largest.
+- "int8": block-scaled integers (strategies/quantize.py); partial sums are re-quantized per hop.
+- "int4": block-scaled 4-bit integers with an error-feedback residual per rank. Reduced by an
+  allgather of every rank's bytes and a local fp32 sum, so the sum is exactly that of what the ranks
+  quantized and the residual carries exactly what was lost (re-quantizing partial sums at 4 bits
+  would add errors no residual sees).
+- Over send/recv (gloo), 16 and 8 bits use a ring: a reduce-scatter whose partial sums travel
+  encoded and are added in fp32 on arrival, then a ring allgather of the finished encoded chunks:
+  2(W-1)/W x the encoded bytes per rank. Without send/recv (Horovod, subgroups): allgather + fp32 sum.
+- Every rank ends with the same values (the owner of a chunk decodes its own encoded copy too), so
+  replicas that step on the result stay identical.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from sparkdl.comm.base import SEND_RECV, Communicator
+from sparkdl.strategies.quantize import CODECS, Codec, quantize_with_feedback
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_FORMATS = ("fp32", *WIRE_DTYPES, *CODECS)
 _RING_TAG = 41
+
+Encode = Callable[[torch.Tensor], torch.Tensor]
+Decode = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def average(comm: Communicator, values: torch.Tensor, wire: str) -> torch.Tensor:
-    """The mean over ranks of the fp32 tensor `values` (flat), sent as `wire` ("fp16", "bf16")."""
-    if wire not in WIRE_DTYPES:
-        raise ValueError(f"wire dtype {wire!r}: one of {sorted(WIRE_DTYPES)}")
+    """The mean over ranks of the fp32 tensor `values` (flat), sent as `wire` ("fp16", "bf16", "int8")."""
+    if wire == "int4":
+        raise ValueError("int4 keeps a residual: use average_with_feedback")
+    return average_with_feedback(comm, values, wire, None)[0]
+
+
+def average_with_feedback(comm: Communicator, values: torch.Tensor, wire: str, residual: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the mean over ranks of `values` sent as `wire`, this rank's residual for the next round)."""
+    if wire not in WIRE_FORMATS:
+        raise ValueError(f"wire format {wire!r}: one of {list(WIRE_FORMATS)}")
     values = values.detach().reshape(-1).to(torch.float32)
     if comm.size == 1:
-        return values.clone()
+        return values.clone(), residual
+    if wire == "fp32":
+        total = values.clone()
+        comm.allreduce(total, op="avg")
+        return total, residual
+    if wire in WIRE_DTYPES:
+        return _average_16_bit(comm, values, WIRE_DTYPES[wire]), residual
+    codec = CODECS[wire]
+    if not codec.error_feedback and SEND_RECV in comm.ops:
+        total = _ring_sum(comm, values, codec.encode, codec.decode, codec.nbytes)
+        return total.div_(comm.size), residual
+    payload, residual = quantize_with_feedback(codec, values, residual)
+    total = torch.zeros_like(values)
+    for part in comm.allgather(payload):
+        total += codec.decode(part, values.numel())
+    return total.div_(comm.size), residual
+
+
+def _average_16_bit(comm: Communicator, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     peak = values.abs().max().reshape(1) if values.numel() else torch.zeros(1)
     comm.allreduce(peak, op="max")
     scale = float(peak[0]) or 1.0
     scaled = values / scale
-    dtype = WIRE_DTYPES[wire]
     if SEND_RECV in comm.ops:
-        total = _ring_sum(comm, scaled, dtype)
+        width = torch.tensor([], dtype=dtype).element_size()
+        total = _ring_sum(comm, scaled, lambda chunk: chunk.to(dtype).view(torch.uint8),
+                          lambda raw, numel: raw.view(dtype).to(torch.float32), lambda numel: numel * width)
     else:
         total = torch.zeros_like(scaled)
         for part in comm.allgather(scaled.to(dtype)):
@@ -44,25 +82,26 @@ def average(comm: Communicator, values: torch.Tensor, wire: str) -> torch.Tensor
     return total.mul_(scale / comm.size)
 
 
-def _ring_sum(comm: Communicator, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The sum over ranks of `values` (fp32), chunks travelling in `dtype`, sums in fp32."""
+def _ring_sum(comm: Communicator, values: torch.Tensor, encode: Encode, decode: Decode,
+              nbytes: Callable[[int], int]) -> torch.Tensor:
+    """The sum over ranks of `values` (fp32), chunks travelling encoded, sums in fp32."""
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     sums = list(torch.tensor_split(values.clone(), size))  # views into one fp32 buffer
     # Reduce-scatter: at step s a rank passes on chunk (rank - s) and adds chunk (rank - s - 1).
     for step in range(size - 1):
-        outgoing = sums[(rank - step) % size].to(dtype)
+        outgoing = encode(sums[(rank - step) % size])
         target = sums[(rank - step - 1) % size]
-        incoming = torch.empty(target.numel(), dtype=dtype)
+        incoming = torch.empty(nbytes(target.numel()), dtype=torch.uint8)
         receiving = comm.irecv(incoming, left, _RING_TAG)
         sending = comm.send(outgoing, right, _RING_TAG)
         receiving.wait()
-        target += incoming.to(torch.float32)
+        target += decode(incoming, target.numel())
         sending.wait()
-    # Rank r now holds the finished chunk (r + 1); everyone takes its 16-bit copy.
-    finished = [torch.empty(chunk.numel(), dtype=dtype) for chunk in sums]
+    # Rank r now holds the finished chunk (r + 1); everyone takes its encoded copy.
+    finished = [torch.empty(nbytes(chunk.numel()), dtype=torch.uint8) for chunk in sums]
     owned = (rank + 1) % size
-    finished[owned].copy_(sums[owned])
+    finished[owned].copy_(encode(sums[owned]))
     for step in range(size - 1):
         outgoing = finished[(owned - step) % size]
         incoming = finished[(owned - step - 1) % size]
@@ -70,14 +109,31 @@ def _ring_sum(comm: Communicator, values: torch.Tensor, dtype: torch.dtype) -> t
         sending = comm.send(outgoing, right, _RING_TAG + 1)
         receiving.wait()
         sending.wait()
-    return torch.cat([chunk.to(torch.float32) for chunk in finished])
+    return torch.cat([decode(raw, chunk.numel()) for raw, chunk in zip(finished, sums)])
 
 
 def wire_bytes(numel: int, size: int, wire: str, send_recv: bool = True) -> int:
-    """Bytes one rank sends to average `numel` values over `size` ranks (the shared scale aside)."""
+    """Bytes one rank sends to average `numel` values over `size` ranks (a 16-bit shared scale aside)."""
     if size <= 1:
         return 0
-    width = torch.tensor([], dtype=WIRE_DTYPES[wire]).element_size()
-    if send_recv:
-        return 2 * (size - 1) * -(-numel // size) * width
-    return numel * width
+    if wire == "fp32":
+        return 2 * (size - 1) * numel * 4 // size
+    encoded = _encoded_bytes(wire)
+    ring = wire in WIRE_DTYPES or not CODECS[wire].error_feedback
+    if ring and send_recv:
+        return 2 * (size - 1) * encoded(-(-numel // size))
+    return (size - 1) * encoded(numel)  # allgather of every rank's encoded values
+
+
+def wire_bits(wire: str) -> float:
+    """Bits per value on the wire, block scales included (the planner's price of a format)."""
+    return 8 * _encoded_bytes(wire)(1 << 20) / (1 << 20)
+
+
+def _encoded_bytes(wire: str) -> Callable[[int], int]:
+    if wire == "fp32":
+        return lambda numel: 4 * numel
+    if wire in WIRE_DTYPES:
+        return lambda numel: 2 * numel
+    codec: Codec = CODECS[wire]
+    return codec.nbytes

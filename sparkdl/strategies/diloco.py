@@ -1,0 +1,193 @@
+"""DiLoCo's outer synchronisation (Douillard et al. 2023), streamed (Streaming DiLoCo, Douillard et
+al. 2025; ALGORITHMS.md): the model is cut into P fragments of strided top-level layers; fragment p
+starts its sync every H inner steps at its own offset, its pseudo-gradient travels quantized
+(strategies/low_precision.py) on a communication thread while training goes on for tau steps, and
+then the outer Nesterov step lands and is mixed into the local weights with alpha. P=1, tau=0,
+alpha=0 is plain DiLoCo.
+
+Step t counts inner optimizer steps from 1. Fragment p starts at every t with t = (p+1) H/P mod H
+and lands tau steps later; so the last fragment syncs at H, 2H, ... as plain DiLoCo does.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from sparkdl.comm.base import SUBGROUP, Communicator
+from sparkdl.strategies import low_precision
+
+
+@dataclass(frozen=True)
+class OuterSchedule:
+    every: int  # H: inner steps between two syncs of one fragment
+    fragments: int = 1  # P
+    delay: int = 0  # tau: inner steps a sync overlaps before it lands
+
+    def offset(self, fragment: int) -> int:
+        return (fragment + 1) * self.every // self.fragments % self.every
+
+    def starting(self, step: int) -> list[int]:
+        """Fragments whose sync starts after inner step `step`."""
+        return [p for p in range(self.fragments) if step >= 1 and (step - self.offset(p)) % self.every == 0]
+
+    def landing(self, step: int) -> list[int]:
+        """Fragments whose sync (started `delay` steps earlier) lands after inner step `step`."""
+        return [p for p in range(self.fragments) if step - self.delay >= 1 and
+                (step - self.delay - self.offset(p)) % self.every == 0]
+
+
+def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The model's top-level layers with trainable parameters, in order: children of the root, with
+    containers (ModuleList, Sequential) opened one level so that a stack of blocks is many layers.
+    Parameters held by the root itself come first, as one layer."""
+    layers: list[list[nn.Parameter]] = []
+    own = [p for p in model.parameters(recurse=False) if p.requires_grad]
+    if own:
+        layers.append(own)
+    for child in model.children():
+        members = list(child.children()) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            extra = [p for p in child.parameters(recurse=False) if p.requires_grad]
+            if extra:
+                layers.append(extra)
+        for member in members:
+            params = [p for p in member.parameters() if p.requires_grad]
+            if params:
+                layers.append(params)
+    return layers
+
+
+def fragment_indices(model: nn.Module, params: Sequence[nn.Parameter], fragments: int) -> list[list[int]]:
+    """Indices into `params` of each fragment: layers dealt out in turn (strided: layers p, p+P,
+    p+2P, ... form fragment p, which the paper found slightly better than contiguous runs)."""
+    layers = layer_groups(model)
+    if fragments > len(layers):
+        raise ValueError(f"train.fragments={fragments}, but the model has {len(layers)} top-level layer(s) "
+                         "with parameters: each fragment needs one")
+    position = {id(p): i for i, p in enumerate(params)}
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    for number, layer in enumerate(layers):
+        groups[number % fragments].extend(position[id(p)] for p in layer if id(p) in position)
+    return groups
+
+
+class OuterSync:
+    """The global weights, the outer optimizer, and the syncs in flight of one DiLoCo replica."""
+
+    def __init__(self, comm: Communicator, model: nn.Module, params: list[nn.Parameter], schedule: OuterSchedule,
+                 *, outer_lr: float, outer_momentum: float, wire: str, alpha: float) -> None:
+        self.comm = comm
+        self.schedule = schedule
+        self._params = params
+        self._wire = wire
+        self._alpha = alpha
+        self._groups = fragment_indices(model, params, schedule.fragments)
+        self.global_params = [p.detach().clone() for p in params]  # theta_old per fragment, the same on every rank
+        self._outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
+                                      nesterov=outer_momentum > 0)
+        self.step = 0
+        self._last_start = [0] * schedule.fragments
+        self._residuals: list[torch.Tensor | None] = [None] * schedule.fragments
+        self._in_flight: dict[int, Future] = {}
+        self._thread: ThreadPoolExecutor | None = None
+        self._wire_comm = comm
+        if schedule.delay > 0 and comm.size > 1:
+            if SUBGROUP not in comm.ops:
+                raise ValueError("train.fragment_sync_delay > 0 overlaps syncs on a second process group, which "
+                                 "this backend cannot make: use backend='torch', or fragment_sync_delay=0")
+            # Its own process group: the training thread's collectives never interleave with these.
+            self._wire_comm = comm.split([list(range(comm.size))])
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-outer-sync")
+
+    @property
+    def fragments(self) -> list[list[int]]:
+        return self._groups
+
+    def after_inner_step(self) -> None:
+        self.step += 1
+        for fragment in self.schedule.starting(self.step):
+            self._start(fragment)
+        for fragment in self.schedule.landing(self.step):
+            self._land(fragment, self._alpha)
+
+    def _delta(self, fragment: int) -> torch.Tensor:
+        """The pseudo-gradient theta_old - theta_local of one fragment, flat in fp32."""
+        with torch.no_grad():
+            return torch.cat([(self.global_params[i] - self._params[i]).reshape(-1).to(torch.float32)
+                              for i in self._groups[fragment]])
+
+    def _start(self, fragment: int) -> None:
+        delta, residual = self._delta(fragment), self._residuals[fragment]
+        self._last_start[fragment] = self.step
+        future: Future = Future()
+        if self._thread is None:
+            future.set_result(low_precision.average_with_feedback(self._wire_comm, delta, self._wire, residual))
+        else:
+            future = self._thread.submit(low_precision.average_with_feedback, self._wire_comm, delta, self._wire,
+                                         residual)
+        self._in_flight[fragment] = future
+
+    def _land(self, fragment: int, alpha: float) -> None:
+        """The outer step on the fragment's global weights, mixed into the local ones:
+        theta = alpha theta_local + (1 - alpha) OuterOpt(theta_old, mean delta)."""
+        mean, self._residuals[fragment] = self._in_flight.pop(fragment).result()
+        indices = self._groups[fragment]
+        with torch.no_grad():
+            offset = 0
+            for i in indices:
+                target = self.global_params[i]
+                target.grad = mean[offset: offset + target.numel()].view_as(target).to(target.dtype)
+                offset += target.numel()
+        self._outer.step()
+        with torch.no_grad():
+            for i in indices:
+                self.global_params[i].grad = None
+                local = self._params[i]
+                if alpha:
+                    local.mul_(alpha).add_(self.global_params[i], alpha=1 - alpha)
+                else:
+                    local.copy_(self.global_params[i])
+
+    def finish(self) -> None:
+        """Land what is in flight, then one last sync of every fragment with local progress, landing
+        in full, so that every rank ends with the same global model."""
+        for fragment in sorted(self._in_flight):
+            self._land(fragment, self._alpha)
+        for fragment in range(self.schedule.fragments):
+            synced_last = self._last_start[fragment] == self.step and self.schedule.delay == 0 and not self._alpha
+            if self.step and not synced_last:
+                self._start(fragment)
+                self._land(fragment, 0.0)
+        self.close()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+    def state(self) -> dict[str, Any]:
+        """Everything to continue exactly, mid-period included: a sync in flight is finished first
+        (every rank checkpoints at the same step) and its mean kept to land at the same step."""
+        landed = {str(fragment): future.result() for fragment, future in self._in_flight.items()}
+        return {"global_params": [p.detach().cpu() for p in self.global_params], "outer": self._outer.state_dict(),
+                "inner_steps": self.step, "last_start": list(self._last_start),
+                "residuals": [r for r in self._residuals],
+                "in_flight": {key: {"mean": mean, "residual": residual} for key, (mean, residual) in landed.items()}}
+
+    def load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for mine, saved in zip(self.global_params, state["global_params"]):
+                mine.copy_(saved)
+        self._outer.load_state_dict(state["outer"])
+        self.step = int(state["inner_steps"])
+        self._last_start = [int(s) for s in state.get("last_start", [0] * self.schedule.fragments)]
+        self._residuals = list(state.get("residuals", [None] * self.schedule.fragments))
+        self._in_flight = {}
+        for key, pending in state.get("in_flight", {}).items():
+            future: Future = Future()
+            future.set_result((pending["mean"], pending["residual"]))
+            self._in_flight[int(key)] = future
