@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (check_feature_spec, check_input_spec, check_types, choice, coerce,
+from sparkdl.config_values import (check_feature_spec, check_islands, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config_training import (DELIVERY_MODES, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
                                      check_training_essentials)
@@ -95,6 +95,9 @@ class TrainConfig:
     fragments: int = 1  # diloco: P fragments of strided top-level layers syncing at staggered steps (Streaming DiLoCo)
     fragment_sync_delay: int = 0  # diloco: tau, inner steps a fragment's sync overlaps before it lands (< H / P)
     fragment_update_alpha: float = 0.0  # diloco: a landed fragment = alpha x local + (1 - alpha) x global
+    # diloco: islands of fast links, data parallel inside each every step and DiLoCo across: host groups
+    # [["h1", "h2"], ["h3", "h4"]], or a count (>= 2) to find from measured links; 0 = none
+    islands: int | tuple[tuple[str, ...], ...] = 0
     ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
@@ -205,12 +208,14 @@ class TrainConfig:
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
             raise ConfigError(f"train.fragment_update_alpha must be in [0, 1], got {alpha!r}",
                               hint="0 takes the global weights (the paper's default), 0.5 mixes half of the local ones")
-        streaming = self.fragments > 1 or self.fragment_sync_delay or alpha or self.sync_dtype != "fp32"
+        check_islands(self.islands)
+        streaming = self.fragments > 1 or self.fragment_sync_delay or alpha or self.sync_dtype != "fp32" \
+            or self.islands
         # Under strategy="auto" they apply if the planner picks DiLoCo (a plan's data parallel then
         # leaves them unused, as it leaves outer_lr).
         if streaming and self.strategy not in ("data_parallel", "auto"):
-            raise ConfigError("train.sync_dtype/fragments/fragment_sync_delay/fragment_update_alpha shape DiLoCo's "
-                              f"outer synchronisation, but train.strategy={self.strategy!r}",
+            raise ConfigError("train.sync_dtype/fragments/fragment_sync_delay/fragment_update_alpha/islands shape "
+                              f"DiLoCo's outer synchronisation, but train.strategy={self.strategy!r}",
                               hint="set strategy='data_parallel' with sync='diloco' (or strategy='auto')")
         if self.sync_every % self.fragments:
             raise ConfigError(f"train.sync_every={self.sync_every} is not a multiple of train.fragments="

@@ -110,6 +110,8 @@ def check_types(section: str, part: Any) -> None:
 
 
 def coerce(part: Any, name: str, value: Any) -> Any:
+    if name == "islands" and isinstance(value, (list, tuple)):
+        return tuple(tuple(g) if isinstance(g, (list, tuple)) else g for g in value)  # hashable, as frozen configs are
     if name in ("input_cols", "metrics", "callbacks") and isinstance(value, list):
         return tuple(value)
     if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
@@ -252,3 +254,24 @@ def check_feature_spec(data: Any) -> None:
     if data.weight_col is not None and data.weight_col == data.label_col:
         raise ConfigError(f"data.weight_col {data.weight_col!r} is the label column", hint="weight by another column")
     _check_rows_options(data)
+
+
+def check_islands(value: Any) -> None:
+    """train.islands: 0 (none), a count >= 2 (found from measured links), or >= 2 disjoint non-empty
+    groups of host names (or executor host:port addresses)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value == 1 or value < 0:
+            raise ConfigError(f"train.islands={value}: one island is plain data parallel",
+                              hint="0 (no islands), a count >= 2, or groups of hosts [['h1', 'h2'], ['h3', 'h4']]")
+        return
+    groups = value if isinstance(value, (list, tuple)) else None
+    if groups is None or len(groups) < 2 or not all(
+            isinstance(g, (list, tuple)) and g and all(isinstance(h, str) and h for h in g) for g in groups):
+        raise ConfigError(f"train.islands must be a count or at least two non-empty groups of host names, got "
+                          f"{value!r}", hint="for example islands=[['rack1-a', 'rack1-b'], ['rack2-a', 'rack2-b']]")
+    seen: set[str] = set()
+    for group in groups:
+        twice = seen & set(group)
+        if twice:
+            raise ConfigError(f"train.islands names {sorted(twice)} in two islands", hint="each host in one island")
+        seen |= set(group)

@@ -15,7 +15,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
-from sparkdl.strategies.diloco import OuterSchedule, OuterSync
+from sparkdl.strategies.diloco import build_outer_sync
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
@@ -86,12 +86,11 @@ class DataParallel(Strategy):
         self.steps.attach(self._optimizer)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._loss_fn = loss_fn
+        # Whom gradients are averaged with every step: everyone; nobody (DiLoCo's ranks step alone);
+        # or the rank's island (islands: data parallel inside, DiLoCo across).
+        self._step_comm: Communicator | None = self.comm
         if self._diloco:
-            train = self.train
-            schedule = OuterSchedule(train.sync_every, train.fragments, train.fragment_sync_delay)
-            self._outer_sync = OuterSync(self.comm, self._model, self._params, schedule, outer_lr=train.outer_lr,
-                                         outer_momentum=train.outer_momentum, wire=train.sync_dtype,
-                                         alpha=train.fragment_update_alpha)
+            self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, self.train)
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -114,6 +113,8 @@ class DataParallel(Strategy):
         if numerator is not None and micro.count > 1:
             self._normalise_window()
         if self._diloco:
+            if self._step_comm is not None and self._step_comm.size > 1:
+                average_gradients(self._step_comm, self._params)
             self.steps.step(self._optimizer, self._params)
             self._outer_sync.after_inner_step()
             return loss.detach()
@@ -142,21 +143,23 @@ class DataParallel(Strategy):
         window's global batch (DiLoCo: this rank's), so k micro-batches weigh exactly like one batch."""
         total = self._window_weight.reshape(1).to(torch.float32).clone()
         ranks = 1
-        if not self._diloco and self.comm.size > 1:
-            self.comm.allreduce(total, op="sum")
-            ranks = self.comm.size  # gradients are averaged over the ranks next
+        if self._step_comm is not None and self._step_comm.size > 1:
+            self._step_comm.allreduce(total, op="sum")
+            ranks = self._step_comm.size  # gradients are averaged over the ranks next
         factor = ranks / total[0].clamp_min(torch.finfo(torch.float32).tiny)
         for param in self._params:
             if param.grad is not None:
                 param.grad.mul_(factor)
 
     def _weighted_objective(self, numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-        """sum(w * l) / sum(w) over the global batch (DiLoCo's ranks step alone: over their own)."""
-        if self._diloco or self.comm.size == 1:
+        """sum(w * l) / sum(w) over the global batch (DiLoCo's ranks step alone: over their own;
+        islands: over the island's)."""
+        group = self._step_comm
+        if group is None or group.size == 1:
             return numerator / denominator.clamp_min(torch.finfo(torch.float32).tiny)
         total = denominator.detach().reshape(1).clone()
-        self.comm.allreduce(total, op="sum")
-        return global_share(numerator, denominator, total[0], self.comm.size)
+        group.allreduce(total, op="sum")
+        return global_share(numerator, denominator, total[0], group.size)
 
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]

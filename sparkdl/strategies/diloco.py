@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from sparkdl.comm.base import SUBGROUP, Communicator
 from sparkdl.strategies import low_precision
+from sparkdl.strategies.islands import average_across_islands, island_comms, island_ranks
+
+# (pseudo-gradient, this rank's residual) -> (the mean over replicas, the residual to keep)
+Average = Callable[[torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,11 @@ def fragment_indices(model: nn.Module, params: Sequence[nn.Parameter], fragments
 class OuterSync:
     """The global weights, the outer optimizer, and the syncs in flight of one DiLoCo replica."""
 
-    def __init__(self, comm: Communicator, model: nn.Module, params: list[nn.Parameter], schedule: OuterSchedule,
-                 *, outer_lr: float, outer_momentum: float, wire: str, alpha: float) -> None:
-        self.comm = comm
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], schedule: OuterSchedule, average: Average, *,
+                 outer_lr: float, outer_momentum: float, alpha: float, background: bool) -> None:
         self.schedule = schedule
         self._params = params
-        self._wire = wire
+        self._average = average
         self._alpha = alpha
         self._groups = fragment_indices(model, params, schedule.fragments)
         self.global_params = [p.detach().clone() for p in params]  # theta_old per fragment, the same on every rank
@@ -93,15 +96,9 @@ class OuterSync:
         self._last_start = [0] * schedule.fragments
         self._residuals: list[torch.Tensor | None] = [None] * schedule.fragments
         self._in_flight: dict[int, Future] = {}
-        self._thread: ThreadPoolExecutor | None = None
-        self._wire_comm = comm
-        if schedule.delay > 0 and comm.size > 1:
-            if SUBGROUP not in comm.ops:
-                raise ValueError("train.fragment_sync_delay > 0 overlaps syncs on a second process group, which "
-                                 "this backend cannot make: use backend='torch', or fragment_sync_delay=0")
-            # Its own process group: the training thread's collectives never interleave with these.
-            self._wire_comm = comm.split([list(range(comm.size))])
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-outer-sync")
+        # One thread, so every rank runs its syncs in the same order on their process group.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-outer-sync") \
+            if background else None
 
     @property
     def fragments(self) -> list[list[int]]:
@@ -125,10 +122,9 @@ class OuterSync:
         self._last_start[fragment] = self.step
         future: Future = Future()
         if self._thread is None:
-            future.set_result(low_precision.average_with_feedback(self._wire_comm, delta, self._wire, residual))
+            future.set_result(self._average(delta, residual))
         else:
-            future = self._thread.submit(low_precision.average_with_feedback, self._wire_comm, delta, self._wire,
-                                         residual)
+            future = self._thread.submit(self._average, delta, residual)
         self._in_flight[fragment] = future
 
     def _land(self, fragment: int, alpha: float) -> None:
@@ -191,3 +187,35 @@ class OuterSync:
             future: Future = Future()
             future.set_result((pending["mean"], pending["residual"]))
             self._in_flight[int(key)] = future
+
+
+def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Parameter], train: Any
+                     ) -> tuple[OuterSync, Communicator | None]:
+    """DiLoCo's outer sync for this rank, and the communicator its gradients are averaged over every
+    step (its island's; None for flat DiLoCo, whose ranks step alone)."""
+    schedule = OuterSchedule(train.sync_every, train.fragments, train.fragment_sync_delay)
+    background = schedule.delay > 0 and comm.size > 1
+    if background and SUBGROUP not in comm.ops:
+        raise ValueError("train.fragment_sync_delay > 0 overlaps syncs on a second process group, which this "
+                         "backend cannot make: use backend='torch', or fragment_sync_delay=0")
+    islands = island_ranks(train.islands, comm.world.hosts, comm.world.executors) if train.islands else None
+    if islands is not None and SUBGROUP not in comm.ops:
+        raise ValueError("train.islands needs process groups per island, which this backend cannot make: use "
+                         "backend='torch'")
+    stepping = island_comms(comm, islands) if islands else None
+    # The communication thread gets process groups of its own: the training thread's collectives
+    # never interleave with its syncs.
+    wire = train.sync_dtype
+    if islands:
+        syncing = island_comms(comm, islands) if background else stepping
+
+        def average(delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return average_across_islands(syncing, delta, wire, residual)
+    else:
+        wire_comm = comm.split([list(range(comm.size))]) if background else comm
+
+        def average(delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return low_precision.average_with_feedback(wire_comm, delta, wire, residual)
+    outer = OuterSync(model, params, schedule, average, outer_lr=train.outer_lr, outer_momentum=train.outer_momentum,
+                      alpha=train.fragment_update_alpha, background=background)
+    return outer, stepping.island if stepping is not None else None

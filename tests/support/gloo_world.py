@@ -12,7 +12,8 @@ import traceback
 from typing import Any, Callable
 
 
-def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any,
+               executors: tuple[str, ...] = ()) -> None:
     import torch
 
     from sparkdl.comm.base import WorldInfo
@@ -20,7 +21,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
 
     torch.set_num_threads(1)
     info = WorldInfo(rank=rank, size=world, local_rank=rank, local_size=world, hosts=("localhost",) * world,
-                     master_addr="127.0.0.1", master_port=port)
+                     master_addr="127.0.0.1", master_port=port, executors=executors)
     comm = TorchDistCommunicator(info, 60)
     try:
         queue.put((rank, fn(comm, *args), None))
@@ -30,13 +31,15 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
         comm.close()
 
 
-def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+              executors: tuple[str, ...] = ()) -> list[Any]:
+    """`executors`: each rank's executor address in its WorldInfo (what islands are declared by)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue, executors)) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
