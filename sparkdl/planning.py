@@ -35,6 +35,22 @@ def settle_without_planner(config: RunConfig) -> RunConfig:
     return config if implied == "auto" else config.merged({"train": {"strategy": implied}})
 
 
+def find_declared_islands(spark: Any, config: RunConfig) -> RunConfig:
+    """train.islands=K: the K islands the measured links form (planner/islands.py), as host groups."""
+    from sparkdl.errors import ConfigError
+    from sparkdl.planner.islands import find_islands, host_of
+
+    count = config.train.islands
+    cluster = calibrate(spark, config.launch.num_workers, config.launch.threads_per_worker)
+    hosts = [host_of(e) for e in cluster.rank_executors]
+    found = find_islands(hosts, cluster.latency_s, cluster.bandwidth_Bps, count) if hosts else None
+    if found is None:
+        raise ConfigError(f"train.islands={count}, but the {config.launch.num_workers} workers run on "
+                          f"{len(set(hosts))} host(s): an island is one host or more",
+                          hint="use fewer islands, or name them: islands=[['h1', 'h2'], ['h3', 'h4']]")
+    return config.merged({"train": {"islands": found.islands}})
+
+
 def make_plan(module: Any, config: RunConfig, num_features: Any, spark: Any, num_rows: int | None = None,
               fallback: bool = False) -> Any:
     """Profile the model, measure (or recall) the cluster, price every layout, choose one.
@@ -138,6 +154,10 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
     if config.train.strategy == "auto":
         auto = make_plan(module, config, inputs, spark, num_rows, fallback=fallback)
         config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
+        if (auto is None or auto.strategy != "islands") and config.train.islands:
+            config = config.merged({"train": {"islands": 0}})  # the planner chose a layout without them
+    elif isinstance(config.train.islands, int) and config.train.islands and config.train.sync == "diloco":
+        config = find_declared_islands(spark, config)
     check_strategy_inputs(config, layout)
     check_backend(config)
     check_fragments(module, config)
@@ -169,7 +189,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     mismatch = _layout_mismatch(plan, module, config, layout, inputs)
     if mismatch:
         raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=_REPLAN)
-    if plan.strategy in ("data_parallel", "diloco") or (plan.strategy == "ist" and plan.auto is None):
+    if plan.strategy in ("data_parallel", "diloco", "islands") or (plan.strategy == "ist" and plan.auto is None):
         from sparkdl.planner.stages import check_data_parallel_memory
 
         check_data_parallel_memory(module, config, inputs)

@@ -23,12 +23,13 @@ from sparkdl.planner.plan import Candidate, Plan
 PLAN_FORMAT = 1
 # The train options that select a layout; a kept plan sets exactly these on the run it is reused for.
 LAYOUT_OPTIONS = ("strategy", "sync", "sync_every", "stages", "microbatches", "schedule", "batch_balance",
-                  "ist_sync_every", "ist_scale")
+                  "ist_sync_every", "ist_scale", "sync_dtype", "fragments", "fragment_sync_delay",
+                  "fragment_update_alpha", "islands")
 
 
 @dataclass(frozen=True)
 class ResolvedPlan:
-    strategy: str  # the algorithm: "data_parallel", "diloco", "hybrid" or "ist"
+    strategy: str  # the algorithm: "data_parallel", "diloco", "islands", "hybrid" or "ist"
     settings: tuple[tuple[str, Any], ...]  # LAYOUT_OPTIONS of the train section, as the run uses them
     world: int  # num_workers the layout is for
     layout: StrategyLayout = None  # HybridLayout / IstLayout, None for data parallel
@@ -43,6 +44,7 @@ class ResolvedPlan:
               auto: Plan | None = None) -> "ResolvedPlan":
         train = config.train
         strategy = "diloco" if train.strategy == "data_parallel" and train.sync == "diloco" else train.strategy
+        strategy = "islands" if strategy == "diloco" and train.islands else strategy
         settings = tuple((name, getattr(train, name)) for name in LAYOUT_OPTIONS)
         return cls(strategy=strategy, settings=settings, world=config.launch.num_workers, layout=layout,
                    params=tuple(sorted((str(k), str(v)) for k, v in params.items())), auto=auto, config=config)
@@ -64,7 +66,7 @@ class ResolvedPlan:
             return self.auto.options
         settings = dict(self.settings)
         named = {"strategy": settings["strategy"]}
-        if self.strategy in ("data_parallel", "diloco"):
+        if self.strategy in ("data_parallel", "diloco", "islands"):
             named["sync"] = settings.get("sync", "allreduce")
         named.update({k: v for k, v in self.settings if _shown(self.strategy, k)
                       and not (k == "batch_balance" and v == "equal")})
@@ -122,7 +124,10 @@ class ResolvedPlan:
 
 def _shown(strategy: str, option: str) -> bool:
     """The options worth showing for a strategy (the others keep their defaults and do nothing)."""
-    relevant = {"data_parallel": {"batch_balance"}, "diloco": {"sync_every"},
+    relevant = {"data_parallel": {"batch_balance"},
+                "diloco": {"sync_every", "sync_dtype", "fragments", "fragment_sync_delay", "fragment_update_alpha"},
+                "islands": {"sync_every", "sync_dtype", "fragments", "fragment_sync_delay", "fragment_update_alpha",
+                            "islands"},
                 "hybrid": {"stages", "microbatches", "schedule"}, "ist": {"ist_sync_every", "ist_scale"}}
     return option in relevant.get(strategy, set())
 

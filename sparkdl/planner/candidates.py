@@ -26,14 +26,16 @@ from sparkdl.config import RunConfig, parse_bytes
 from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
+from sparkdl.planner.ends import HETEROGENEOUS, CalibrationEnd, calibration_ends, island_groups
+from sparkdl.planner.islands import IslandLinks
+from sparkdl.planner.outer_candidates import island_candidate, streaming_candidate, streaming_options, user_wire
 from sparkdl.planner.speed import matmul_flops
 from sparkdl.planner.partition import balanced_cuts
-from sparkdl.planner.plan import Candidate, Decision, Plan, decide
+from sparkdl.planner.plan import ISLANDS_WITHIN, Candidate, Decision, Plan, decide
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
 
 DILOCO_H = (10, 50)
-HETEROGENEOUS = 1.5  # fastest / slowest rank speed (at both calibration ends) above which shares by speed are priced
 IST_R = 30
 
 
@@ -74,17 +76,6 @@ class ModelCosts:
     input_bytes: float = 0.0  # per row, of an input_cols run's inputs as delivered
 
 
-@dataclass(frozen=True)
-class CalibrationEnd:
-    """One view of the calibration a layout is priced under: as measured, or its optimistic end."""
-
-    name: str  # "measured" or "optimistic"
-    speeds: tuple[float, ...]  # FLOP/s per rank
-    latency_s: float  # the link the network terms use (slowest pair, or the emulated one)
-    bandwidth_Bps: float
-    net: cost.Network
-
-
 def build_plan(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", cluster: ClusterInfo,
                backend_ops: frozenset[str], threads: int = 1, num_rows: int | None = None) -> Plan:
     """Price every candidate layout and choose; `num_rows` (the training rows, when known) lets the
@@ -123,7 +114,7 @@ def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: 
     an approximate strategy must win at both ends, and data parallel with batches shared by speed is
     offered only when the ranks are unequal at both."""
     budget = rank_memory_budget(config, cluster)
-    ends = calibration_ends(cluster, config)
+    ends = calibration_ends(cluster, config, island_groups(cluster, config, backend_ops))
     unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
     priced = [_price_end(model, config, costs, end, budget, backend_ops, unequal) for end in ends]
     steps = run_steps(config, num_rows) if num_rows else None
@@ -149,36 +140,6 @@ def run_steps(config: RunConfig, num_rows: int, row_counts: Sequence[int] | None
     return epoch_plan(shards, config.data, shares).steps * config.train.epochs
 
 
-def calibration_ends(cluster: ClusterInfo, config: RunConfig) -> list[CalibrationEnd]:
-    """The measured end, and the optimistic one when the calibration measured its spread. At the
-    optimistic end ranks whose best speeds are within HETEROGENEOUS count as equal (at the fastest):
-    their measured difference may be load. Declared figures (emulate_network, emulate_speed) are
-    the same at both ends: they are not noisy."""
-    ends = [_end("measured", cluster, config)]
-    if cluster.has_spread:
-        optimistic = _end("optimistic", cluster.optimistic(), config)
-        speeds = optimistic.speeds
-        if not config.launch.emulate_speed and max(speeds) <= HETEROGENEOUS * min(speeds):
-            optimistic = dataclasses.replace(optimistic, speeds=(max(speeds),) * len(speeds))
-        ends.append(optimistic)
-    return ends
-
-
-def _end(name: str, cluster: ClusterInfo, config: RunConfig) -> CalibrationEnd:
-    emulated = config.launch.emulate_network
-    latency, bandwidth = cluster.worst_link()
-    if emulated:
-        from sparkdl.comm.emulated import network_from_options
-
-        fake_latency, fake_bandwidth = network_from_options(emulated)
-        # An emulated link only slows the real one down: the real latency and bandwidth still bound it.
-        latency, bandwidth = max(fake_latency, latency), min(fake_bandwidth, bandwidth)
-    # Collectives: the measured allreduce, which an emulated network can only slow down further.
-    net = cost.Network(latency_s=latency, bandwidth_Bps=bandwidth, collective_latency_s=cluster.collective_latency_s,
-                       collective_bandwidth_Bps=cluster.collective_bandwidth_Bps)
-    return CalibrationEnd(name, tuple(rank_speeds(cluster, config)), latency, bandwidth, net)
-
-
 def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: CalibrationEnd, budget: float | None,
                backend_ops: frozenset[str], unequal: bool) -> list[Candidate]:
     """Every candidate priced with this end's speeds and network."""
@@ -195,7 +156,7 @@ def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: Cali
     refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
         "IST trains without per-row weights (weight_col)" if config.data.weight_col else ""
     candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet,
-                             ist_refused=refused)
+                             ist_refused=refused, islands=end.islands)
     if unequal:
         # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
         balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(end.speeds) / len(end.speeds)),
@@ -216,8 +177,10 @@ def _explained(candidates: list[Candidate], decision: Decision, needed: float) -
     for i, c in enumerate(out):
         if c.feasible and i != decision.index:  # why not this one
             why = f"{c.predicted_step_s / chosen.predicted_step_s:.2f}x the chosen step"
-            if c.strategy in ("diloco", "ist") and c.predicted_step_s < chosen.predicted_step_s:
-                if chosen.predicted_step_s < needed * c.predicted_step_s:
+            if c.strategy in ("diloco", "ist", "islands") and c.predicted_step_s < chosen.predicted_step_s:
+                if chosen.strategy == "islands":
+                    why += f"; {c.strategy} keeps more replicas apart than islands (preferred within {ISLANDS_WITHIN:g}x)"
+                elif chosen.predicted_step_s < needed * c.predicted_step_s:
                     why += f"; approximate, and not {needed:g}x faster than the exact choice (approximate_min_speedup)"
                 elif decision.hinge:
                     why += "; approximate, and its advantage does not hold at both ends of the calibration"
@@ -254,15 +217,6 @@ def _notes(config: RunConfig, cluster: ClusterInfo, costs: ModelCosts, ends: lis
     if decision.hinge:
         notes.append(f"decision hinged on: {decision.hinge}")
     return notes
-
-
-def rank_speeds(cluster: ClusterInfo, config: RunConfig) -> list[float]:
-    """Each rank's FLOP/s: calibrated, or under launch.emulate_speed the fastest calibrated rank
-    scaled by the declared relative speeds (the emulation slows alike ranks down)."""
-    emulated = config.launch.emulate_speed
-    if emulated:
-        return [max(cluster.flops_per_s) * float(s) for s in emulated]
-    return list(cluster.flops_per_s)
 
 
 def _full_step_s(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", rows: int,
@@ -337,8 +291,11 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 
 def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
                 backend_ops: frozenset[str], profile: ModelProfile,
-                subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "") -> list[Candidate]:
-    """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible)."""
+                subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None
+                ) -> list[Candidate]:
+    """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible);
+    `islands`: the islands the measured links form (an islands candidate is priced on them)."""
+    from sparkdl.strategies.diloco import layer_groups
     from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
 
     out: list[Candidate] = []
@@ -356,9 +313,14 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
     add("data_parallel", {"strategy": "data_parallel", "sync": "allreduce"}, cost.data_parallel(work, net), True, "")
     for every in DILOCO_H:
         add("diloco", {"strategy": "data_parallel", "sync": "diloco", "sync_every": every},
-            cost.diloco(work, net, every), True, "")
+            cost.diloco(work, net, every, user_wire(config.train)), True, "")
     workers = work.world
     layers = len(profile.layers)
+    streamed = streaming_options(config.train, len(layer_groups(model)), "subgroup" in backend_ops)
+    if streamed is not None and workers >= 2:
+        add(*streaming_candidate(work, net, streamed), True, "")
+    if islands is not None:
+        add(*island_candidate(work, islands, config.train, streamed), True, "")
     if workers >= 2:
         gathers = "allgather" in backend_ops
         add("sharded", {"strategy": "sharded"}, cost.sharded(work, net), gathers,

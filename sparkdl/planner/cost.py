@@ -102,14 +102,67 @@ def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimat
                     memory)
 
 
-def diloco(work: Workload, net: Network, every: int) -> Estimate:
-    """T = C(B/W) + T_AR / H; the global copy and outer momentum add 8 bytes per parameter."""
+@dataclass(frozen=True)
+class OuterWire:
+    """How DiLoCo's outer sync travels: bits per value on the wire (block scales included), whether
+    it is an allgather of every replica's values (4 bits, error feedback) rather than a ring, the
+    fragments P it is cut into and the inner steps tau each fragment's sync overlaps."""
+
+    bits: float = 32.0
+    gather: bool = False
+    fragments: int = 1
+    delay: int = 0
+    residual_bytes_per_param: int = 0  # error feedback keeps one fp32 value per parameter
+
+
+def outer_sync_s(values: float, replicas: int, net: Network, wire: OuterWire) -> tuple[float, float]:
+    """(seconds, bytes one rank sends) to average `values` over `replicas` as `wire` says."""
+    if replicas <= 1:
+        return 0.0, 0.0
+    latency, bandwidth = net.ring
+    encoded = values * wire.bits / 8
+    if wire.gather:
+        return (replicas - 1) * (latency + encoded / bandwidth), (replicas - 1) * encoded
+    return allreduce_s(encoded, replicas, net), allreduce_bytes(encoded, replicas)
+
+
+def diloco(work: Workload, net: Network, every: int, wire: OuterWire = OuterWire()) -> Estimate:
+    """T = C(B/W) + P x max(0, T_sync(P_frag) - tau x C) / H: each of the P fragments syncs once per
+    H steps, overlapped with the tau inner steps that follow it (Streaming DiLoCo); tau = 0, P = 1
+    is DiLoCo's T_AR / H. The global copy and outer momentum add 8 bytes per parameter, error
+    feedback 4 more, a fragment in flight its fp32 mean."""
+    compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
+    rounds = every * work.accumulate  # sync_every counts optimizer steps
+    fragment_s, fragment_bytes = outer_sync_s(work.params / wire.fragments, work.world, net, wire)
+    exposed = max(0.0, fragment_s - wire.delay * compute * work.accumulate)
+    comm = wire.fragments * exposed / rounds
+    memory = work.params * (work.optimizer_bytes_per_param + 8 + wire.residual_bytes_per_param) \
+        + (4 * work.params / wire.fragments if wire.delay else 0) + work.rows * sum(l.saved_bytes for l in work.layers)
+    return Estimate(compute + comm, compute, comm, wire.fragments * fragment_bytes / rounds, memory)
+
+
+def islands(work: Workload, inside: Network, across: Network, sizes: Sequence[int], every: int,
+            wire: OuterWire = OuterWire()) -> Estimate:
+    """Islands of `sizes` ranks: data parallel inside each (T_AR of the gradients over the largest
+    island's links, every step), DiLoCo across: the smallest island's D members each average 1/D of
+    every fragment with their counterparts in the other K islands (in parallel, over the links
+    across), then share the chunks inside their island (D broadcasts)."""
     compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
-    rounds = every * work.accumulate  # sync_every counts optimizer steps
-    comm = allreduce_s(grad_bytes, work.world, net) / rounds
-    memory = work.params * (work.optimizer_bytes_per_param + 8) + work.rows * sum(l.saved_bytes for l in work.layers)
-    return Estimate(compute + comm, compute, comm, allreduce_bytes(grad_bytes, work.world) / rounds, memory)
+    largest, shards = max(sizes), min(sizes)
+    step_sync = allreduce_s(grad_bytes, largest, inside) / work.accumulate
+    chunk = work.params / wire.fragments / shards
+    cross_s, cross_bytes = outer_sync_s(chunk, len(sizes), across, wire)
+    latency, bandwidth = inside.ring
+    share_s = shards * (latency + 4 * chunk / bandwidth) if largest > 1 else 0.0
+    rounds = every * work.accumulate
+    exposed = max(0.0, cross_s + share_s - wire.delay * (compute + step_sync) * work.accumulate)
+    comm = step_sync + wire.fragments * exposed / rounds
+    sent = allreduce_bytes(grad_bytes, largest) / work.accumulate \
+        + wire.fragments * (cross_bytes + (largest - 1) * 4 * chunk) / rounds
+    memory = work.params * (work.optimizer_bytes_per_param + 8 + wire.residual_bytes_per_param) \
+        + (4 * work.params / wire.fragments if wire.delay else 0) + work.rows * sum(l.saved_bytes for l in work.layers)
+    return Estimate(compute + comm, compute, comm, sent, memory)
 
 
 def sharded(work: Workload, net: Network) -> Estimate:

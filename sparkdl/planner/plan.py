@@ -20,6 +20,10 @@ EXACT = ("data_parallel", "hybrid", "sharded")
 APPROXIMATE_MIN_SPEEDUP = 2.0  # train.approximate_min_speedup's default
 MIN_SAVING_S = 10.0  # an approximate strategy must save at least this much over the whole run
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
+# Islands keep K DiLoCo replicas where flat DiLoCo keeps W (data parallel inside each island): closer
+# to synchronous training at the same bytes across the slow links, so they are preferred among the
+# approximate candidates while their step is within this factor of the fastest one.
+ISLANDS_WITHIN = 1.5
 
 
 class NoFeasibleLayout(ValueError):
@@ -28,7 +32,7 @@ class NoFeasibleLayout(ValueError):
 
 @dataclass(frozen=True)
 class Candidate:
-    strategy: str  # "data_parallel", "diloco", "hybrid" or "ist"
+    strategy: str  # "data_parallel", "diloco", "islands", "hybrid", "sharded" or "ist"
     options: tuple[tuple[str, Any], ...]  # the RunConfig options that select it
     predicted_step_s: float
     bytes_per_step: float
@@ -41,6 +45,8 @@ class Candidate:
     @property
     def label(self) -> str:
         shown = {k: v for k, v in self.options if k not in ("strategy", "sync")}
+        if isinstance(shown.get("islands"), (list, tuple)):  # host groups: their sizes say enough here
+            shown["islands"] = "+".join(str(len(group)) for group in shown["islands"]) + " hosts"
         return self.strategy + ("(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")" if shown else "")
 
     def config_options(self) -> dict[str, Any]:
@@ -130,7 +136,7 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     if not feasible:
         raise NoFeasibleLayout("no candidate layout is feasible")
     approximate = [i for i in feasible if candidates[i].strategy not in EXACT]
-    best_approx = min(approximate, key=lambda i: candidates[i].predicted_step_s) if approximate else None
+    best_approx = best_approximate(candidates, approximate)
     v = verdict(candidates, best_approx if best_approx is not None else feasible[0], approximate_min_speedup, steps)
     if v.cheap is not None:
         # IST may still predict a shorter step, but only by training a subnet: not worth it here.
@@ -144,6 +150,12 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     e = candidates[v.exact]
     if best_approx is not None:
         a = candidates[best_approx]
+        if v.passes and a.strategy == "islands":
+            fastest = min(candidates[i].predicted_step_s for i in approximate)
+            return best_approx, (f"data parallel inside islands, DiLoCo across: {a.predicted_step_s * 1e3:.2f} ms, "
+                                 f"{v.speedup:.1f}x the best exact strategy ({e.label}), within {ISLANDS_WITHIN:g}x "
+                                 f"of the fastest approximate step ({fastest * 1e3:.2f} ms) with fewer DiLoCo "
+                                 "replicas (closer to synchronous training)")
         if v.passes:
             return best_approx, (f"fastest predicted step ({a.predicted_step_s * 1e3:.2f} ms), {v.speedup:.1f}x the "
                                  f"best exact strategy ({e.label}, {e.predicted_step_s * 1e3:.2f} ms), which is "
@@ -155,6 +167,19 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
             return v.exact, (f"exact updates; {a.label} is predicted only {v.speedup:.2f}x faster "
                              f"(approximate strategies need >= {approximate_min_speedup:g}x)")
     return v.exact, f"fastest predicted step ({e.predicted_step_s * 1e3:.2f} ms), exact updates"
+
+
+def best_approximate(candidates: list[Candidate], approximate: list[int]) -> int | None:
+    """The fastest approximate candidate, or an islands one within ISLANDS_WITHIN of it."""
+    if not approximate:
+        return None
+    fastest = min(approximate, key=lambda i: candidates[i].predicted_step_s)
+    islands = [i for i in approximate if candidates[i].strategy == "islands"]
+    if islands:
+        best = min(islands, key=lambda i: candidates[i].predicted_step_s)
+        if candidates[best].predicted_step_s <= ISLANDS_WITHIN * candidates[fastest].predicted_step_s:
+            return best
+    return fastest
 
 
 @dataclass(frozen=True)
