@@ -4,8 +4,9 @@ outer synchronisation does (DiLoCo at 16 bits, INTELLECT-1's int8 all-reduce, St
 in fp16 instead sums fp16 values (each hop rounds the partial sum), and small values (DiLoCo's
 deltas are lr x steps x gradients) fall into fp16's subnormals.
 
-- 16 bits ("fp16", "bf16"): one scale shared by all ranks (the largest |value| of any rank) maps the
-  values into [-1, 1] before the cast: fp16 keeps 11 significant bits down to 6e-5 of the largest.
+- 16 bits: "fp16" divides each block of 128 values by its largest |value| (a bf16 scale per block)
+  before the cast, so fp16's narrow range covers each block's own decades; "bf16" has fp32's range
+  and is cast as it is.
 - "int8": block-scaled integers (strategies/quantize.py); partial sums are re-quantized per hop.
 - "int4": block-scaled 4-bit integers with an error-feedback residual per rank. Reduced by an
   allgather of every rank's bytes and a local fp32 sum, so the sum is exactly that of what the ranks
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 
 from sparkdl.comm.base import SEND_RECV, Communicator
-from sparkdl.strategies.quantize import CODECS, Codec, quantize_with_feedback
+from sparkdl.strategies.quantize import CODECS, HALF, Codec, quantize_with_feedback
 
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 WIRE_FORMATS = ("fp32", *WIRE_DTYPES, *CODECS)
@@ -67,19 +68,24 @@ def average_with_feedback(comm: Communicator, values: torch.Tensor, wire: str, r
 
 
 def _average_16_bit(comm: Communicator, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    peak = values.abs().max().reshape(1) if values.numel() else torch.zeros(1)
-    comm.allreduce(peak, op="max")
-    scale = float(peak[0]) or 1.0
-    scaled = values / scale
-    if SEND_RECV in comm.ops:
-        width = torch.tensor([], dtype=dtype).element_size()
-        total = _ring_sum(comm, scaled, lambda chunk: chunk.to(dtype).view(torch.uint8),
-                          lambda raw, numel: raw.view(dtype).to(torch.float32), lambda numel: numel * width)
+    if dtype == torch.float16:
+        encode, decode, nbytes = HALF.encode, HALF.decode, HALF.nbytes
     else:
-        total = torch.zeros_like(scaled)
-        for part in comm.allgather(scaled.to(dtype)):
-            total += part.to(torch.float32)
-    return total.mul_(scale / comm.size)
+        def encode(chunk: torch.Tensor) -> torch.Tensor:
+            return chunk.to(dtype).view(torch.uint8)
+
+        def decode(raw: torch.Tensor, numel: int) -> torch.Tensor:
+            return raw.view(dtype).to(torch.float32)
+
+        def nbytes(numel: int) -> int:
+            return 2 * numel
+    if SEND_RECV in comm.ops:
+        total = _ring_sum(comm, values, encode, decode, nbytes)
+    else:
+        total = torch.zeros_like(values)
+        for part in comm.allgather(encode(values)):
+            total += decode(part, values.numel())
+    return total.div_(comm.size)
 
 
 def _ring_sum(comm: Communicator, values: torch.Tensor, encode: Encode, decode: Decode,
@@ -113,7 +119,7 @@ def _ring_sum(comm: Communicator, values: torch.Tensor, encode: Encode, decode: 
 
 
 def wire_bytes(numel: int, size: int, wire: str, send_recv: bool = True) -> int:
-    """Bytes one rank sends to average `numel` values over `size` ranks (a 16-bit shared scale aside)."""
+    """Bytes one rank sends to average `numel` values over `size` ranks."""
     if size <= 1:
         return 0
     if wire == "fp32":
@@ -133,6 +139,8 @@ def wire_bits(wire: str) -> float:
 def _encoded_bytes(wire: str) -> Callable[[int], int]:
     if wire == "fp32":
         return lambda numel: 4 * numel
+    if wire == "fp16":
+        return HALF.nbytes
     if wire in WIRE_DTYPES:
         return lambda numel: 2 * numel
     codec: Codec = CODECS[wire]

@@ -86,7 +86,43 @@ def _unpack_nibbles(payload: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.stack([low, high], dim=1).reshape(-1)[:numel]
 
 
+@dataclass(frozen=True)
+class BlockScaledHalf:
+    """fp16 values with one bf16 scale per block: each block is divided by its largest |value| before
+    the cast, so fp16's 5 exponent bits cover the block's decades instead of the whole tensor's
+    (DiLoCo's deltas of a LayerNorm and of a large matrix differ by more than fp16's range, and a
+    single scale pushed the small ones into subnormals: +0.9 % eval loss against fp32 DiLoCo)."""
+
+    name: str = "fp16"
+    bits: int = 16
+    error_feedback: bool = False
+
+    def nbytes(self, numel: int) -> int:
+        return 2 * numel + 2 * -(-numel // BLOCK)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        flat = values.detach().reshape(-1).to(torch.float32)
+        numel = flat.numel()
+        blocks = -(-numel // BLOCK)
+        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        padded[:numel] = flat
+        padded = padded.view(blocks, BLOCK)
+        scales = padded.abs().amax(dim=1).to(_SCALE_DTYPE)
+        divisor = scales.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        halves = (padded / divisor).to(torch.float16).reshape(-1)[:numel]
+        return torch.cat([halves.view(torch.uint8), scales.view(torch.uint8)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        blocks = -(-numel // BLOCK)
+        halves = payload[: 2 * numel].clone().view(torch.float16).to(torch.float32)
+        scales = payload[2 * numel: 2 * numel + 2 * blocks].clone().view(_SCALE_DTYPE).to(torch.float32)
+        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        padded[:numel] = halves
+        return (padded.view(blocks, BLOCK) * scales.unsqueeze(1)).reshape(-1)[:numel]
+
+
 CODECS = {"int8": Codec("int8", 8), "int4": Codec("int4", 4)}
+HALF = BlockScaledHalf()
 
 
 def codec_for(name: str) -> Codec:

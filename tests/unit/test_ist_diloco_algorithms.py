@@ -229,7 +229,8 @@ def test_diloco_follows_the_published_algorithm(sync_dtype: str, atol: float) ->
     every_step = run_world(2, _dp_rank, {"optimizer": "adamw"}, 7)
     # 3 synchronisations (steps 3, 6 and the last partial round) against 7 allreduces of the gradients.
     ratio = every_step[1]["bytes"] / results[1]["bytes"]  # rank 1: no initial broadcast to send
-    assert ratio == pytest.approx(7 / 3 * (1 if sync_dtype == "fp32" else 2), rel=0.01)
+    # (fp16 carries a bf16 scale per block of 128 values besides its 2 bytes a value.)
+    assert ratio == pytest.approx(7 / 3 * (1 if sync_dtype == "fp32" else 2), rel=0.02)
 
 
 def test_diloco_options_are_checked() -> None:

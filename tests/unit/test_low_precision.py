@@ -76,7 +76,7 @@ def test_a_16_bit_average_with_fp32_sums_is_the_same_on_every_rank_and_close_to_
         naive_error = ((results[0][1] - exact)[small]).abs().mean()
         ours = ((first - exact)[small]).abs().mean()
         assert ours < naive_error / 10, (float(ours), float(naive_error))
-    # The 16-bit chunks of a ring (2 (W-1) of them, of N/W values), and the shared scale's 4 bytes.
+    # The 16-bit chunks of a ring (2 (W-1) of them, of N/W values, fp16 with a bf16 scale per 128).
     sent, width = results[0][2], 2
     assert 2 * (WORLD - 1) * (NUMEL // WORLD) * width <= sent <= low_precision.wire_bytes(NUMEL, WORLD, wire) + 8, sent
 
