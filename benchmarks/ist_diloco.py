@@ -80,6 +80,9 @@ def make_model(hidden: int) -> Any:
     return factory
 
 
+LOW_PRECISION = ("diloco_fp16", "diloco_bf16", "diloco_int8", "diloco_int4", "streaming_int4")
+
+
 def options_for(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "data_parallel": {},
@@ -87,6 +90,11 @@ def options_for(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "diloco": {"sync": "diloco", "sync_every": args.diloco_sync_every},  # the paper's outer 0.7 / 0.9
         "diloco_fp16": {"sync": "diloco", "sync_every": args.diloco_sync_every, "sync_dtype": "fp16"},
         "diloco_bf16": {"sync": "diloco", "sync_every": args.diloco_sync_every, "sync_dtype": "bf16"},
+        "diloco_int8": {"sync": "diloco", "sync_every": args.diloco_sync_every, "sync_dtype": "int8"},
+        "diloco_int4": {"sync": "diloco", "sync_every": args.diloco_sync_every, "sync_dtype": "int4"},
+        # Streaming DiLoCo: the MLP's 3 Linear layers in 2 strided fragments, each sync overlapping a step.
+        "streaming_int4": {"sync": "diloco", "sync_every": args.diloco_sync_every, "sync_dtype": "int4",
+                           "fragments": 2, "fragment_sync_delay": 1},
         "diloco_tuned": {"sync": "diloco", "sync_every": args.diloco_sync_every, "outer_lr": args.outer_lr,
                          "outer_momentum": args.outer_momentum},
     }[name]
@@ -167,15 +175,18 @@ def main() -> None:
             ist = summary["ist"]
             verdicts["ist"] = {"accuracy_within_1.5_points": ist["accuracy_points_vs_dp"] >= -1.5,
                                "bytes_20x_fewer": ist["bytes_reduction_x"] >= 20}
-        for name in ("diloco", "diloco_fp16", "diloco_bf16", "diloco_tuned"):
+        for name in ("diloco", *LOW_PRECISION, "diloco_tuned"):
             if name in summary:
                 verdicts[name] = {"loss_within_2pct": summary[name]["loss_vs_dp_pct"] <= 2.0,
                                   "bytes_40x_fewer": summary[name]["bytes_reduction_x"] >= 40}
-    for name in ("diloco_fp16", "diloco_bf16"):  # issue 32: 16 bits on the wire, fp32 sums
+    for name in LOW_PRECISION:  # issue 32: few bits on the wire, fp32 sums
         if name in summary and "diloco" in summary:
             figures, fp32 = summary[name], summary["diloco"]
             figures["loss_vs_fp32_diloco_pct"] = round(100 * (figures["test_loss"] / fp32["test_loss"] - 1), 2)
-            verdicts.setdefault(name, {})["loss_within_0.5pct_of_fp32_diloco"] = figures["loss_vs_fp32_diloco_pct"] <= 0.5
+            figures["bytes_vs_fp32_diloco_x"] = round(fp32["bytes"] / max(figures["bytes"], 1), 2)
+            if name in ("diloco_fp16", "diloco_bf16"):
+                verdicts.setdefault(name, {})["loss_within_0.5pct_of_fp32_diloco"] = \
+                    figures["loss_vs_fp32_diloco_pct"] <= 0.5
     result = {"benchmark": "ist_diloco", "dataset": f"teacher MLP 64-256-10, {args.rows} train / {args.test_rows} "
               "test rows", "model": f"MLP 64-{args.hidden}-{args.hidden}-10", "workers": 2, "master": "local[2]",
               "batch_per_worker": args.batch_size, "epochs": args.epochs, "repeats": args.repeats,

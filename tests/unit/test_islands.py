@@ -38,10 +38,12 @@ def _train(comm: Any, options: dict[str, Any], steps: int) -> dict[str, Any]:
 
     strategy = DataParallel(comm, None, TrainConfig(**options))
     strategy.setup(mlp(), plain_sgd, F.cross_entropy)
+    before = comm.bytes_sent
     for features, labels in batches(comm.rank, steps):
         strategy.train_step(features, labels)
     strategy.finish()
-    return {"state": {k: v.numpy() for k, v in strategy.module().state_dict().items()}, "bytes": comm.bytes_sent}
+    return {"state": {k: v.numpy() for k, v in strategy.module().state_dict().items()},
+            "bytes": comm.bytes_sent - before}
 
 
 def test_island_ranks_follow_the_declared_hosts_or_executors() -> None:
@@ -54,32 +56,47 @@ def test_island_ranks_follow_the_declared_hosts_or_executors() -> None:
         island_ranks((("a",), ("b", "c"), ("d",)), hosts)
 
 
-@pytest.mark.parametrize("world,islands", [(3, (("e0", "e1"), ("e2",))), (4, (("e0", "e2"), ("e1", "e3")))])
-def test_islands_with_h1_plain_averaging_equal_data_parallel(world: int, islands: tuple) -> None:
+def _train_cases(comm: Any, cases: dict[str, tuple[dict[str, Any], int]]) -> dict[str, Any]:
+    """Every case in one world: spawning ranks costs seconds, a case a fraction of one."""
+    return {name: _train(comm, options, steps) for name, (options, steps) in cases.items()}
+
+
+H1 = {"sync": "diloco", "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
+STREAMED = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 1, "sync_dtype": "int4",
+            "islands": (("e0", "e1"), ("e2", "e3"))}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    cases = {"data parallel": ({}, 5), "islands h1": ({**H1, "islands": (("e0", "e2"), ("e1", "e3"))}, 5),
+             "islands streamed": (STREAMED, 16), "flat streamed": ({**STREAMED, "islands": 0}, 16)}
+    return run_world(4, _train_cases, cases, executors=("e0", "e1", "e2", "e3"), timeout=170)
+
+
+def test_islands_with_h1_plain_averaging_equal_data_parallel(four_ranks: list[dict[str, Any]]) -> None:
     """Unequal islands (2 + 1: weighted by size, one rank per island averages across) and equal ones
     whose islands interleave the ranks (2 + 2: the average sharded over two cross-island pairs)."""
-    executors = tuple(f"e{r}" for r in range(world))
-    reference = run_world(world, _train, {}, 5, executors=executors)
-    islands_run = run_world(world, _train, {"sync": "diloco", "sync_every": 1, "outer_lr": 1.0,
-                                            "outer_momentum": 0.0, "islands": islands}, 5, executors=executors)
-    for rank in range(world):
-        for key, value in reference[0]["state"].items():
-            np.testing.assert_allclose(islands_run[rank]["state"][key], value, atol=1e-6, err_msg=f"{rank} {key}")
+    three = run_world(3, _train_cases, {"data parallel": ({}, 5),
+                                        "islands h1": ({**H1, "islands": (("e0", "e1"), ("e2",))}, 5)},
+                      executors=("e0", "e1", "e2"))
+    for results in (three, four_ranks):
+        reference = results[0]["data parallel"]["state"]
+        for rank, result in enumerate(results):
+            for key, value in reference.items():
+                np.testing.assert_allclose(result["islands h1"]["state"][key], value, atol=1e-6,
+                                           err_msg=f"{len(results)} ranks: rank {rank} {key}")
 
 
-def test_islands_stream_quantized_syncs_and_every_rank_ends_the_same() -> None:
+def test_islands_stream_quantized_syncs_and_every_rank_ends_the_same(four_ranks: list[dict[str, Any]]) -> None:
     """4 ranks in 2 islands, H=8, 2 fragments overlapped by a step, int4 across: every rank ends with
-    the same model, and the islands' links carry the int4 chunks: each rank sends (K-1) x 1/D of
-    the model's 4 bits per sync across (plus its island's own traffic)."""
-    executors = ("e0", "e1", "e2", "e3")
-    options = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 1, "sync_dtype": "int4",
-               "islands": (("e0", "e1"), ("e2", "e3"))}
-    results = run_world(4, _train, options, 16, executors=executors)
+    the same model, which is not flat DiLoCo's over the 4 ranks."""
+    first = four_ranks[0]["islands streamed"]["state"]
     for rank in range(1, 4):
-        for key, value in results[0]["state"].items():
-            np.testing.assert_array_equal(results[rank]["state"][key], value, err_msg=f"{rank} {key}")
-    flat = run_world(4, _train, {**options, "islands": 0}, 16, executors=executors)
-    assert not all(np.array_equal(flat[0]["state"][k], v) for k, v in results[0]["state"].items())
+        for key, value in first.items():
+            np.testing.assert_array_equal(four_ranks[rank]["islands streamed"]["state"][key], value,
+                                          err_msg=f"{rank} {key}")
+    flat = four_ranks[0]["flat streamed"]["state"]
+    assert not all(np.array_equal(flat[k], v) for k, v in first.items())
 
 
 def test_islands_options_are_checked() -> None:

@@ -133,6 +133,7 @@ def _train(comm: Any, options: dict[str, Any], steps: int, stop_at: int | None =
         strategy.setup(mlp(), adamw, F.cross_entropy)
         return strategy
 
+    before = comm.bytes_sent
     strategy = build()
     data = batches(comm.rank, steps)
     for step, (features, labels) in enumerate(data, start=1):
@@ -145,46 +146,67 @@ def _train(comm: Any, options: dict[str, Any], steps: int, stop_at: int | None =
             buffer.seek(0)
             strategy.load_checkpoint_state(torch.load(buffer, weights_only=True))
     strategy.finish()
-    return {"state": {k: v.numpy() for k, v in strategy.module().state_dict().items()}, "bytes": comm.bytes_sent}
+    return {"state": {k: v.numpy() for k, v in strategy.module().state_dict().items()},
+            "bytes": comm.bytes_sent - before}
 
 
-@pytest.mark.parametrize("fragments,delay,alpha", [(2, 0, 0.0), (4, 1, 0.0), (2, 2, 0.5)])
-def test_streaming_diloco_follows_the_published_update_rule(fragments: int, delay: int, alpha: float) -> None:
-    options = {"sync": "diloco", "sync_every": 8, "fragments": fragments, "fragment_sync_delay": delay,
-               "fragment_update_alpha": alpha, "outer_lr": 0.7, "outer_momentum": 0.9}
-    results = run_world(WORLD, _train, options, 19)
+def _train_cases(comm: Any, cases: dict[str, tuple[dict[str, Any], int, int | None]]) -> dict[str, Any]:
+    """Every case in one world: spawning ranks costs seconds, a case a fraction of one."""
+    return {name: _train(comm, options, steps, stop_at) for name, (options, steps, stop_at) in cases.items()}
+
+
+STREAMED = [(2, 0, 0.0), (4, 1, 0.0), (2, 2, 0.5)]
+RESUME = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 2, "fragment_update_alpha": 0.5,
+          "sync_dtype": "int4"}
+BYTES = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}
+CASES: dict[str, tuple[dict[str, Any], int, int | None]] = {
+    **{f"streamed {p} {d} {a}": ({"sync": "diloco", "sync_every": 8, "fragments": p, "fragment_sync_delay": d,
+                                  "fragment_update_alpha": a, "outer_lr": 0.7, "outer_momentum": 0.9}, 19, None)
+       for p, d, a in STREAMED},
+    "plain": ({"sync": "diloco", "sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}, 10, None),
+    # H=8, P=2, tau=2: fragment 0 starts at steps 4, 12 (lands 6, 14), fragment 1 at 8, 16 (lands 10,
+    # 18). Checkpoints at 9 (fragment 1 in flight), 10 (it lands that step), 12 (fragment 0 starts).
+    "straight": (RESUME, 19, None),
+    **{f"resumed at {k}": (RESUME, 19, k) for k in (9, 10, 12)},
+    "bytes fp32": (BYTES, 16, None),
+    "bytes int4": ({**BYTES, "sync_dtype": "int4"}, 16, None),
+}
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict[str, Any]]:
+    return run_world(WORLD, _train_cases, CASES, timeout=170)
+
+
+@pytest.mark.parametrize("fragments,delay,alpha", STREAMED)
+def test_streaming_diloco_follows_the_published_update_rule(trained: list[dict[str, Any]], fragments: int,
+                                                            delay: int, alpha: float) -> None:
     expected = reference(19, 8, fragments, delay, alpha)
-    for result in results:
+    for result in trained:
         for key, value in expected.items():
-            np.testing.assert_allclose(result["state"][key], value, atol=1e-5, err_msg=key)
+            np.testing.assert_allclose(result[f"streamed {fragments} {delay} {alpha}"]["state"][key], value,
+                                       atol=1e-5, err_msg=key)
 
 
-def test_one_fragment_without_delay_is_plain_diloco() -> None:
-    options = {"sync": "diloco", "sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}
-    plain = run_world(WORLD, _train, options, 10)
+def test_one_fragment_without_delay_is_plain_diloco(trained: list[dict[str, Any]]) -> None:
     expected = reference(10, 4, 1, 0, 0.0)
     for key, value in expected.items():
-        np.testing.assert_allclose(plain[0]["state"][key], value, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(trained[0]["plain"]["state"][key], value, atol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("stop_at", [9, 10, 12])
-def test_resume_mid_period_is_exact_with_a_sync_in_flight(stop_at: int) -> None:
-    """H=8, P=2, tau=2: fragment 0 starts at step 4, 12 (lands 6, 14), fragment 1 at 8, 16 (lands
-    10, 18). Checkpoints at 9 (fragment 1 in flight), 10 (it lands that step) and 12 (fragment 0
-    starts that step) continue to the uninterrupted run's weights bit for bit."""
-    options = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 2,
-               "fragment_update_alpha": 0.5, "sync_dtype": "int4"}
-    straight = run_world(WORLD, _train, options, 19)
-    resumed = run_world(WORLD, _train, options, 19, stop_at)
+def test_resume_mid_period_is_exact_with_a_sync_in_flight(trained: list[dict[str, Any]], stop_at: int) -> None:
+    """Continued from a checkpoint, to the uninterrupted run's weights bit for bit (int4 with error
+    feedback: the residuals and the mean in flight are part of the checkpoint)."""
     for rank in range(WORLD):
-        for key, value in straight[rank]["state"].items():
-            np.testing.assert_array_equal(resumed[rank]["state"][key], value, err_msg=f"rank {rank} {key}")
+        for key, value in trained[rank]["straight"]["state"].items():
+            np.testing.assert_array_equal(trained[rank][f"resumed at {stop_at}"]["state"][key], value,
+                                          err_msg=f"rank {rank} {key}")
 
 
-def test_int4_streaming_sends_an_eighth_of_fp32_diloco_and_every_rank_ends_the_same() -> None:
-    base = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_delay": 1}
-    fp32 = run_world(WORLD, _train, base, 16)
-    int4 = run_world(WORLD, _train, {**base, "sync_dtype": "int4"}, 16)
+def test_int4_streaming_sends_an_eighth_of_fp32_diloco_and_every_rank_ends_the_same(
+        trained: list[dict[str, Any]]) -> None:
+    fp32, int4 = [r["bytes fp32"] for r in trained], [r["bytes int4"] for r in trained]
     for key, value in int4[0]["state"].items():
         np.testing.assert_array_equal(int4[1]["state"][key], value, err_msg=key)  # replicas agree exactly
         np.testing.assert_allclose(value, fp32[0]["state"][key], atol=0.02, err_msg=key)
