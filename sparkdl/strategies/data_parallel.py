@@ -89,6 +89,7 @@ class DataParallel(Strategy):
         # Whom gradients are averaged with every step: everyone; nobody (DiLoCo's ranks step alone);
         # or the rank's island (islands: data parallel inside, DiLoCo across).
         self._step_comm: Communicator | None = self.comm
+        self._comm_wait_s = 0.0
         if self._diloco:
             self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, self.train)
 
@@ -114,7 +115,7 @@ class DataParallel(Strategy):
             self._normalise_window()
         if self._diloco:
             if self._step_comm is not None and self._step_comm.size > 1:
-                average_gradients(self._step_comm, self._params)
+                self._averaged(self._step_comm)
             self.steps.step(self._optimizer, self._params)
             self._outer_sync.after_inner_step()
             return loss.detach()
@@ -125,9 +126,23 @@ class DataParallel(Strategy):
                 self.steps.step(self._optimizer, self._params)
             return loss.detach()
         if self.comm.size > 1:
-            average_gradients(self.comm, self._params)
+            self._averaged(self.comm)
         self.steps.step(self._optimizer, self._params)
         return loss.detach()
+
+    def _averaged(self, group: Communicator) -> None:
+        started = time.perf_counter()
+        average_gradients(group, self._params)
+        self._comm_wait_s += time.perf_counter() - started
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """Besides the base figures, this epoch's seconds blocked on communication (gradient averaging,
+        DiLoCo syncs not hidden behind training): compute utilisation is 1 - that / the epoch's time."""
+        waited = self._comm_wait_s + (self._outer_sync.wait_s if self._diloco else 0.0)
+        self._comm_wait_s = 0.0
+        if self._diloco:
+            self._outer_sync.wait_s = 0.0
+        return {**super().epoch_metrics(), "comm_wait_s": waited}
 
     def _objective(self, loss: torch.Tensor, numerator: torch.Tensor | None, denominator: torch.Tensor | None
                    ) -> torch.Tensor:

@@ -10,6 +10,7 @@ and lands tau steps later; so the last fragment syncs at H, 2H, ... as plain DiL
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -96,6 +97,7 @@ class OuterSync:
         self._last_start = [0] * schedule.fragments
         self._residuals: list[torch.Tensor | None] = [None] * schedule.fragments
         self._in_flight: dict[int, Future] = {}
+        self.wait_s = 0.0  # the training thread's time blocked on syncs (a compute-utilisation figure)
         # One thread, so every rank runs its syncs in the same order on their process group.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-outer-sync") \
             if background else None
@@ -106,10 +108,12 @@ class OuterSync:
 
     def after_inner_step(self) -> None:
         self.step += 1
+        started = time.perf_counter()
         for fragment in self.schedule.starting(self.step):
             self._start(fragment)
         for fragment in self.schedule.landing(self.step):
             self._land(fragment, self._alpha)
+        self.wait_s += time.perf_counter() - started
 
     def _delta(self, fragment: int) -> torch.Tensor:
         """The pseudo-gradient theta_old - theta_local of one fragment, flat in fp32."""

@@ -18,7 +18,8 @@ EPHEMERAL_PORTS = "32768-60999"  # Linux's ip_local_port_range: where listeners 
 class Controller:
     """Carries out what a driver script on the bed asks of the network while it runs (its hosts
     cannot change their own links): each request is `<ask>/<n>.json`, answered by `<n>.done` (JSON).
-    Requests: {"do": "shape", "host" or "last_worker", "mbit"}; {"do": "cut", "host", "seconds"}
+    Requests: {"do": "shape", "host" or "last_worker", "mbit"}; {"do": "network", "mbit", "islands",
+    "across_mbit"} (every worker link; see _network); {"do": "cut", "host", "seconds"}
     (cut now, mended after); {"do": "firewall", "on", "between": "workers" or "client", "host"} (the
     worker hosts reject each other's connections to ports the OS picks, or every connection to the
     asking host); {"do": "sniff", "host"} (record
@@ -82,6 +83,8 @@ class Controller:
                 bed.reject(bed.workers, bed.workers, bool(asked["on"]), ports=EPHEMERAL_PORTS)
             else:  # the asking host (a Connect client): no executor reaches it at all
                 bed.reject(bed.workers, [bed.host_named(asked["host"])], bool(asked["on"]))
+        elif what == "network":  # every worker host's link; with "islands", slow links between groups
+            return self._network(asked)
         elif what == "sniff":
             return self._start_sniffer(bed.host_named(asked["host"]))
         elif what == "attack":
@@ -89,6 +92,20 @@ class Controller:
         else:
             raise ValueError(f"unknown request {what!r}")
         return {}
+
+    def _network(self, asked: dict[str, Any]) -> dict[str, Any]:
+        """{"mbit"}: each worker host's link at that rate; {"islands": [[1, 2], [3, 4]] (worker numbers),
+        "mbit" (inside), "across_mbit"}: besides, each host reaches the other islands' hosts at
+        across_mbit (a class of its own on both ends of its link, shared by those peers)."""
+        rate = int(float(asked["mbit"]) * 1_000_000)
+        islands = [[self.bed.workers[n - 1] for n in group] for group in asked.get("islands", [])]
+        for host in self.bed.workers:
+            others = [h for group in islands if host not in group for h in group]
+            if others:
+                self.bed.shape_apart(host, others, rate, int(float(asked["across_mbit"]) * 1_000_000))
+            else:
+                self.bed.shape(host, rate)
+        return {"islands": [[h.address for h in group] for group in islands]}
 
     def _mend(self, host: Host) -> None:
         self.bed.mend(host)

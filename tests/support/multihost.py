@@ -179,6 +179,20 @@ class Bed:
             _run("tc", "-n", namespace, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit",
                  "burst", str(tbf_burst_bytes(rate_bps)), "latency", "200ms")
 
+    def shape_apart(self, host: Host, others: list[Host], rate_bps: int, apart_bps: int) -> None:
+        """`host`'s link at `rate_bps`, except what it exchanges with `others`: `apart_bps` each way
+        (an htb class of its own on both ends of the link, shared by those peers), as a host reaches
+        another rack or zone over a slower path."""
+        for namespace, dev, peer in ((host.namespace, "eth0", "dst"), (self.switch, f"p{host.index}", "src")):
+            _run("tc", "-n", namespace, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            for classid, rate in (("1:10", rate_bps), ("1:20", apart_bps)):
+                burst = str(tbf_burst_bytes(rate))
+                _run("tc", "-n", namespace, "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb",
+                     "rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", burst, "cburst", burst)
+            for other in others:
+                _run("tc", "-n", namespace, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                     "u32", "match", "ip", peer, f"{other.address}/32", "flowid", "1:20")
+
     def cut(self, host: Host) -> None:
         """Take `host`'s link down (its switch port): nothing reaches it or leaves it."""
         _run("ip", "-n", self.switch, "link", "set", f"p{host.index}", "down")
