@@ -175,17 +175,19 @@ def main() -> None:
     load_before = os.getloadavg()
     extra = ["--epochs", "2"] if args.quick else []
     networks = "1gbit" if args.quick else args.networks
-    with multihost.Bed(root, workers=4, worker_cores=1, worker_memory="2g") as bed:
-        out, ask = bed.shared / "slow_links.json", bed.shared / "ask"
-        with Controller(bed, ask):
-            done = bed.run_on(bed.driver, [sys.executable, str(DRIVER), bed.master_url, str(out), "--shared",
-                                           str(bed.shared), "--ask", str(ask), "--networks", networks,
-                                           "--rows", args.rows, *extra, *passed], timeout=60 * 60)
-        sys.stderr.write(done.stderr[-8000:])
-        if not out.exists():
-            raise SystemExit(f"the driver wrote nothing (rc {done.returncode})")
-        raw = json.loads(out.read_text())
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        with multihost.Bed(root, workers=4, worker_cores=1, worker_memory="2g") as bed:
+            out, ask = bed.shared / "slow_links.json", bed.shared / "ask"
+            with Controller(bed, ask):
+                done = bed.run_on(bed.driver, [sys.executable, str(DRIVER), bed.master_url, str(out), "--shared",
+                                               str(bed.shared), "--ask", str(ask), "--networks", networks,
+                                               "--rows", args.rows, *extra, *passed], timeout=60 * 60)
+            sys.stderr.write(done.stderr[-8000:])
+            if not out.exists():
+                raise SystemExit(f"the driver wrote nothing (rc {done.returncode})")
+            raw = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     summary = summarise(raw)
     result = {"benchmark": "slow_links", "hosts": "4 worker hosts (1 core, 1 rank each) + master + driver, "
               "network namespaces on one 2-core machine", "model": "GPT 2 blocks d=64, byte tokens, 64 a row",

@@ -157,10 +157,8 @@ def ddp_train(tokens_path: str, eval_path: str, epochs: int, batch: int, steps_p
 
 
 def ddp_row(spark: Any, shared: Path, args: argparse.Namespace, steps_per_epoch: int, cap_s: float) -> dict[str, Any]:
-    import cloudpickle
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    cloudpickle.register_pickle_by_value(language_model)
     started = time.perf_counter()
     out = TorchDistributor(num_processes=args.workers, local_mode=False, use_gpu=False).run(
         ddp_train, str(shared / "train.npy"), str(shared / "eval.npy"), args.epochs, args.batch, steps_per_epoch,
@@ -213,8 +211,12 @@ def main() -> None:
     import os
 
     import cloudpickle
+    from pyspark import cloudpickle as spark_cloudpickle
 
-    cloudpickle.register_pickle_by_value(language_model)  # executors cannot import examples/
+    # Executors cannot import examples/: the GPT's module travels by value (sparkdl pickles with
+    # pyspark's cloudpickle, TorchDistributor with the cloudpickle package).
+    for pickler in (cloudpickle, spark_cloudpickle):
+        pickler.register_pickle_by_value(language_model)
 
     import numpy as np
     from pyspark.sql import SparkSession

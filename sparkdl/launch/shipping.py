@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import sysconfig
+import types
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,30 @@ def _submodule_classes(obj: Any) -> list[type]:
         return []
 
 
+def _referenced(function: Any) -> list[Any]:
+    """What a function's code names from its module's globals: a factory in a notebook or script
+    (pickled by value with __main__) that builds its model from another local file, `lambda:
+    mynet.Net()` or `mynet_factory`, needs that file's module shipped too."""
+    code, names = getattr(function, "__code__", None), getattr(function, "__globals__", None)
+    if code is None or not isinstance(names, dict):
+        return []
+    found = []
+    for name in code.co_names:
+        value = names.get(name)
+        if isinstance(value, types.ModuleType):
+            found.append(_ModuleRef(value.__name__))
+        elif isinstance(value, type) or callable(value):
+            found.append(value)
+    return found
+
+
+class _ModuleRef:
+    """Stands for a module in ship_by_value's walk (its __module__ is the module's own name)."""
+
+    def __init__(self, name: str) -> None:
+        self.__module__ = name
+
+
 def ship_by_value(*objects: Any) -> list[str]:
     """Register the defining modules of `objects` (and of an instance's class) for pickling by
     value when they are not installed packages; returns the module names registered."""
@@ -57,6 +82,7 @@ def ship_by_value(*objects: Any) -> list[str]:
     registered = []
     # A list of stage modules or of layer factories: each element's module counts.
     objects = tuple(x for obj in objects for x in (obj if isinstance(obj, (list, tuple)) else (obj,)))
+    objects += tuple(ref for obj in objects if callable(obj) and not isinstance(obj, type) for ref in _referenced(obj))
     for obj in objects:
         for candidate in (obj, type(obj), *_submodule_classes(obj)):
             name = _module_of(candidate)

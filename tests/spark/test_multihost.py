@@ -37,7 +37,7 @@ MBIT = 1_000_000
 CONNECT_PORT = 15002
 STRATEGIES = ["data_parallel", "diloco", "hybrid", "ist", "sharded"]
 SCENARIOS = ([f"fit-{s}" for s in STRATEGIES]
-             + ["fit-horovod", "fit-checkpoint-local", "fit-firewalled", "inject", "calibrate-hetero", "cut-short",
+             + ["fit-streaming", "fit-horovod", "fit-checkpoint-local", "fit-firewalled", "inject", "calibrate-hetero", "cut-short",
                 "cut-long", "cut-resume", "kill"])
 
 
@@ -198,6 +198,21 @@ def test_the_probe_measures_each_shaped_link_and_hybrid_puts_a_stage_boundary_on
     on_hosts = [e.rsplit(":", 1)[0] for e in stages]
     assert sorted(on_hosts) == sorted(w.address for w in bed.workers), result
     assert on_hosts.index(slow) in (0, 2), (on_hosts, slow)
+    # islands=2 on these links: the two fast hosts form one island, the slow one the other.
+    islands = result["islands"]
+    assert islands["strategy"] == "islands", islands
+    fast = sorted(w.address for w in bed.workers[:-1])
+    assert sorted(sorted(g) for g in islands["islands"]) == sorted([fast, [slow]]), islands
+    assert islands["accuracy"] >= 0.85, islands
+
+
+def test_streaming_diloco_with_4_bit_outer_gradients_trains_across_hosts(bed_run) -> None:  # type: ignore[no-untyped-def]
+    result = ok(bed_run, "fit-streaming")
+    quantized, full = result["int4"], result["fp32"]
+    assert quantized["accuracy"] >= full["accuracy"] - 0.03, result
+    # The last epoch's bytes: 4 bits and a bf16 scale per 128 values against 32 bits, by allgather of 2.
+    ratio = full["history"]["bytes_sent_all_ranks"] / quantized["history"]["bytes_sent_all_ranks"]
+    assert ratio > 6, result
 
 
 # -- hosts and links that go away ---------------------------------------------------------------------

@@ -266,13 +266,36 @@ def hetero(spark: Any, df: Any) -> dict[str, Any]:
         auto = sparkdl.plan(net, df, feature_cols=FEATURES, label_col="label", batch_size=32, epochs=6, num_workers=3,
                             tracking=False, strategy="auto").auto  # on the calibration just cached
         placed = fit(spark, df, 3, "hybrid", stages=3, epochs=2)
+        islands = islands_fit(df)
     finally:
         ask({"do": "shape", "last_worker": True, "mbit": 1000})
     return {"slow_host": slow, "pairs": pairs, "probe_s": info.probe_s, "first_probe_s": first.probe_s,
             "plan_links": [[a, b, bandwidth] for a, b, _, bandwidth in (auto.executor_links if auto else ())],
             "cache_executors": list(session_facts(spark, 3).executors),
             "grid_executors": (placed["history"] or {}).get("hybrid_grid_executors"),
-            "grid": (placed["history"] or {}).get("hybrid_grid")}
+            "grid": (placed["history"] or {}).get("hybrid_grid"), "islands": islands}
+
+
+def islands_fit(df: Any) -> dict[str, Any]:
+    """islands=2 on the heterogeneous links: the islands found in the measured pairs, data parallel
+    inside, DiLoCo (int8 across, two fragments overlapped by a step) between them."""
+    from sparkdl import TorchEstimator
+
+    model = TorchEstimator(model=net, feature_cols=FEATURES, label_col="label", batch_size=32, epochs=6,
+                           num_workers=3, optimizer="adam", lr=0.01, seed=7, strategy="data_parallel", sync="diloco",
+                           sync_every=4, fragments=2, fragment_sync_delay=1, sync_dtype="int8", islands=2,
+                           tracking=False, progress=False).fit(df)
+    settings = dict(model.plan.settings)
+    return {"strategy": model.plan.strategy, "islands": [list(g) for g in settings["islands"]],
+            "accuracy": accuracy(model, df)}
+
+
+def streaming(spark: Any, df: Any, workers: int) -> dict[str, Any]:
+    """Streaming DiLoCo with 4-bit outer gradients across hosts, beside the same fit in fp32."""
+    common = dict(sync_every=4, fragments=2, fragment_sync_delay=1, epochs=10)
+    quantized = fit(spark, df, workers, "diloco", sync_dtype="int4", **common)
+    full = fit(spark, df, workers, "diloco", **common)
+    return {"int4": quantized, "fp32": full}
 
 
 def inject(spark: Any, df: Any, workers: int) -> dict[str, Any]:
@@ -332,6 +355,7 @@ def scenario(name: str, spark: Any, df: Any, workers: int, shared: Path) -> dict
         "fit-unreachable-client": lambda: firewalled(spark, df, workers, "client"),
         "kill": lambda: kill(spark, shared),
         "calibrate-hetero": lambda: hetero(spark, df),
+        "fit-streaming": lambda: streaming(spark, df, workers),
         "cut-short": lambda: cut_short(df, workers),
         "cut-long": lambda: cut_long(df, workers, None),
         "cut-resume": lambda: cut_long(df, workers, shared / "cut-ckpt"),
