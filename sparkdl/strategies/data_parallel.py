@@ -29,9 +29,15 @@ def broadcast_module(comm: Communicator, module: nn.Module, src: int = 0) -> Non
             comm.broadcast(tensor.data, src=src)
 
 
-def average_gradients(comm: Communicator, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> None:
+def average_gradients(comm: Communicator, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES,
+                      weight: torch.Tensor | None = None) -> None:
+    """Gradients averaged over the ranks; with `weight` (this rank's sum of row weights, its
+    gradients those of sum(w * l)), summed and divided by the ranks' total weight instead: the
+    gradient of the global weighted mean, with the total riding in the first bucket's allreduce
+    rather than in a collective of its own (each costs a round of latency on slow or busy hosts)."""
     bucket: list[nn.Parameter] = []
     size = 0
+    total: list[torch.Tensor] = []
     for param in params:
         if param.grad is None:
             # Every rank must contribute the same buffer layout, even for a branch unused this step.
@@ -39,20 +45,29 @@ def average_gradients(comm: Communicator, params: list[nn.Parameter], bucket_byt
         bucket.append(param)
         size += param.grad.numel() * param.grad.element_size()
         if size >= bucket_bytes:
-            _reduce_bucket(comm, bucket)
+            _reduce_bucket(comm, bucket, weight, total)
             bucket, size = [], 0
     if bucket:
-        _reduce_bucket(comm, bucket)
+        _reduce_bucket(comm, bucket, weight, total)
 
 
-def _reduce_bucket(comm: Communicator, bucket: list[nn.Parameter]) -> None:
+def _reduce_bucket(comm: Communicator, bucket: list[nn.Parameter], weight: torch.Tensor | None,
+                   total: list[torch.Tensor]) -> None:
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in bucket:
         by_dtype.setdefault(param.grad.dtype, []).append(param)
     for params in by_dtype.values():
         grads = [p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.allreduce(flat, op="avg")
+        pieces = [g.reshape(-1) for g in grads]
+        carries = weight is not None and not total
+        if carries:
+            pieces.append(weight.detach().reshape(1).to(pieces[0].dtype))
+        flat = torch.cat(pieces)
+        comm.allreduce(flat, op="sum" if weight is not None else "avg")
+        if carries:
+            total.append(flat[-1].clone().to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny))
+        if weight is not None:
+            flat.div_(total[0].to(flat.dtype))
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
@@ -90,6 +105,7 @@ class DataParallel(Strategy):
         # or the rank's island (islands: data parallel inside, DiLoCo across).
         self._step_comm: Communicator | None = self.comm
         self._comm_wait_s = 0.0
+        self._step_weight: torch.Tensor | None = None  # this step's weight sum, reduced with the gradients
         if self._diloco:
             self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, self.train)
 
@@ -106,6 +122,9 @@ class DataParallel(Strategy):
             # The window's weighted mean: sum(w * l) now, divided by the window's weight total at its end.
             self.steps.backward(numerator)
             self._window_weight = denominator.detach() + (self._window_weight if micro.index else 0.0)
+        elif numerator is not None and self._weight_rides_along():
+            self.steps.backward(numerator, micro)  # divided by the global weight total while averaged
+            self._step_weight = denominator.detach()
         else:
             self.steps.backward(self._objective(loss, numerator, denominator), micro)
         self.slow_down(started)
@@ -130,9 +149,16 @@ class DataParallel(Strategy):
         self.steps.step(self._optimizer, self._params)
         return loss.detach()
 
+    def _weight_rides_along(self) -> bool:
+        """The global weight total can travel with the gradients: this strategy averages them itself
+        over a group of several ranks (not a backend's optimizer, not DiLoCo's ranks stepping alone)."""
+        group = self._step_comm
+        return group is not None and group.size > 1 and not self._backend_averages
+
     def _averaged(self, group: Communicator) -> None:
         started = time.perf_counter()
-        average_gradients(group, self._params)
+        weight, self._step_weight = self._step_weight, None
+        average_gradients(group, self._params, weight=weight)
         self._comm_wait_s += time.perf_counter() - started
 
     def epoch_metrics(self) -> dict[str, float]:

@@ -1,9 +1,12 @@
 """Every notebook in notebooks/ runs top to bottom with nbclient on tiny settings
-(SPARKDL_NOTEBOOK_SMALL=1); a cell error fails the test. Each kernel starts its own local[2]
-session, as a notebook outside Databricks would."""
+(SPARKDL_NOTEBOOK_SMALL=1); a cell error fails the test. They share one kernel, run one after the
+other as a user runs several notebooks on one cluster: the first starts the local[2] session the
+others' getOrCreate() reuse (a kernel each cost 10-20 s of Python, torch and JVM start apiece)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -29,18 +32,30 @@ def mlflow_store(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     return f"sqlite:///{tmp_path_factory.mktemp('notebook-mlflow')}/mlflow.db"
 
 
+@pytest.fixture(scope="module")
+def kernel(calibration_cache: Path, mlflow_store: str) -> Iterator[Any]:
+    """One python3 kernel for every notebook, started with the notebooks' environment."""
+    from jupyter_client.manager import KernelManager
+
+    env = {**os.environ, "SPARKDL_NOTEBOOK_SMALL": "1", "MPLBACKEND": "Agg",
+           "SPARKDL_CACHE_DIR": str(calibration_cache), "MLFLOW_TRACKING_URI": mlflow_store}
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(env=env)
+    try:
+        yield manager
+    finally:
+        manager.shutdown_kernel(now=True)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calibration_cache: Path,
-                       mlflow_store: str) -> None:
+def test_notebook_runs(path: Path, tmp_path: Path, kernel: Any) -> None:
     import nbformat
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("SPARKDL_NOTEBOOK_SMALL", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("SPARKDL_CACHE_DIR", str(calibration_cache))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    # Each notebook works in a directory of its own, as it would opened from there.
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(f"import os; os.chdir({str(tmp_path)!r})"))
+    client = NotebookClient(notebook, timeout=600, km=kernel)
     client.execute()  # raises CellExecutionError naming the cell on the first error
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
