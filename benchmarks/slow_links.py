@@ -4,19 +4,20 @@
 
 Four worker hosts (network namespaces with their own addresses and shaped links, tests/support/
 multihost.py; one core and one rank each, on this machine's cores), a standalone master, the driver
-on a host of its own. The GPT of examples/language_model.py (2 blocks, d=64, byte tokens of the
+on a host of its own. The GPT of examples/language_model.py (2 blocks, d=128, byte tokens of the
 Python standard library's sources, 64 bytes a row) with a fixed seed, rows, batch (16 a rank), lr
-schedule and token budget (8 epochs of 64 steps), on four networks: every link at 1 Gbit/s, 100
+schedule and token budget (3 epochs of 128 steps, 4 rows of 64 bytes a rank a step), on four networks: every link at 1 Gbit/s, 100
 Mbit/s, 20 Mbit/s, and two islands (2 + 2 hosts at 1 Gbit/s inside, 20 Mbit/s between).
 
-Rows: data parallel, DiLoCo fp32 (H=32), Streaming DiLoCo int8 and int4 (H=128, 4 fragments, tau=2),
-islands (on the islands network), `auto`, and TorchDistributor running plain DDP on the same hosts,
+Rows: data parallel, DiLoCo fp32 (H=32; fp16 too at 1 Gbit/s), Streaming DiLoCo int8 and int4 (H=104,
+4 fragments, tau=2; int8 at 1 Gbit/s and 100 Mbit/s), islands (on the islands network), `auto`, and
+TorchDistributor running plain DDP on the same hosts,
 model, rows, batch and steps. Columns: training seconds, bytes on the wire per rank, final eval loss,
 compute utilisation, and the time each row first reaches data parallel's final eval loss.
 
-Bounded: a row stops at the end of the epoch in which its training passed --cap-s (150 s). Exact rows
+Bounded: a row stops at the end of the epoch in which its training passed --cap-s (120 s). Exact rows
 (data parallel, DDP) update the same way on every network, so away from 1 Gbit/s they run only
---exact-cap-s (35 s) for their step time; their time to the target loss there is the steps they
+--exact-cap-s (30 s) for their step time; their time to the target loss there is the steps they
 needed at 1 Gbit/s times that step time (marked "estimated"). The whole run takes about 30 min.
 Prints JSON (benchmarks/results/slow_links.json) and writes docs/img/slow_links.png.
 """
@@ -165,6 +166,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 epochs, 1 Gbit/s only: a smoke run")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "slow_links.json")
     parser.add_argument("--plot", type=Path, default=HERE.parent / "docs" / "img" / "slow_links.png")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of --out's earlier run that this run does not measure again")
     args, passed = parser.parse_known_args()
     why = multihost.why_not()
     if why:
@@ -188,9 +191,14 @@ def main() -> None:
             raw = json.loads(out.read_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if args.merge and args.out.exists():
+        earlier = json.loads(args.out.read_text())["raw"]
+        for network, data in raw["networks"].items():
+            earlier["networks"].setdefault(network, {"links": data["links"], "rows": {}})["rows"].update(data["rows"])
+        raw = {**earlier, "merged_runs": earlier.get("merged_runs", 1) + 1}
     summary = summarise(raw)
     result = {"benchmark": "slow_links", "hosts": "4 worker hosts (1 core, 1 rank each) + master + driver, "
-              "network namespaces on one 2-core machine", "model": "GPT 2 blocks d=64, byte tokens, 64 a row",
+              "network namespaces on one 2-core machine", "model": "GPT 2 blocks d=128, byte tokens, 64 a row",
               "params": raw.get("params"), "steps_per_epoch": raw.get("steps_per_epoch"),
               **summary, "raw": raw, "seconds": round(time.time() - started, 1),
               "loadavg_start": [round(x, 2) for x in load_before], "loadavg_end": [round(x, 2) for x in os.getloadavg()]}

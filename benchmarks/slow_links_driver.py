@@ -24,7 +24,8 @@ sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests" / "supp
 import bed_driver  # noqa: E402 - the bed's ask() (tests/support)
 import language_model  # noqa: E402 - the GPT of examples/language_model.py
 
-SEQ_LEN, D_MODEL, LAYERS, HEADS = 64, 64, 2, 4
+SEQ_LEN, HEADS = 64, 4
+SHAPE = {"d_model": 128, "layers": 2}  # set from --d-model / --layers in main()
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20
 
 
@@ -55,11 +56,15 @@ def fit_row(spark: Any, train: Any, evaluation: Any, options: dict[str, Any], ar
         return "stop" if spent["s"] >= cap_s else None
 
     started = time.perf_counter()
+    approximate = options.get("sync") == "diloco" or options.get("strategy") == "auto"
+    epochs = args.approximate_epochs if approximate and args.approximate_epochs else args.epochs
     estimator = TorchEstimator(
         model=_model_factory, validation_df=evaluation, input_cols=["tokens"], label_col="targets",
         loss="cross_entropy", optimizer="adamw", lr=LR, lr_schedule="cosine", warmup_steps=WARMUP, min_lr=MIN_LR,
-        batch_size=args.batch, epochs=args.epochs, num_workers=args.workers, seed=0, progress=False, tracking=False,
-        callbacks=[capped], **options)
+        batch_size=args.batch, epochs=epochs, num_workers=args.workers, seed=0, progress=False, tracking=False,
+        # The emulated hosts share this machine's cores: one torch thread a rank, as DDP's (two each
+        # made 8 threads on 2 cores, whose OpenMP spinning at every collective slowed data parallel 5x).
+        threads_per_worker=1, callbacks=[capped], **options)
     fitted = estimator.fit(train)
     wall = time.perf_counter() - started
     history = fitted.history
@@ -73,7 +78,7 @@ def fit_row(spark: Any, train: Any, evaluation: Any, options: dict[str, Any], ar
                        float(r["val_loss"])] for i, r in enumerate(history)],
             "eval_loss": float(history[-1]["val_loss"]),
             "compute_utilisation": round(1 - sum(waits) / max(sum(seconds), 1e-9), 3),
-            "capped": sum(seconds) >= cap_s and len(history) < args.epochs,
+            "capped": sum(seconds) >= cap_s and len(history) < epochs, "epochs": epochs,
             "plan": plan.strategy if plan is not None else "", "options": _plain(plan.options) if plan is not None else {},
             "explain": plan.explain() if plan is not None and plan.auto is not None else ""}
 
@@ -82,11 +87,12 @@ def _plain(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, str, bool)) else json.loads(json.dumps(v)) for k, v in options.items()}
 
 
-def _model_factory() -> Any:
-    return language_model.gpt(D_MODEL, LAYERS, HEADS, SEQ_LEN)
+def _model_factory(d_model: int = 0, layers: int = 0) -> Any:
+    return language_model.gpt(d_model or SHAPE["d_model"], layers or SHAPE["layers"], HEADS, SEQ_LEN)
 
 
-def ddp_train(tokens_path: str, eval_path: str, epochs: int, batch: int, steps_per_epoch: int, cap_s: float) -> Any:
+def ddp_train(tokens_path: str, eval_path: str, epochs: int, batch: int, steps_per_epoch: int, cap_s: float,
+              d_model: int, layers: int) -> Any:
     """TorchDistributor's train function: plain DDP (gloo) on this rank's share of the same rows."""
     import os
 
@@ -103,7 +109,7 @@ def ddp_train(tokens_path: str, eval_path: str, epochs: int, batch: int, steps_p
     evaluation = torch.from_numpy(np.load(eval_path)).long()
     shard = torch.from_numpy(data[rank::world]).long()
     torch.manual_seed(0)
-    model = language_model.gpt(D_MODEL, LAYERS, HEADS, SEQ_LEN)
+    model = language_model.gpt(d_model, layers, HEADS, SEQ_LEN)
     # Compute alone (no communication): a few local steps on a copy, for the utilisation figure.
     import copy
 
@@ -162,7 +168,7 @@ def ddp_row(spark: Any, shared: Path, args: argparse.Namespace, steps_per_epoch:
     started = time.perf_counter()
     out = TorchDistributor(num_processes=args.workers, local_mode=False, use_gpu=False).run(
         ddp_train, str(shared / "train.npy"), str(shared / "eval.npy"), args.epochs, args.batch, steps_per_epoch,
-        cap_s)
+        cap_s, SHAPE["d_model"], SHAPE["layers"])
     wall = time.perf_counter() - started
     curve = out["curve"]
     params = sum(p.numel() for p in _model_factory().parameters())
@@ -182,6 +188,10 @@ NETWORKS = {
     "20mbit": {"mbit": 20},
     "islands": {"mbit": 1000, "islands": [[1, 2], [3, 4]], "across_mbit": 20},
 }
+# Which rows run where (to keep the whole run near 30 minutes): every row at 1 Gbit/s; elsewhere the
+# rows whose figures there are asked for.
+WHERE = {"diloco_fp16": ("1gbit",), "streaming_int8": ("1gbit", "100mbit"), "diloco_fp32": ("1gbit", "20mbit", "islands"),
+         "islands": ("islands",)}
 # The trajectories of exact rows do not depend on the network (same updates): away from 1 Gbit/s they
 # run under the short cap, for their step time; their loss curve is the 1 Gbit/s one.
 EXACT_ROWS = ("data_parallel", "torchdistributor_ddp")
@@ -196,17 +206,23 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--networks", default=",".join(NETWORKS))
     parser.add_argument("--rows", default="")
-    parser.add_argument("--train-rows", type=int, default=4096)
+    parser.add_argument("--train-rows", type=int, default=2048)
     parser.add_argument("--eval-rows", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--approximate-epochs", type=int, default=0,
+                        help="epochs of the DiLoCo-family rows (and auto), to see when they reach data parallel's "
+                             "final loss (0: --epochs)")
     parser.add_argument("--diloco-h", type=int, default=32)
-    parser.add_argument("--streaming-h", type=int, default=128)
+    parser.add_argument("--streaming-h", type=int, default=104)
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--delay", type=int, default=2)
-    parser.add_argument("--cap-s", type=float, default=150.0, help="training seconds a row may take")
-    parser.add_argument("--exact-cap-s", type=float, default=35.0, help="an exact row's cap away from 1 Gbit/s")
+    parser.add_argument("--cap-s", type=float, default=120.0, help="training seconds a row may take")
+    parser.add_argument("--exact-cap-s", type=float, default=30.0, help="an exact row's cap away from 1 Gbit/s")
     args = parser.parse_args()
+    SHAPE.update(d_model=args.d_model, layers=args.layers)
     bed_driver.ASK["dir"] = args.ask
     import os
 
@@ -249,7 +265,7 @@ def main() -> None:
             os.environ["SPARKDL_CACHE_DIR"] = str(args.shared / f"calibration-{network}")  # measure this network
             rows: dict[str, Any] = {}
             for name in chosen:
-                if name == "islands" and network != "islands" or name == "diloco_fp16" and network != "1gbit":
+                if network not in WHERE.get(name, tuple(NETWORKS)):
                     continue
                 cap = args.exact_cap_s if name in EXACT_ROWS and network != "1gbit" else args.cap_s
                 started = time.monotonic()

@@ -245,6 +245,9 @@ def check_backend(config: RunConfig) -> None:
                           f"{config.launch.backend!r} cannot make",
                           hint="use backend='torch', or fragment_sync_delay=0 (fragments still sync at staggered "
                                "steps)")
+    if train.sync == "diloco" and train.islands and SUBGROUP not in backend_class(config.launch.backend).ops:
+        raise ConfigError(f"train.islands needs a process group per island, which launch.backend="
+                          f"{config.launch.backend!r} cannot make", hint="use backend='torch', or islands=0")
     if config.launch.backend == "horovod":
         from sparkdl.comm.horovod import import_horovod
 

@@ -262,7 +262,7 @@ def decide(measured: list[Candidate], optimistic: list[Candidate] | None = None,
             if c.feasible and c.strategy not in EXACT and verdict(measured, i, approximate_min_speedup, steps).passes
             and verdict(optimistic, i, approximate_min_speedup, steps).passes]
     if both:
-        i = both[0]
+        i = index if index in both else both[0]  # the measured end's choice stands when it passes at both
         o = verdict(optimistic, i, approximate_min_speedup, steps)
         if i == index:
             return Decision(i, f"{reason}; {o.speedup:.1f}x at the calibration's optimistic end too")

@@ -69,7 +69,10 @@ STREAMED = {"sync": "diloco", "sync_every": 8, "fragments": 2, "fragment_sync_de
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict[str, Any]]:
     cases = {"data parallel": ({}, 5), "islands h1": ({**H1, "islands": (("e0", "e2"), ("e1", "e3"))}, 5),
-             "islands streamed": (STREAMED, 16), "flat streamed": ({**STREAMED, "islands": 0}, 16)}
+             "islands streamed": (STREAMED, 16), "flat streamed": ({**STREAMED, "islands": 0}, 16),
+             # int8 and fp16 travel a ring over the cross-island group (its send/recv)
+             "islands int8": ({**STREAMED, "sync_dtype": "int8"}, 16),
+             "islands fp16": ({**STREAMED, "sync_dtype": "fp16", "fragment_sync_delay": 0}, 16)}
     return run_world(4, _train_cases, cases, executors=("e0", "e1", "e2", "e3"), timeout=170)
 
 
@@ -97,6 +100,13 @@ def test_islands_stream_quantized_syncs_and_every_rank_ends_the_same(four_ranks:
                                           err_msg=f"{rank} {key}")
     flat = four_ranks[0]["flat streamed"]["state"]
     assert not all(np.array_equal(flat[k], v) for k, v in first.items())
+    for case in ("islands int8", "islands fp16"):
+        reference = four_ranks[0][case]["state"]
+        for rank in range(1, 4):
+            for key, value in reference.items():
+                np.testing.assert_array_equal(four_ranks[rank][case]["state"][key], value, err_msg=f"{case} {rank}")
+        for key, value in reference.items():  # 8 and 16 bits land near the 4-bit run
+            np.testing.assert_allclose(value, first[key], atol=0.05, err_msg=f"{case} {key}")
 
 
 def test_islands_options_are_checked() -> None:
@@ -111,3 +121,8 @@ def test_islands_options_are_checked() -> None:
         config(sync="diloco", islands=[["a", "b"], ["a"]])
     with pytest.raises(ConfigError, match="islands shape DiLoCo's outer synchronisation, but train.strategy='ist'"):
         config(strategy="ist", islands=2)
+    from sparkdl.checks import check_backend
+
+    with pytest.raises(ConfigError, match="train.islands needs a process group per island.*'horovod'"):
+        check_backend(RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", islands=2,
+                                            backend="horovod"))

@@ -132,3 +132,20 @@ def test_a_user_shaped_outer_sync_is_priced_as_set_and_no_variant_is_added() -> 
     theirs = {dict(c.options)["sync_every"]: c.bytes_per_step for c in plain.candidates
               if c.strategy == "diloco" and "sync_dtype" not in dict(c.options)}
     assert ours[50] < theirs[50] / 3
+
+
+def test_an_islands_choice_that_passes_at_both_calibration_ends_stands() -> None:
+    """Measured: islands within 1.5x of the streamed DiLoCo (chosen); optimistic: faster ranks make
+    the inside allreduce weigh more (1.6x), but islands still beats the exact layouts by far there."""
+    from sparkdl.planner.plan import Candidate, decide
+
+    def candidates(islands_ms: float) -> list[Candidate]:
+        return [Candidate("data_parallel", (("strategy", "data_parallel"),), 1.2, 1e6, 1e6, True, "",
+                          compute_s=0.06, comm_s=1.14),
+                Candidate("diloco", (("strategy", "data_parallel"), ("sync", "diloco")), 0.063, 1e4, 1e6, True, "",
+                          compute_s=0.063),
+                Candidate("islands", (("strategy", "data_parallel"), ("islands", (("a", "b"), ("c", "d")))),
+                          islands_ms / 1e3, 1e5, 1e6, True, "", compute_s=0.063)]
+
+    decision = decide(candidates(79.0), candidates(101.0), 2.0, 10_000)
+    assert decision.index == 2, decision
