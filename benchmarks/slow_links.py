@@ -139,21 +139,25 @@ def plot(raw: dict[str, Any], summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     networks = list(raw["networks"])
-    figure, axes = plt.subplots(1, len(networks), figsize=(4.2 * len(networks), 3.6), sharey=True)
+    names = sorted({name for data in raw["networks"].values() for name in data["rows"]})
+    colours = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}  # one colour a row everywhere
+    figure, axes = plt.subplots(1, len(networks), figsize=(4.2 * len(networks), 3.8), sharey=True)
     axes = axes if len(networks) > 1 else [axes]
     for axis, network in zip(axes, networks):
         for name, row in raw["networks"][network]["rows"].items():
             if "curve" in row:
                 xs, ys = [c[0] for c in row["curve"]], [c[2] for c in row["curve"]]
-                axis.plot(xs, ys, marker=".", label=name)
+                axis.plot(xs, ys, marker=".", label=name, color=colours[name])
         if summary.get("target_eval_loss"):
             axis.axhline(summary["target_eval_loss"], color="grey", linestyle=":", linewidth=1)
         axis.set_title(network)
         axis.set_xlabel("training seconds")
         axis.set_xscale("log")
     axes[0].set_ylabel("eval loss (byte cross entropy)")
-    axes[-1].legend(fontsize=7)
-    figure.tight_layout()
+    handles = [plt.Line2D([], [], color=colours[n], marker=".", label=n) for n in names]
+    figure.legend(handles=handles, loc="lower center", ncol=len(names), fontsize=7, frameon=False)
+    figure.subplots_adjust(bottom=0.25)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
 
