@@ -137,3 +137,21 @@ def test_horovod_trains_token_sequences_with_weights_like_torch(spark) -> None: 
     with_torch, with_horovod = train("torch"), train("horovod")
     for name in with_torch:
         torch.testing.assert_close(with_torch[name], with_horovod[name], atol=1e-5, rtol=1e-5)
+
+
+def test_streaming_diloco_fragments_with_quantized_syncs_on_horovod_match_torch(rows_df) -> None:  # type: ignore[no-untyped-def]
+    """Horovod has no second process group (no overlap: fragment_sync_delay is refused) and no
+    send/recv: its fragments' int8 syncs go by allgather + fp32 sum, torch's by a ring. Both land
+    the same outer steps at the same inner steps: weights agree to the int8 rounding."""
+    def train(backend: str, **extra: object) -> dict[str, torch.Tensor]:
+        est = TorchEstimator(model=factory, feature_cols=[f"f{i}" for i in range(6)], label_col="label",
+                             optimizer="sgd", lr=0.3, batch_size=4, epochs=2, num_workers=2, shuffle=False, seed=3,
+                             strategy="data_parallel", sync="diloco", sync_every=4, fragments=2, sync_dtype="int8",
+                             backend=backend, tracking=False, progress=False, **extra)
+        return est.fit(rows_df).torch_module().state_dict()
+
+    with_torch, with_horovod = train("torch"), train("horovod")
+    for name in with_torch:
+        assert torch.allclose(with_torch[name], with_horovod[name], atol=2e-2), name
+    with pytest.raises(ConfigError, match="fragment_sync_delay=1 overlaps"):
+        train("horovod", fragment_sync_delay=1)
