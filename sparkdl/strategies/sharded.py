@@ -93,6 +93,9 @@ class Sharded(DataParallel):
         self.steps.attach(self._optimizer)
         self._loss_fn = loss_fn
         self._diloco, self._backend_averages = False, False
+        # Weighted objectives and accumulation windows reduce their weight totals over every rank
+        # (the gradients' reduce-scatter carries no extra value).
+        self._step_comm, self._step_weight, self._comm_wait_s = self.comm, None, 0.0
         self._grad_bytes = sum(layer.numel * 4 for layer in self._layers)
         self._gathering = _Gathering(self._layers)
 
