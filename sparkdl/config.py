@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config_values import (check_feature_spec, check_islands, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
-from sparkdl.config_training import (DELIVERY_MODES, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
+from sparkdl.config_training import (DELIVERY_MODES, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
                                      check_training_essentials)
 from sparkdl.config_training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
 from sparkdl.errors import ConfigError
@@ -164,7 +164,7 @@ class TrainConfig:
             raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
                               f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
         positive_int("train.sync_every", self.sync_every)
-        self._validate_streaming()
+        check_outer_sync(self)
         positive_int("train.ist_sync_every", self.ist_sync_every)
         if self.sync != "allreduce" and self.strategy not in ("data_parallel", "auto"):
             raise ConfigError(f"train.sync={self.sync!r} is a synchronisation mode of data parallel, but "
@@ -199,34 +199,6 @@ class TrainConfig:
         check_training_essentials(self)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
-
-    def _validate_streaming(self) -> None:
-        """Streaming DiLoCo's options (torchft's rules: H % P == 0, tau < H / P)."""
-        positive_int("train.fragments", self.fragments)
-        positive_int_or_zero("train.fragment_sync_delay", self.fragment_sync_delay)
-        alpha = self.fragment_update_alpha
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
-            raise ConfigError(f"train.fragment_update_alpha must be in [0, 1], got {alpha!r}",
-                              hint="0 takes the global weights (the paper's default), 0.5 mixes half of the local ones")
-        check_islands(self.islands)
-        streaming = self.fragments > 1 or self.fragment_sync_delay or alpha or self.sync_dtype != "fp32" \
-            or self.islands
-        # Under strategy="auto" they apply if the planner picks DiLoCo (a plan's data parallel then
-        # leaves them unused, as it leaves outer_lr).
-        if streaming and self.strategy not in ("data_parallel", "auto"):
-            raise ConfigError("train.sync_dtype/fragments/fragment_sync_delay/fragment_update_alpha/islands shape "
-                              f"DiLoCo's outer synchronisation, but train.strategy={self.strategy!r}",
-                              hint="set strategy='data_parallel' with sync='diloco' (or strategy='auto')")
-        if self.sync_every % self.fragments:
-            raise ConfigError(f"train.sync_every={self.sync_every} is not a multiple of train.fragments="
-                              f"{self.fragments}: each fragment syncs once every sync_every steps at its own "
-                              "offset of sync_every / fragments",
-                              hint=f"for example sync_every={self.fragments * max(1, self.sync_every // self.fragments)}")
-        if self.fragment_sync_delay >= self.sync_every // self.fragments:
-            raise ConfigError(f"train.fragment_sync_delay={self.fragment_sync_delay} must be below sync_every / "
-                              f"fragments = {self.sync_every // self.fragments}: a fragment's sync lands before "
-                              "the next one starts",
-                              hint="the paper overlaps 1 to 5 inner steps")
 
     def _validate_kept_plan(self) -> None:
         for key, what in (("plan_from_run", "an MLflow run id"), ("plan_file", "a path")):

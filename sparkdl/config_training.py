@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sparkdl.config_values import choice, positive_int, suggest
+from sparkdl.config_values import check_islands, choice, positive_int, positive_int_or_zero, suggest
 from sparkdl.errors import ConfigError
 
 LR_SCHEDULES = ("constant", "linear", "cosine", "step")
@@ -289,3 +289,32 @@ class ModelConfig:
                               hint="for example hidden = [128] or --set model.hidden=[64,64]")
         if not isinstance(self.outputs, int) or isinstance(self.outputs, bool) or self.outputs < 0:
             raise ConfigError(f"model.outputs must be an integer >= 0 (0 = automatic), got {self.outputs!r}")
+
+
+def check_outer_sync(train: Any) -> None:
+    """Streaming DiLoCo's options (torchft's rules: H % P == 0, tau < H / P)."""
+    positive_int("train.fragments", train.fragments)
+    positive_int_or_zero("train.fragment_sync_delay", train.fragment_sync_delay)
+    alpha = train.fragment_update_alpha
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+        raise ConfigError(f"train.fragment_update_alpha must be in [0, 1], got {alpha!r}",
+                          hint="0 takes the global weights (the paper's default), 0.5 mixes half of the local ones")
+    check_islands(train.islands)
+    streaming = train.fragments > 1 or train.fragment_sync_delay or alpha or train.sync_dtype != "fp32" \
+        or train.islands
+    # Under strategy="auto" they apply if the planner picks DiLoCo (a plan's data parallel then
+    # leaves them unused, as it leaves outer_lr).
+    if streaming and train.strategy not in ("data_parallel", "auto"):
+        raise ConfigError("train.sync_dtype/fragments/fragment_sync_delay/fragment_update_alpha/islands shape "
+                          f"DiLoCo's outer synchronisation, but train.strategy={train.strategy!r}",
+                          hint="set strategy='data_parallel' with sync='diloco' (or strategy='auto')")
+    if train.sync_every % train.fragments:
+        raise ConfigError(f"train.sync_every={train.sync_every} is not a multiple of train.fragments="
+                          f"{train.fragments}: each fragment syncs once every sync_every steps at its own "
+                          "offset of sync_every / fragments",
+                          hint=f"for example sync_every={train.fragments * max(1, train.sync_every // train.fragments)}")
+    if train.fragment_sync_delay >= train.sync_every // train.fragments:
+        raise ConfigError(f"train.fragment_sync_delay={train.fragment_sync_delay} must be below sync_every / "
+                          f"fragments = {train.sync_every // train.fragments}: a fragment's sync lands before "
+                          "the next one starts",
+                          hint="the paper overlaps 1 to 5 inner steps")

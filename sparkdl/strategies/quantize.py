@@ -18,6 +18,16 @@ BLOCK = 128
 _SCALE_DTYPE = torch.bfloat16
 
 
+def _blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values zero-padded into rows of BLOCK, each row's bf16 scale, the scale to divide by)."""
+    flat = values.detach().reshape(-1).to(torch.float32)
+    padded = torch.zeros(-(-flat.numel() // BLOCK) * BLOCK, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    padded = padded.view(-1, BLOCK)
+    scales = padded.abs().amax(dim=1).to(_SCALE_DTYPE)
+    return padded, scales, scales.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+
+
 @dataclass(frozen=True)
 class Codec:
     name: str
@@ -40,14 +50,8 @@ class Codec:
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """A flat tensor -> uint8 bytes (nbytes(numel) of them)."""
-        flat = values.detach().reshape(-1).to(torch.float32)
-        numel = flat.numel()
-        blocks = -(-numel // BLOCK)
-        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
-        padded[:numel] = flat
-        padded = padded.view(blocks, BLOCK)
-        scales = padded.abs().amax(dim=1).to(_SCALE_DTYPE)
-        divisor = scales.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        numel = values.numel()
+        padded, scales, divisor = _blocks(values)
         levels = self.levels
         integers = torch.round(padded / divisor * levels).clamp_(-levels, levels).to(torch.int16).reshape(-1)
         integers = integers[:numel]
@@ -101,14 +105,8 @@ class BlockScaledHalf:
         return 2 * numel + 2 * -(-numel // BLOCK)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
-        flat = values.detach().reshape(-1).to(torch.float32)
-        numel = flat.numel()
-        blocks = -(-numel // BLOCK)
-        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
-        padded[:numel] = flat
-        padded = padded.view(blocks, BLOCK)
-        scales = padded.abs().amax(dim=1).to(_SCALE_DTYPE)
-        divisor = scales.to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        numel = values.numel()
+        padded, scales, divisor = _blocks(values)
         halves = (padded / divisor).to(torch.float16).reshape(-1)[:numel]
         return torch.cat([halves.view(torch.uint8), scales.view(torch.uint8)])
 
