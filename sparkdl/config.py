@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config_values import (check_feature_spec, check_islands, check_input_spec, check_types, choice, coerce,
+from sparkdl.config_values import (check_feature_spec, check_input_spec, check_types, choice, coerce,
                                    parse_bytes, parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config_training import (DELIVERY_MODES, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
                                      check_training_essentials)
