@@ -104,12 +104,11 @@ def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimat
 
 @dataclass(frozen=True)
 class OuterWire:
-    """How DiLoCo's outer sync travels: bits per value on the wire (block scales included), whether
-    it is an allgather of every replica's values (4 bits, error feedback) rather than a ring, the
-    fragments P it is cut into and the inner steps tau each fragment's sync overlaps."""
+    """How DiLoCo's outer sync travels: bits per value on the wire (block scales included; a ring
+    whose partial sums travel encoded), the fragments P it is cut into and the inner steps tau each
+    fragment's sync overlaps."""
 
     bits: float = 32.0
-    gather: bool = False
     fragments: int = 1
     delay: int = 0
     residual_bytes_per_param: int = 0  # error feedback keeps one fp32 value per parameter
@@ -119,10 +118,7 @@ def outer_sync_s(values: float, replicas: int, net: Network, wire: OuterWire) ->
     """(seconds, bytes one rank sends) to average `values` over `replicas` as `wire` says."""
     if replicas <= 1:
         return 0.0, 0.0
-    latency, bandwidth = net.ring
     encoded = values * wire.bits / 8
-    if wire.gather:
-        return (replicas - 1) * (latency + encoded / bandwidth), (replicas - 1) * encoded
     return allreduce_s(encoded, replicas, net), allreduce_bytes(encoded, replicas)
 
 

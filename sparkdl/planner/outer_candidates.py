@@ -20,9 +20,9 @@ def outer_wire(wire: str, fragments: int, delay: int) -> cost.OuterWire:
     from sparkdl.strategies.low_precision import wire_bits
     from sparkdl.strategies.quantize import CODECS
 
-    gather = wire in CODECS and CODECS[wire].error_feedback
-    return cost.OuterWire(bits=wire_bits(wire), gather=gather, fragments=fragments, delay=delay,
-                          residual_bytes_per_param=4 if gather else 0)
+    feedback = wire in CODECS and CODECS[wire].error_feedback
+    return cost.OuterWire(bits=wire_bits(wire), fragments=fragments, delay=delay,
+                          residual_bytes_per_param=4 if feedback else 0)
 
 
 def user_wire(train: TrainConfig) -> cost.OuterWire:

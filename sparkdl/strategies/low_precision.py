@@ -8,13 +8,14 @@ deltas are lr x steps x gradients) fall into fp16's subnormals.
   before the cast, so fp16's narrow range covers each block's own decades; "bf16" has fp32's range
   and is cast as it is.
 - "int8": block-scaled integers (strategies/quantize.py); partial sums are re-quantized per hop.
-- "int4": block-scaled 4-bit integers with an error-feedback residual per rank. Reduced by an
-  allgather of every rank's bytes and a local fp32 sum, so the sum is exactly that of what the ranks
-  quantized and the residual carries exactly what was lost (re-quantizing partial sums at 4 bits
-  would add errors no residual sees).
-- Over send/recv (gloo), 16 and 8 bits use a ring: a reduce-scatter whose partial sums travel
+- "int4": block-scaled 4-bit integers with an error-feedback residual per rank: whatever a rank's
+  encodings lost (its own delta, the partial sums it passes on, the finished chunk it owns) is added
+  to its next delta, so over rounds the ranks' residuals together hold exactly what the sums lost
+  (each chunk is encoded once per rank per round, so every error is someone's residual).
+- Over send/recv (gloo) every format uses a ring: a reduce-scatter whose partial sums travel
   encoded and are added in fp32 on arrival, then a ring allgather of the finished encoded chunks:
-  2(W-1)/W x the encoded bytes per rank. Without send/recv (Horovod, subgroups): allgather + fp32 sum.
+  2(W-1)/W x the encoded bytes per rank, half an allgather's (W-1) x at W = 4. Without send/recv
+  (Horovod, subgroups): an allgather of every rank's encoded values + a local fp32 sum.
 - Every rank ends with the same values (the owner of a chunk decodes its own encoded copy too), so
   replicas that step on the result stay identical.
 """
@@ -57,9 +58,13 @@ def average_with_feedback(comm: Communicator, values: torch.Tensor, wire: str, r
     if wire in WIRE_DTYPES:
         return _average_16_bit(comm, values, WIRE_DTYPES[wire]), residual
     codec = CODECS[wire]
-    if not codec.error_feedback and SEND_RECV in comm.ops:
-        total = _ring_sum(comm, values, codec.encode, codec.decode, codec.nbytes)
-        return total.div_(comm.size), residual
+    if SEND_RECV in comm.ops:
+        if not codec.error_feedback:
+            return _ring_sum(comm, values, codec.encode, codec.decode, codec.nbytes).div_(comm.size), residual
+        corrected = values + residual if residual is not None else values
+        lost = torch.empty_like(corrected)
+        total = _ring_sum(comm, corrected, codec.encode, codec.decode, codec.nbytes, lost)
+        return total.div_(comm.size), lost
     payload, residual = quantize_with_feedback(codec, values, residual)
     total = torch.zeros_like(values)
     for part in comm.allgather(payload):
@@ -89,14 +94,23 @@ def _average_16_bit(comm: Communicator, values: torch.Tensor, dtype: torch.dtype
 
 
 def _ring_sum(comm: Communicator, values: torch.Tensor, encode: Encode, decode: Decode,
-              nbytes: Callable[[int], int]) -> torch.Tensor:
-    """The sum over ranks of `values` (fp32), chunks travelling encoded, sums in fp32."""
+              nbytes: Callable[[int], int], lost: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum over ranks of `values` (fp32), chunks travelling encoded, sums in fp32. With `lost`
+    (shaped as values) each chunk this rank encodes leaves there what its encoding lost."""
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     sums = list(torch.tensor_split(values.clone(), size))  # views into one fp32 buffer
+    losses = list(torch.tensor_split(lost, size)) if lost is not None else None
+
+    def encode_chunk(index: int) -> torch.Tensor:
+        raw = encode(sums[index])
+        if losses is not None:
+            losses[index].copy_(sums[index] - decode(raw, sums[index].numel()))
+        return raw
+
     # Reduce-scatter: at step s a rank passes on chunk (rank - s) and adds chunk (rank - s - 1).
     for step in range(size - 1):
-        outgoing = encode(sums[(rank - step) % size])
+        outgoing = encode_chunk((rank - step) % size)
         target = sums[(rank - step - 1) % size]
         incoming = torch.empty(nbytes(target.numel()), dtype=torch.uint8)
         receiving = comm.irecv(incoming, left, _RING_TAG)
@@ -107,7 +121,7 @@ def _ring_sum(comm: Communicator, values: torch.Tensor, encode: Encode, decode: 
     # Rank r now holds the finished chunk (r + 1); everyone takes its encoded copy.
     finished = [torch.empty(nbytes(chunk.numel()), dtype=torch.uint8) for chunk in sums]
     owned = (rank + 1) % size
-    finished[owned].copy_(encode(sums[owned]))
+    finished[owned].copy_(encode_chunk(owned))
     for step in range(size - 1):
         outgoing = finished[(owned - step) % size]
         incoming = finished[(owned - step - 1) % size]
@@ -125,8 +139,7 @@ def wire_bytes(numel: int, size: int, wire: str, send_recv: bool = True) -> int:
     if wire == "fp32":
         return 2 * (size - 1) * numel * 4 // size
     encoded = _encoded_bytes(wire)
-    ring = wire in WIRE_DTYPES or not CODECS[wire].error_feedback
-    if ring and send_recv:
+    if send_recv:
         return 2 * (size - 1) * encoded(-(-numel // size))
     return (size - 1) * encoded(numel)  # allgather of every rank's encoded values
 
