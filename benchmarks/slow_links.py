@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import shutil
 import sys
@@ -76,7 +77,8 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 figures["auto_chose"] = row["plan"]
                 figures["auto_options"] = row.get("options", {})
             table.setdefault(network, {})[name] = figures
-    return {"target_eval_loss": target, "table": table, "verdicts": verdicts(table, target)}
+    return {"target_eval_loss": target, "table": table, "verdicts": verdicts(table, target),
+            "step_predictions": step_predictions(raw)}
 
 
 def verdicts(table: dict[str, dict[str, Any]], target: float | None) -> dict[str, Any]:
@@ -118,6 +120,47 @@ def verdicts(table: dict[str, dict[str, Any]], target: float | None) -> dict[str
     return out
 
 
+def predicted_steps(row: dict[str, Any]) -> dict[str, float]:
+    """The auto row's priced candidates, {label: predicted seconds a step}: recorded by the driver
+    (`candidates`), or read from its plan's table (runs before it recorded them)."""
+    if row.get("candidates"):
+        return {c["label"]: float(c["predicted_step_s"]) for c in row["candidates"]}
+    found = {}
+    for line in str(row.get("explain", "")).splitlines():
+        match = re.match(r"^[* ]\s+(\w+(?:\([^)]*\))?)\s+([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s", line)
+        if match:
+            found[match.group(1)] = float(match.group(2)) / 1e3
+    return found
+
+
+def step_predictions(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The planner's predicted step time against the measured one (training seconds / steps) on
+    each shaped network: the candidate auto chose against the auto row, data parallel's against
+    the data parallel row (item 5: within 25 %)."""
+    out = []
+    for network, data in raw["networks"].items():
+        rows = data["rows"]
+        auto = rows.get("auto", {})
+        predicted = predicted_steps(auto)
+        chosen = auto.get("chosen_label") or _chosen_label(auto)
+        pairs = [("auto", chosen), ("data_parallel", "data_parallel")]
+        for row_name, label in pairs:
+            row = rows.get(row_name, {})
+            if not label or label not in predicted or not row.get("steps"):
+                continue
+            measured = row["train_s"] / row["steps"]
+            error = predicted[label] / measured - 1
+            out.append({"network": network, "row": row_name, "candidate": label,
+                        "predicted_step_ms": round(predicted[label] * 1e3, 2), "measured_step_ms": round(measured * 1e3, 2),
+                        "error_pct": round(100 * error, 1), "within_25pct": abs(error) <= 0.25})
+    return out
+
+
+def _chosen_label(auto: dict[str, Any]) -> str | None:
+    match = re.search(r"^chosen: (\w+(?:\([^)]*\))?)", str(auto.get("explain", "")), re.M)
+    return match.group(1) if match else None
+
+
 def markdown(summary: dict[str, Any]) -> str:
     lines = ["| network | row | train s | bytes/rank | eval loss | utilisation | time to DP's loss (s) |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -133,6 +176,10 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {network} | {label} | {f['train_s']:.1f}{' (capped)' if f.get('capped') else ''} | "
                          f"{f['bytes_per_rank'] / 2**20:.2f} MiB | {f['eval_loss']:.4f} | "
                          f"{f['compute_utilisation']:.2f} | {shown} |")
+    if summary.get("step_predictions"):
+        lines += ["", "| network | row | planner's candidate | predicted ms/step | measured | error |", "|---|---|---|---:|---:|---:|"]
+        lines += [f"| {p['network']} | {p['row']} | {p['candidate']} | {p['predicted_step_ms']:.1f} | "
+                  f"{p['measured_step_ms']:.1f} | {p['error_pct']:+.1f} % |" for p in summary["step_predictions"]]
     return "\n".join(lines)
 
 

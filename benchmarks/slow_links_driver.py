@@ -80,7 +80,11 @@ def fit_row(spark: Any, train: Any, evaluation: Any, options: dict[str, Any], ar
             "compute_utilisation": round(1 - sum(waits) / max(sum(seconds), 1e-9), 3),
             "capped": sum(seconds) >= cap_s and len(history) < epochs, "epochs": epochs,
             "plan": plan.strategy if plan is not None else "", "options": _plain(plan.options) if plan is not None else {},
-            "explain": plan.explain() if plan is not None and plan.auto is not None else ""}
+            "explain": plan.explain() if plan is not None and plan.auto is not None else "",
+            # The planner's predicted step of each candidate, against the rows' measured ones (slow_links.py)
+            "candidates": [{"label": c.label, "predicted_step_s": c.predicted_step_s} for c in plan.candidates]
+            if plan is not None else [],
+            "chosen_label": plan.choice.label if plan is not None and plan.choice is not None else ""}
 
 
 def _plain(options: dict[str, Any]) -> dict[str, Any]:
