@@ -15,6 +15,7 @@ from sparkdl.checks import (before_training, check_backend, check_enough_rows, c
                             check_weighted_loss, drop_labels_beyond_the_model, preflight, probe_model,
                             probe_tensor_model)
 from sparkdl.config import RunConfig
+from sparkdl.config_elastic import is_elastic
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.fit_records import input_example, run_params
 from sparkdl.launch.attempts import tracked_submit
@@ -25,7 +26,7 @@ from sparkdl.planning import check_kept_world, resolve
 from sparkdl.resolved_plan import ResolvedPlan
 from sparkdl.phases import Phases
 from sparkdl.serving import ServedModel
-from sparkdl.trained_model import ModelParts, check_complete, load_parts
+from sparkdl.trained_model import ModelParts, check_complete, load_parts, real_where_state_cannot_reach
 from sparkdl.session import facts
 
 _log = logging.getLogger("sparkdl")
@@ -114,7 +115,9 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     phases.mark("plan")
     tracker = _start_tracking(config, df, prepared, resolved, spec.run_id)
     phases.mark("tracking")
-    parts, history = tracked_submit(spark, prepared.launch_df(), spec, tracker, callbacks=callbacks)
+    resize = _resizer(df, validation_df, model, (module, sample), config, resolved, spec.run_id) \
+        if is_elastic(config.launch) else None
+    parts, history = tracked_submit(spark, prepared.launch_df(), spec, tracker, callbacks=callbacks, resize=resize)
     phases.mark("job")
     _log_prediction(tracker, resolved, history)
     tracker.set_tags(stop_tags(history))
@@ -148,7 +151,7 @@ def _take_the_model(parts: ModelParts, module: Any, model: Any, config: RunConfi
     load = config.output.load_model
     try:
         check_complete(module, parts.tensor_names())
-        module = _real_where_state_cannot_reach(module, model, config.train.seed)
+        module = real_where_state_cannot_reach(module, model, config.train.seed)
         if load:
             load_parts(module, parts.files)
         module.eval()
@@ -163,31 +166,6 @@ def _take_the_model(parts: ModelParts, module: Any, model: Any, config: RunConfi
     if load:
         parts.remove()
     return module, model_uri
-
-
-def _real_where_state_cannot_reach(module: Any, model: Any, seed: int) -> Any:
-    """The driver's meta copy (layer factories) takes the trained tensors themselves when loaded, so
-    the whole model exists on the driver once; a layer with tensors no state dict carries (a
-    non-persistent buffer) is built for real from its factory first."""
-    from sparkdl.layer_factories import LayerFactories, on_meta
-
-    factories = LayerFactories.of(model)
-    if factories is not None and on_meta(module):
-        for index in range(len(factories)):
-            if _meta_beyond_state(module[index], f"{index}."):
-                module[index] = factories.layer(index, seed)
-    return module
-
-
-def _meta_beyond_state(layer: Any, prefix: str) -> bool:
-    """A meta layer with a tensor its state dict does not hold (loading could not make it real)."""
-    from sparkdl.layer_factories import on_meta
-
-    if not on_meta(layer):
-        return False
-    named = {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}
-    attributes = (v for m in layer.modules() for v in vars(m).values())  # a tensor kept as a plain attribute
-    return bool(named - set(layer.state_dict())) or any(getattr(v, "is_meta", False) is True for v in attributes)
 
 
 def _probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, tuple[int, ...]]:
@@ -258,7 +236,7 @@ def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPla
                       f"{type(plan).__name__}", hint="plan = sparkdl.plan(model, df, ...); TorchEstimator(..., plan=plan)")
 
 
-def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedPlan) -> Any:
+def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedPlan, run_id: str = "") -> Any:
     from sparkdl.data.epochs import check_shards
     from sparkdl.launch.driver import new_run_id
     from sparkdl.launch.spec import TrainSpec
@@ -271,11 +249,36 @@ def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: Resolved
     ship_by_value(model, train.loss, train.optimizer, config.data.transform_fn, train.lr_schedule, *train.metrics)
     # Callbacks run on the driver (a notebook's plots): the executors only learn that there are some.
     shipped = replace(config, train=replace(train, callbacks=()))
-    spec = TrainSpec(run_id=new_run_id(), config=shipped, layout=layout, model=model,
-                     strategy_layout=resolved.layout, driver_callbacks=bool(train.callbacks), rows=rows,
+    # An elastic run that may grow asks the driver at every epoch end, as callbacks do.
+    asks = bool(train.callbacks) or config.launch.grow_workers
+    spec = TrainSpec(run_id=run_id or train.resume_run or new_run_id(), config=shipped, layout=layout, model=model,
+                     strategy_layout=resolved.layout, driver_callbacks=asks, rows=rows,
                      row_counts=row_counts, source=prepared.source, packed_rows=prepared.packed is not None)
     check_picklable(spec)
     return spec
+
+
+def _resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], config: RunConfig,
+             resolved: ResolvedPlan, run_id: str) -> Callable[[int, Any], tuple[Any, Any]]:
+    """An elastic run's re-plan for another number of workers (launch/elastic.py): the data
+    re-sharded, the layout resolved again for the strategy the run trains with (a checkpoint
+    carries over within its strategy), the global batch kept, the same run id (its checkpoints)."""
+    from sparkdl.config_elastic import worker_range
+    from sparkdl.data.prepare import prepare_run
+    from sparkdl.launch.elastic import kept_batch
+
+    trained = resolved.config or config
+    accumulate = trained.train.accumulate_steps
+    global_batch = config.data.batch_size * config.launch.num_workers * accumulate
+    low, high = worker_range(config.launch)
+
+    def resize(workers: int, change: Any) -> tuple[Any, Any]:
+        sized = trained.merged({"launch": {"num_workers": workers, "min_workers": low, "max_workers": high},
+                                "data": {"batch_size": kept_batch(global_batch, accumulate, workers)}}).validate()
+        prepared = prepare_run(df, sized, validation_df)
+        again = resolve(probed[0], sized, prepared.layout, _spark(df), prepared.num_rows, sample=probed[1])
+        return prepared.launch_df(), _train_spec(model, again.config or sized, prepared, again, run_id=run_id)
+    return resize
 
 
 def _start_tracking(config: RunConfig, df: Any, prepared: Any, resolved: ResolvedPlan, run_id: str) -> Any:

@@ -19,6 +19,7 @@ from sparkdl.config_values import (check_feature_spec, check_input_spec, check_t
 from sparkdl.config_training import (DELIVERY_MODES, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env, check_spool,
                                      check_training_essentials)
 from sparkdl.config_training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
+from sparkdl.config_elastic import check_elastic, check_worker_range
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -106,6 +107,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # local path or pyarrow filesystem URI; None: no checkpoints
     checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
     keep_checkpoints: int = 2  # complete checkpoints kept
+    resume_run: str | None = None  # an earlier fit's run id: continue its checkpoints under checkpoint_dir
     plan_from_run: str | None = None  # MLflow run id of an earlier fit: train with its plan.json, no planning
     plan_file: str | None = None  # a plan's JSON (sparkdl plan --out, ResolvedPlan.to_json): train with it
     # Training essentials (config_training.py validates them): stepped per optimizer step
@@ -227,9 +229,19 @@ class LaunchConfig:
     # How the ranks' parts of the trained model reach the driver (launch/model_transfer.py):
     # "auto", "channel", "storage" (checkpoint_dir or run_dir) or "rows" (the job's result rows).
     model_transfer: str = "auto"
+    # Spot-safe runs (launch/elastic.py): a fit whose hosts are gone for good goes on with the slots
+    # there are, down to min_workers (0: num_workers, i.e. not elastic), after waiting
+    # replacement_wait_s for replacements; grow_workers: back up to max_workers (0: num_workers) at the
+    # next epoch end once slots return.
+    min_workers: int = 0
+    max_workers: int = 0
+    grow_workers: bool = False
+    replacement_wait_s: float = 30.0
 
     def validate(self) -> None:
         positive_int("launch.num_workers", self.num_workers)
+        check_worker_range(self.num_workers, self.min_workers, self.max_workers, self.grow_workers,
+                           self.replacement_wait_s)
         if self.emulate_network is not None:
             emulated = self.emulate_network
             if not isinstance(emulated, dict) or set(emulated) - {"latency_ms", "gbps"} or "gbps" not in emulated \
@@ -292,6 +304,7 @@ class RunConfig:
                               "stages x replicas ranks",
                               hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
         check_spool(self.data.spool, self.train)
+        check_elastic(self)
         if hybrid and workers < 2:
             raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
                               hint="raise num_workers, or use strategy='data_parallel'")

@@ -253,3 +253,28 @@ def module_from_files(skeleton: bytes, files: Iterable[str]) -> Any:
     load_parts(module, files)
     module.eval()
     return obj
+
+
+def real_where_state_cannot_reach(module: Any, model: Any, seed: int) -> Any:
+    """The driver's meta copy (layer factories) takes the trained tensors themselves when loaded, so
+    the whole model exists on the driver once; a layer with tensors no state dict carries (a
+    non-persistent buffer) is built for real from its factory first."""
+    from sparkdl.layer_factories import LayerFactories, on_meta
+
+    factories = LayerFactories.of(model)
+    if factories is not None and on_meta(module):
+        for index in range(len(factories)):
+            if _meta_beyond_state(module[index], f"{index}."):
+                module[index] = factories.layer(index, seed)
+    return module
+
+
+def _meta_beyond_state(layer: Any, prefix: str) -> bool:
+    """A meta layer with a tensor its state dict does not hold (loading could not make it real)."""
+    from sparkdl.layer_factories import on_meta
+
+    if not on_meta(layer):
+        return False
+    named = {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}
+    attributes = (v for m in layer.modules() for v in vars(m).values())  # a tensor kept as a plain attribute
+    return bool(named - set(layer.state_dict())) or any(getattr(v, "is_meta", False) is True for v in attributes)

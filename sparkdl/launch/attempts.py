@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any
 
+from sparkdl.launch.elastic import REGROUP_KEY, Resizing, say as _say
+
 
 _log = logging.getLogger("sparkdl")
 HOST_DIAL_S = 3.0  # a host that answers at all does so in milliseconds
@@ -36,20 +38,23 @@ class Untracked:
         """No run to end."""
 
 
-def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, callbacks: tuple[Any, ...] = ()
-                   ) -> tuple[Any, list[dict[str, Any]]]:
+def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, callbacks: tuple[Any, ...] = (),
+                   resize: Any = None) -> tuple[Any, list[dict[str, Any]]]:
     """Submit with the driver channel open: progress, metrics to MLflow (through `tracker`, a
     tracking.RunTracker; None for a job that is no MLflow run), rank 0's output, errors, and the
-    live `callbacks` on every epoch record."""
+    live `callbacks` on every epoch record. `resize(workers, change)` -> (job_df, spec) re-plans an
+    elastic run for another number of workers (launch/elastic.py); None: a run of fixed size."""
     tracker = tracker if tracker is not None else Untracked()
     from dataclasses import replace
 
-    from sparkdl.errors import TrainingError
+    from sparkdl.errors import ResourceError, TrainingError
     from sparkdl.launch.driver import submit
     from sparkdl.launch.monitor import RunMonitor
 
     config = spec.config
-    monitor = RunMonitor(tracker, progress=config.tracking.progress, callbacks=callbacks)
+    resizing = Resizing(spark, resize, tracker, spec, job_df) if resize is not None else None
+    monitor = RunMonitor(tracker, progress=config.tracking.progress, callbacks=callbacks,
+                         regroup=resizing.regroup if resizing is not None else None)
     attempts = max_attempts(spark, config.train.checkpoint_dir)
     from sparkdl import jvm
 
@@ -58,23 +63,39 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
     try:
         with open_channel(spark, config.launch.channel, monitor.on_message) as channel:
             try:
-                for attempt in range(1, attempts + 1):
+                attempt = 0
+                while True:
+                    attempt += 1
                     try:
+                        if resizing is not None:
+                            resizing.started(spec.world_size)
                         result, history, output = submit(spark, job_df, replace(spec, channel=channel.address))
-                        break
-                    except TrainingError as failure:
+                    except (TrainingError, ResourceError) as failure:
                         channel.drain()
                         monitor.flush()
-                        cut_off = cut_off_ranks(spark, monitor.errors, spec.world_size, monitor.rank_hosts)
-                        if attempt == attempts or not (retryable(monitor.errors) or cut_off):
+                        lost_slots = isinstance(failure, ResourceError)
+                        if lost_slots and resizing is None:
                             raise
-                        named = name_the_failure(monitor.errors, spec.world_size, config.launch.timeout_s, failure,
-                                                 monitor.rank_hosts, cut_off)
+                        cut_off = {} if lost_slots else cut_off_ranks(spark, monitor.errors, spec.world_size,
+                                                                      monitor.rank_hosts)
+                        if attempt >= attempts or not (lost_slots or retryable(monitor.errors) or cut_off):
+                            raise TrainingError(failure.message, hint=failure.hint) if lost_slots else failure
+                        named = failure if lost_slots else name_the_failure(
+                            monitor.errors, spec.world_size, config.launch.timeout_s, failure, monitor.rank_hosts,
+                            cut_off)
                         _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(named).splitlines()[0]}); "
                              f"retrying, every rank resumes from the latest checkpoint in {config.train.checkpoint_dir}")
-                        if cut_off:
+                        if resizing is not None:
+                            job_df, spec = resizing.after_loss(spec, monitor.rank_hosts)
+                        elif cut_off:
                             wait_for_hosts(cut_off, config.launch.timeout_s)
                         monitor.errors.clear()
+                        continue
+                    if resizing is not None and history and history[-1].get(REGROUP_KEY):
+                        job_df, spec = resizing.grow(spec, monitor.rank_hosts)
+                        attempt = 0  # growing is no failure
+                        continue
+                    break
             except TrainingError as exc:
                 exc = explain_lost_executors(spark, exc)
                 tracker.log_text(monitor.failure_report(), "failure.txt")
@@ -92,6 +113,8 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                            "launch.channel is off")
     finally:
         monitor.close()
+    if resizing is not None:
+        resizing.annotate(history)
     return result, history
 
 
@@ -119,11 +142,6 @@ def open_channel(spark: Any, channel: str, on_message: Any) -> Any:
     from sparkdl.session import facts
 
     return DriverChannel(facts(spark).channel_host() if channel == "auto" else channel, on_message)
-
-
-def _say(message: str) -> None:
-    _log.info("%s", message)
-    print(message, file=sys.stderr, flush=True)
 
 
 def silent_ranks(errors: dict[int, dict[str, Any]], world_size: int) -> list[int]:

@@ -16,20 +16,21 @@ Files hold only tensors and plain Python values and are read with torch.load(wei
 loading a checkpoint cannot run code. The run id is the same for every attempt of one fit (the
 driver resubmits the same spec), so an attempt finds what the previous one wrote.
 
-World size: the manifest records the world size and, per step, the ranks that wrote a part and
-those whose part holds the strategy's state. A replicated strategy (data parallel with allreduce)
-has its whole state in rank 0's part, which any world size can read (`read_part(step, 0)`). Per-rank
-states (DiLoCo replicas, hybrid stages, IST subnets, sharded data parallel) need the world size they
-were written by. Resuming itself needs the same world size in every case (positions within the
-epoch, running sums and RNG states are per rank): another one raises CheckpointError, not a
-missing-file error. The format before the manifest (a COMPLETE marker per step) is not read: run ids
+World size: the manifest records, per step, the world size that wrote it, the ranks that wrote a
+part and those whose part holds the strategy's state. A replicated strategy (data parallel with
+allreduce) has its whole state in rank 0's part (`read_part(step, 0)`). Per-rank states (DiLoCo
+replicas, hybrid stages, IST subnets, sharded data parallel) are each rank's own. Resuming at the
+same world size continues exactly (positions within the epoch, running sums and RNG states are per
+rank); at another one it is refused with a CheckpointError, unless the run may change size
+(launch.min_workers / max_workers), when launch/reshape.py carries the state over.
+The format before the manifest (a COMPLETE marker per step) is not read: run ids
 are new for every fit, so no fit resumes another version's checkpoints.
 """
 from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from sparkdl import storage
@@ -55,6 +56,7 @@ class StepRecord:
     step: int
     ranks: tuple[int, ...]
     strategy_ranks: tuple[int, ...]
+    world_size: int = 0  # the world that wrote it (0: the manifest's, as before elastic runs)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class Manifest:
     def latest(self) -> StepRecord | None:
         return self.steps[-1] if self.steps else None
 
+    def written_by(self, record: StepRecord) -> int:
+        """The world size that wrote `record` (an elastic run's steps may differ)."""
+        return record.world_size or self.world_size
+
     def with_step(self, record: StepRecord, keep: int) -> tuple["Manifest", list[int]]:
         """(the manifest with `record` added and only the last `keep` steps, the steps it drops)."""
         steps = (*self.steps, record)
@@ -75,8 +81,8 @@ class Manifest:
 
     def to_json(self, run_id: str) -> str:
         return json.dumps({"format": FORMAT, "run_id": run_id, "world_size": self.world_size,
-                           "steps": [{"step": s.step, "ranks": list(s.ranks), "strategy_ranks": list(s.strategy_ranks)}
-                                     for s in self.steps]}, indent=1)
+                           "steps": [{"step": s.step, "ranks": list(s.ranks), "strategy_ranks": list(s.strategy_ranks),
+                                      "world_size": self.written_by(s)} for s in self.steps]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
@@ -85,7 +91,8 @@ class Manifest:
             raise CheckpointError(f"checkpoint manifest format {data.get('format')} is newer than this sparkdl reads "
                                   f"({FORMAT})", hint="resume with the sparkdl version that wrote the checkpoints")
         return cls(int(data["world_size"]), tuple(
-            StepRecord(int(s["step"]), tuple(s["ranks"]), tuple(s["strategy_ranks"])) for s in data["steps"]))
+            StepRecord(int(s["step"]), tuple(s["ranks"]), tuple(s["strategy_ranks"]), int(s.get("world_size", 0)))
+            for s in data["steps"]))
 
 
 class CheckpointStore:
@@ -191,19 +198,25 @@ def open_store(spec: Any, rank: int) -> CheckpointStore | None:
     return CheckpointStore(train.checkpoint_dir, spec.run_id, rank, train.keep_checkpoints)
 
 
-def find_resume(store: CheckpointStore, comm: Any) -> Resume | None:
+def find_resume(store: CheckpointStore, comm: Any, reshape: Callable[..., Resume] | None = None) -> Resume | None:
     """The latest complete checkpoint, or None when the run has none (a first attempt). One verdict
     for all ranks, from rank 0's reading of the manifest (a collective: every rank calls it); steps
-    the manifest does not list are deleted (a killed attempt's half-written ones)."""
+    the manifest does not list are deleted (a killed attempt's half-written ones). A checkpoint of
+    another world size is refused, unless `reshape` (launch/reshape.py, elastic runs) carries it over."""
     manifest = _agreed_manifest(store, comm)
-    if manifest is not None and manifest.steps and manifest.world_size != comm.size:
+    written_by = manifest.written_by(manifest.latest) if manifest is not None and manifest.latest else comm.size
+    if written_by != comm.size and reshape is None:
         raise _world_size_error(store, manifest, comm.size)
-    store.manifest = manifest if manifest is not None and manifest.steps else Manifest(comm.size)
+    # New steps record this world; the earlier ones keep theirs.
+    store.manifest = Manifest(comm.size, tuple(replace(s, world_size=manifest.written_by(s)) for s in manifest.steps)) \
+        if manifest is not None and manifest.steps else Manifest(comm.size)
     recorded = {s.step for s in store.manifest.steps}
     store.delete_steps([s for s in store.step_dirs() if s not in recorded])
     latest = store.manifest.latest
     if latest is None:
         return None
+    if written_by != comm.size:
+        return reshape(store, latest, written_by, comm)
     own = store.read_part(latest.step, comm.rank)
     training = own.get("strategy")
     if training is None:  # replicated: one rank (rank 0) saved it for everyone
@@ -231,12 +244,14 @@ def _agreed_manifest(store: CheckpointStore, comm: Any) -> Manifest | None:
 
 def _world_size_error(store: CheckpointStore, manifest: Manifest, world_size: int) -> CheckpointError:
     latest = manifest.latest
+    written_by = manifest.written_by(latest) if latest is not None else manifest.world_size
     replicated = latest is not None and tuple(latest.strategy_ranks) == (0,)
     readable = (f"its strategy state is rank 0's alone (replicated), readable at any world size with "
                 f"CheckpointStore(dir, {store.run_id!r}, 0).read_part({latest.step}, 0)['strategy']"
                 if replicated and latest else "its strategy state is per rank and needs that world size")
     return CheckpointError(
-        f"the checkpoints under {store.root.path!r} were written by {manifest.world_size} ranks, this attempt "
+        f"the checkpoints under {store.root.path!r} were written by {written_by} ranks, this attempt "
         f"has {world_size}: {readable}; resuming needs the same world size (positions, running sums and "
         f"RNG states are per rank)",
-        hint=f"resume with num_workers={manifest.world_size}, or start a fresh run (another checkpoint_dir)")
+        hint=f"resume with num_workers={written_by}, or let the run change size (launch.min_workers / max_workers), "
+             "or start a fresh run (another checkpoint_dir)")

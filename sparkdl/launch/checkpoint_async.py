@@ -217,7 +217,7 @@ class RunCheckpoints:
         self._unconfirmed = pending is not None
         if pending is not None:
             record = StepRecord(pending.step, tuple(range(len(gathered))),
-                                tuple(rank for rank, seen in enumerate(gathered) if seen["strategy"]))
+                                tuple(rank for rank, seen in enumerate(gathered) if seen["strategy"]), len(gathered))
             self._manifest, dropped_now = self._manifest.with_step(record, self.store.keep)
             self._dropped += dropped_now
             if self.comm.rank == 0:

@@ -20,7 +20,7 @@ from sparkdl.launch.checkpoint_async import RunCheckpoints
 from sparkdl.launch.context import WorkerContext
 from sparkdl.launch.memory import mark_model_start, peak_memory, reset_cuda_peak
 from sparkdl.launch.objectives import build_model, build_optimizer, loss_function
-from sparkdl.launch.stopping import EarlyStopping, Verdict, epoch_verdict
+from sparkdl.launch.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
 from sparkdl.launch.validation import run_metrics, validate
 from sparkdl.strategies import Strategy, strategy_class
 from sparkdl.strategies.inputs import batch_rows, to_device
@@ -102,13 +102,19 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
             record["resumed_from_step"] = start.global_step
         record.update(validate(ctx, strategy, loss_fn, metrics, _triples(ctx, ctx.validation_batches())))
         verdict = stopper.close_epoch(ctx, strategy, record)
+        regroup = verdict.stop and verdict.stopped_by == REGROUP and checkpoints is not None and not last
+        if regroup:  # the driver has more workers for this run: checkpoint, end, go on in the next job
+            record.pop("stopped_by", None)
+            record[REGROUP_KEY] = record.pop("stop_reason", "") or "more workers"
         history.append(record)
-        if verdict.stop:
+        if verdict.stop and not regroup:
             if not last:  # end on the weights this epoch validated (DiLoCo's global model, IST's last write-back)
                 strategy.restore(strategy.snapshot())
             break
         if checkpoints is not None and not last:
             checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, strategy, history, 0.0, 0, stopper))
+        if regroup:
+            break
     return history, stopper
 
 
@@ -143,7 +149,8 @@ class _Stopper:
     def restore_best(self, strategy: Strategy, history: History) -> None:
         """The best epoch's weights, when early stopping ended the fit or it ran every epoch; a
         callback's "stop" keeps the weights of the epoch it stopped after (what it asked for)."""
-        if self.early is None or not self.early.restore_best or self.best is None or not history:
+        if self.early is None or not self.early.restore_best or self.best is None or not history \
+                or history[-1].get(REGROUP_KEY):
             return
         if str(history[-1].get("stopped_by", "early_stopping")) != "early_stopping":
             return
@@ -277,6 +284,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
         "samples_per_sec": float(sums[1]) / seconds if seconds > 0 else 0.0,
         "bytes_sent": bytes_sent,
         "lr": strategy.learning_rate(),
+        "workers": ctx.world_size,
     }
     if ctx.batch_shares:
         record["batch_rows_per_rank"] = list(ctx.batch_shares)

@@ -18,10 +18,11 @@ FLUSH_INTERVAL_S = 5.0  # live enough for a dashboard; each write costs the driv
 
 
 class RunMonitor:
-    def __init__(self, tracker: Any, progress: bool, callbacks: tuple[Any, ...] = ()) -> None:
+    def __init__(self, tracker: Any, progress: bool, callbacks: tuple[Any, ...] = (), regroup: Any = None) -> None:
         self.tracker = tracker
         self.progress = progress
         self.callbacks = callbacks  # train.callbacks, resolved (launch/callbacks.py)
+        self.regroup = regroup  # an elastic run's "end this job, more workers are there" (launch/elastic.py)
         self.errors: dict[int, dict[str, Any]] = {}
         self.rank_hosts: list[str] = []  # each rank's executor address, from rank 0's start message
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -95,7 +96,10 @@ class RunMonitor:
             from sparkdl.launch.callbacks import run_callbacks
 
             self.flush()  # a callback reading the MLflow run sees this epoch
-            reply(run_callbacks(self.callbacks, record))
+            verdict = run_callbacks(self.callbacks, record)
+            if not verdict.get("stop") and self.regroup is not None:
+                verdict = self.regroup(record) or verdict
+            reply(verdict)
 
     def replay(self, history: list[dict[str, Any]], output: list[str], channel: str) -> None:
         """What never arrived live (the executors could not reach `channel`, or there was none), from

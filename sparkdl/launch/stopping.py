@@ -7,6 +7,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+# An elastic run's driver ends the job at an epoch end so that the next runs on more workers
+# (launch/elastic.py): the verdict's stopped_by, and the key of the epoch record it marks.
+REGROUP = "regroup"
+REGROUP_KEY = "regroup"
+
 
 @dataclass
 class EarlyStopping:

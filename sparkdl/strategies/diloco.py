@@ -187,10 +187,22 @@ class OuterSync:
         self._last_start = [int(s) for s in state.get("last_start", [0] * self.schedule.fragments)]
         self._residuals = list(state.get("residuals", [None] * self.schedule.fragments))
         self._in_flight = {}
+        if state.get("restart_from_global"):
+            self._restart_from_global()
+            return
         for key, pending in state.get("in_flight", {}).items():
             future: Future = Future()
             future.set_result((pending["mean"], pending["residual"]))
             self._in_flight[int(key)] = future
+
+    def _restart_from_global(self) -> None:
+        """Another world size (launch/reshape.py): every replica starts again from the global model
+        with the outer optimizer's state; local progress since each fragment's last sync, the sync in
+        flight and the error-feedback residuals (one per old rank) are dropped."""
+        self._residuals = [None] * self.schedule.fragments
+        with torch.no_grad():
+            for local, shared in zip(self._params, self.global_params):
+                local.copy_(shared)
 
 
 def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Parameter], train: Any

@@ -206,10 +206,36 @@ class Sharded(DataParallel):
                 buffer.copy_(snapshot[f"buffer.{name}"])
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        if state.get("gathered_from"):  # written by another world size (launch/reshape.py)
+            state = self._my_slices(state)
         self.restore(state["module"])
         if "optimizer" in state:
             self._optimizer.load_state_dict(state["optimizer"])
         self.steps.load_state_dict(state.get("steps", {}))
+
+    def _my_slices(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shards out of every old rank's shards laid end to end (each layer's flat
+        parameters, then the old world's zero padding): the same cut as LayerShard's for this world.
+        Per-shard optimizer tensors (Adam's moments) are cut alike; scalars (its step) kept."""
+        def mine(full: torch.Tensor, layer: LayerShard) -> torch.Tensor:
+            flat = torch.zeros(layer.full_size, dtype=full.dtype)
+            kept = min(layer.numel, full.numel())
+            flat[:kept] = full.reshape(-1)[:kept]
+            start = self.comm.rank * layer.shard_size
+            return flat[start: start + layer.shard_size].clone()
+
+        module = dict(state["module"])
+        for i, layer in enumerate(self._layers):
+            module[f"shard.{i}"] = mine(module[f"shard.{i}"], layer)
+        out = {**state, "module": module}
+        if "optimizer" in state:
+            optimizer = {**state["optimizer"], "state": {}}
+            for index, values in state["optimizer"]["state"].items():
+                layer = self._layers[int(index)]
+                optimizer["state"][index] = {name: mine(value, layer) if torch.is_tensor(value) and value.dim() >= 1
+                                             else value for name, value in values.items()}
+            out["optimizer"] = optimizer
+        return out
 
     def result_state(self) -> dict[str, torch.Tensor] | None:
         """The whole parameters this rank owns (and, on rank 0, the buffers): every rank gathers

@@ -172,7 +172,8 @@ def test_errors_imports_nothing_from_sparkdl() -> None:
 
 
 @pytest.mark.parametrize("module, allowed", [
-    ("sparkdl.config", {"sparkdl.errors", "sparkdl.config_values", "sparkdl.config_training"}),
+    ("sparkdl.config", {"sparkdl.errors", "sparkdl.config_values", "sparkdl.config_training", "sparkdl.config_elastic"}),
+    ("sparkdl.config_elastic", {"sparkdl.errors"}),
     ("sparkdl.config_training", {"sparkdl.errors", "sparkdl.config_values"}),
     ("sparkdl.config_values", {"sparkdl.errors"})])
 def test_config_imports_only_errors_from_sparkdl(module: str, allowed: set[str]) -> None:
