@@ -180,7 +180,7 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
 def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *, classification: bool,
             num_workers: int, validation_df: DataFrame | None = None, validation_fraction: float = 0.0,
             seed: int = 0, on_invalid: str = "error", weight_col: str | None = None,
-            count_kept_partitions: bool = True) -> PreparedData:
+            count_kept_partitions: bool = True, fixed_order: bool = False) -> PreparedData:
     """Checked, selected and sharded data. With validation (a DataFrame, or a fraction held out by
     seed), validation rows travel in the same barrier job, marked by a split column, so every rank
     evaluates its share each epoch without a second Spark job. `weight_col`: per-row weights, a
@@ -196,14 +196,16 @@ def prepare(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, *
                                    f"training DataFrame {prepared.layout.num_features}",
                                    hint="use the same feature columns")
     return split_and_shard(prepared, val, num_workers=num_workers, validation_fraction=validation_fraction, seed=seed,
-                           count_kept_partitions=count_kept_partitions)
+                           count_kept_partitions=count_kept_partitions, fixed_order=fixed_order)
 
 
 def split_and_shard(prepared: PreparedData, validation: PreparedData | None, *, num_workers: int,
-                    validation_fraction: float = 0.0, seed: int = 0, count_kept_partitions: bool = True) -> PreparedData:
+                    validation_fraction: float = 0.0, seed: int = 0, count_kept_partitions: bool = True,
+                    fixed_order: bool = False) -> PreparedData:
     """Validation rows (a prepared validation_df, or a fraction held out by seed) marked by a split
     column in the same DataFrame, and the rows spread over num_workers partitions (one per rank).
-    count_kept_partitions=False skips the job that counts a kept partitioning (the rows are dealt)."""
+    count_kept_partitions=False skips the job that counts a kept partitioning (the rows are dealt);
+    fixed_order: dealt rows keep their input order within each shard (shards.balanced)."""
     layout, selected = prepared.layout, prepared.df
     num_rows, num_val = prepared.num_rows, 0
     if validation is not None:
@@ -228,7 +230,7 @@ def split_and_shard(prepared: PreparedData, validation: PreparedData | None, *, 
     if num_val:
         layout = replace(layout, split_column=SPLIT_COLUMN)
     if kept_rows is None:  # a union cannot run in a barrier stage as is either
-        selected, counted_from = balanced(selected, num_workers)
+        selected, counted_from = balanced(selected, num_workers, fixed_order)
     flat = prepared.flat if kept_rows is not None and not num_val else None  # the same rows, only so
     return replace(prepared, df=selected, layout=layout, num_rows=num_rows, num_validation_rows=num_val,
                    shard_rows=kept_rows, counted_from=counted_from, flat=flat)

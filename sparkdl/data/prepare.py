@@ -13,6 +13,7 @@ from sparkdl.data.feed import PreparedData, is_classification, prepare
 from sparkdl.data.packed_delivery import with_packed_delivery
 from sparkdl.data.parquet_source import direct_candidate, with_parquet_source
 from sparkdl.data.tensor_feed import prepare_tensors
+from sparkdl.config_elastic import is_elastic
 
 if TYPE_CHECKING:
     from sparkdl.config import RunConfig
@@ -22,13 +23,17 @@ def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | N
                 custom_loop: bool = False) -> PreparedData:
     data = config.data
     classification = is_classification(df, config, custom_loop)
+    # A run that may resume at another size deals its rows in a fixed order, so a resized attempt
+    # sees what a fresh fit at that size would (a shuffle's arrival order varies run to run).
+    fixed = is_elastic(config.launch) or bool(config.train.resume_run)
     if data.input_cols is not None:
         return prepare_tensors(df, data, classification=classification, num_workers=config.launch.num_workers,
-                               validation_df=validation_df, seed=config.train.seed)
+                               validation_df=validation_df, seed=config.train.seed, fixed_order=fixed)
     scan = direct_candidate(df, config, validation_df)
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=config.launch.num_workers, validation_df=validation_df,
                        validation_fraction=data.validation_fraction, seed=config.train.seed,
                        on_invalid=data.on_invalid, weight_col=data.weight_col,
-                       count_kept_partitions=scan is None)  # direct reads count the rows from the footers
+                       count_kept_partitions=scan is None,  # direct reads count the rows from the footers
+                       fixed_order=fixed)
     return with_packed_delivery(with_parquet_source(prepared, scan, config), config)

@@ -16,6 +16,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 SHARD_KEY = "__sparkdl_shard"
+ORDER_KEY = "__sparkdl_order"
 _SEED = 42  # HashPartitioning's Murmur3Hash seed (Spark's Partitioning.scala)
 _MASK = 0xFFFFFFFF
 
@@ -57,11 +58,18 @@ def _key_expression(workers: int) -> Any:
     return F.expr(f"element_at(array({keys}), cast({dealt} as int) + 1)")
 
 
-def balanced(df: DataFrame, workers: int) -> tuple[DataFrame, DataFrame]:
+def balanced(df: DataFrame, workers: int, fixed_order: bool = False) -> tuple[DataFrame, DataFrame]:
     """(df dealt row by row over `workers` partitions, the unshuffled input with its shard key to
-    count them by): every partition gets rows // workers rows, the first rows % workers one more."""
+    count them by): every partition gets rows // workers rows, the first rows % workers one more.
+    The rows of a shard arrive in the order the shuffle fetches them, which varies from run to run;
+    `fixed_order` sorts each shard by the rows' input position (a sort per shard: a rank's first
+    step then waits for its whole shard)."""
     keyed = df.withColumn(SHARD_KEY, _key_expression(workers))
-    return keyed.repartition(workers, F.col(SHARD_KEY)).drop(SHARD_KEY), keyed
+    if not fixed_order:
+        return keyed.repartition(workers, F.col(SHARD_KEY)).drop(SHARD_KEY), keyed
+    ordered = keyed.withColumn(ORDER_KEY, F.monotonically_increasing_id())
+    dealt = ordered.repartition(workers, F.col(SHARD_KEY)).sortWithinPartitions(ORDER_KEY)
+    return dealt.drop(SHARD_KEY, ORDER_KEY), keyed
 
 
 def shard_row_counts(df: DataFrame, workers: int, counted_from: DataFrame | None,

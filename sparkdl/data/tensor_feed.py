@@ -306,7 +306,7 @@ def _prepare_one(df: DataFrame, data: "DataConfig", classification: bool, what: 
 
 
 def prepare_tensors(df: DataFrame, data: "DataConfig", *, classification: bool, num_workers: int,
-                    validation_df: DataFrame | None = None, seed: int = 0) -> PreparedData:
+                    validation_df: DataFrame | None = None, seed: int = 0, fixed_order: bool = False) -> PreparedData:
     """input_cols runs: checked, selected and sharded like feed.prepare, plus a few converted rows
     (`sample`, an Arrow table of the prepared columns) to probe the model with."""
     prepared = _prepare_one(df, data, classification, "the DataFrame")
@@ -318,7 +318,7 @@ def prepare_tensors(df: DataFrame, data: "DataConfig", *, classification: bool, 
         prepared = replace(prepared, layout=replace(validation.layout, num_classes=max(classes) if classes else None))
     sample = _sample(prepared.df)
     sharded = split_and_shard(prepared, validation, num_workers=num_workers,
-                              validation_fraction=data.validation_fraction, seed=seed)
+                              validation_fraction=data.validation_fraction, seed=seed, fixed_order=fixed_order)
     return replace(sharded, sample=sample)
 
 

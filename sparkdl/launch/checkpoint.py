@@ -182,6 +182,7 @@ class Resume:
     progress: dict[str, Any]  # this rank's running sums, rank 0's history, the batch shares
     strategy_state: dict[str, Any]
     rng: Any  # torch's CPU generator state
+    written_by: int = 0  # another world size that wrote it (launch/reshape.py); 0: this one
 
     def apply(self, strategy: Any) -> None:
         import torch

@@ -182,11 +182,9 @@ class Resizing:
         return self.job_df, resized
 
     def annotate(self, history: list[dict[str, Any]]) -> None:
-        """Each change on the first epoch record trained after it (where `workers` changes)."""
+        """Each change on the first epoch record trained after it (the ranks mark the epoch they
+        resumed at another size with `resized_from_workers`)."""
         pending = list(self.changes)
-        previous = None
         for record in history:
-            workers = record.get("workers")
-            if previous is not None and workers != previous and pending:
+            if "resized_from_workers" in record and pending:
                 record["membership"] = pending.pop(0).record()
-            previous = workers

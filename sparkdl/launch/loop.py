@@ -100,6 +100,8 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
                               ctx.comm.bytes_sent - bytes_before)
         if resuming:
             record["resumed_from_step"] = start.global_step
+            if resume.written_by:  # an elastic run's new size: the driver adds who left or joined
+                record["resized_from_workers"] = resume.written_by
         record.update(validate(ctx, strategy, loss_fn, metrics, _triples(ctx, ctx.validation_batches())))
         verdict = stopper.close_epoch(ctx, strategy, record)
         regroup = verdict.stop and verdict.stopped_by == REGROUP and checkpoints is not None and not last

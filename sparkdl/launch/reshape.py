@@ -42,7 +42,7 @@ def reshaper(train: Any) -> Callable[[CheckpointStore, StepRecord, int, Any], Re
         own_rng = _read(store, latest.step, comm.rank)["rng"] if comm.rank < written_by else first["rng"]
         epoch, step, global_step = first["position"]
         progress = {k: v for k, v in dict(first["progress"]).items() if k in KEPT_PROGRESS}
-        return Resume(Position(int(epoch), int(step), int(global_step)), progress, state, own_rng)
+        return Resume(Position(int(epoch), int(step), int(global_step)), progress, state, own_rng, written_by)
 
     return reshape
 

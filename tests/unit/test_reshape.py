@@ -170,7 +170,8 @@ def test_changes_are_recorded_on_the_first_epoch_after_them() -> None:
     resizing = Resizing(None, lambda workers, change: (None, None), None, Spec, None)
     change = MembershipChange(1.0, 3, 2, ("h3",), (), "hosts lost", 6, 12)
     resizing.changes.append(change)
-    history = [{"epoch": 0, "workers": 3}, {"epoch": 1, "workers": 2}, {"epoch": 2, "workers": 2}]
+    history = [{"epoch": 0, "workers": 3}, {"epoch": 1, "workers": 2, "resized_from_workers": 3},
+               {"epoch": 2, "workers": 2}]
     resizing.annotate(history)
     assert history[1]["membership"] == {"time": 1.0, "from_workers": 3, "to_workers": 2, "hosts_left": ["h3"],
                                         "hosts_joined": [], "reason": "hosts lost", "per_rank_batch": 6,

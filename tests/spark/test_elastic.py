@@ -1,0 +1,132 @@
+"""Spot-safe runs on a real standalone cluster (a Master and 1-core Workers of pyspark's own
+spark-class on 127.0.0.1): a Worker and its executor killed for good mid-run (nothing relaunches
+them) -> the fit goes on with the 2 workers left, its data parallel weights equal to a run that
+resumed the same checkpoint on 2 workers; fewer slots than min_workers -> a TrainingError naming
+the slots found; a worker that comes back -> the fit grows to 3 at the next epoch end.
+Applications run in subprocesses (this process keeps its local-cluster session)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from standalone import StandaloneCluster, environment
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
+    standalone = StandaloneCluster(tmp_path_factory.mktemp("elastic"), memory="900m")
+    try:
+        standalone.start_master()
+        for index in range(3):
+            standalone.start_worker(index)
+        standalone.next_worker = 3  # type: ignore[attr-defined]
+        yield standalone
+    finally:
+        standalone.stop()
+
+
+def workers_alive(cluster: StandaloneCluster) -> int:
+    return sum(1 for p in cluster._processes[1:] if p.poll() is None)  # noqa: SLF001 - the test's own cluster
+
+
+def restore_workers(cluster: StandaloneCluster, count: int) -> None:
+    while workers_alive(cluster) < count:
+        cluster.start_worker(cluster.next_worker)  # type: ignore[attr-defined]
+        cluster.next_worker += 1  # type: ignore[attr-defined]
+
+
+def fit(cluster: StandaloneCluster, out: Path, *extra: str, check: bool = True, timeout: float = 420
+        ) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, str(SUPPORT / "elastic_fit.py"), cluster.url, str(out), *extra], cwd=REPO,
+                          env=environment(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert done.returncode == 0, done.stderr[-5000:]
+    return done
+
+
+def test_a_host_lost_for_good_shrinks_the_run_and_data_parallel_matches_a_resume_on_two(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    restore_workers(cluster, 3)
+    checkpoints, marker = tmp_path / "checkpoints", tmp_path / "killed"
+    done = fit(cluster, tmp_path / "elastic.pt", "--checkpoint-dir", str(checkpoints), "--min-workers", "2",
+               "--kill-marker", str(marker))
+    assert marker.exists(), "the worker was never killed"
+    output = done.stdout + done.stderr
+    assert "sparkdl: workers 3 -> 2 (executors lost" in output
+    step = int(re.search(r"resuming the checkpoint of step (\d+), written by 3 workers, on 2", output).group(1))  # type: ignore[union-attr]
+    elastic = torch.load(tmp_path / "elastic.pt", weights_only=False)
+    history = elastic["history"]
+    assert [h["workers"] for h in history][-1] == 2 and history[0]["workers"] in (2, 3)
+    changed = [h for h in history if "membership" in h]
+    assert len(changed) == 1 and changed[0]["membership"]["from_workers"] == 3
+    assert changed[0]["membership"]["to_workers"] == 2 and changed[0]["membership"]["global_batch"] == 24
+    assert changed[0]["membership"]["per_rank_batch"] == 12
+
+    # The reference: the same checkpoint resumed on 2 workers from the start (a copy, its manifest
+    # cut back to the step the elastic run resumed).
+    (run,) = elastic["runs"]
+    copy = tmp_path / "reference-checkpoints"
+    shutil.copytree(checkpoints / run, copy / run)
+    manifest = json.loads((copy / run / "manifest.json").read_text())
+    manifest["steps"] = [s for s in manifest["steps"] if s["step"] <= step]
+    assert manifest["steps"][-1]["step"] == step and manifest["steps"][-1]["world_size"] == 3
+    (copy / run / "manifest.json").write_text(json.dumps(manifest))
+    fit(cluster, tmp_path / "reference.pt", "--checkpoint-dir", str(copy), "--workers", "2", "--batch", "12",
+        "--resume-run", run)
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    for key, value in reference["state"].items():
+        torch.testing.assert_close(elastic["state"][key], value, atol=1e-6, rtol=0, msg=key)
+    assert [h["loss"] for h in elastic["history"][1:]] == pytest.approx([h["loss"] for h in reference["history"][1:]],
+                                                                         rel=1e-5)
+
+
+def test_below_min_workers_the_fit_fails_naming_the_slots_found(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    restore_workers(cluster, 2)
+    marker = tmp_path / "killed"
+    started = time.monotonic()
+    done = fit(cluster, tmp_path / "none.pt", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--workers", "2",
+               "--min-workers", "2", "--max-workers", "3", "--grow", "--kill-rank", "1", "--kill-marker", str(marker),
+               check=False)
+    assert marker.exists() and done.returncode != 0
+    assert re.search(r"TrainingError: the run lost executors: 1 slot\(s\) found after waiting "
+                     r"launch.replacement_wait_s=5 s for replacements, fewer than launch.min_workers=2 \(it had 2\)",
+                     done.stderr), done.stderr[-3000:]
+    assert time.monotonic() - started < 240
+
+
+def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    restore_workers(cluster, 3)
+    marker = tmp_path / "killed"
+
+    def replace_the_host() -> None:  # a replacement registers some seconds after the loss
+        deadline = time.monotonic() + 300
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(8)
+        restore_workers(cluster, 3)
+
+    helper = threading.Thread(target=replace_the_host, daemon=True)
+    helper.start()
+    done = fit(cluster, tmp_path / "grown.pt", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--min-workers",
+               "2", "--grow", "--sync", "diloco", "--epochs", "8", "--kill-marker", str(marker))
+    helper.join(60)
+    output = done.stdout + done.stderr
+    grown = torch.load(tmp_path / "grown.pt", weights_only=False)
+    workers = [h["workers"] for h in grown["history"]]
+    assert 2 in workers and workers[-1] == 3, (workers, output[-3000:])
+    changes = [h["membership"] for h in grown["history"] if "membership" in h]
+    assert [(c["from_workers"], c["to_workers"]) for c in changes] == [(3, 2), (2, 3)]
+    assert changes[1]["reason"] == "slots returned" and "sparkdl: workers 2 -> 3 (slots returned" in output
+    assert all(h["val_loss"] < 1.2 for h in grown["history"][-2:])  # it kept learning through both changes
