@@ -85,11 +85,11 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                             cut_off)
                         _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(named).splitlines()[0]}); "
                              f"retrying, every rank resumes from the latest checkpoint in {config.train.checkpoint_dir}")
+                        monitor.errors.clear()  # reported above; an error of the resize is its own
                         if resizing is not None:
                             job_df, spec = resizing.after_loss(spec, monitor.rank_hosts)
                         elif cut_off:
                             wait_for_hosts(cut_off, config.launch.timeout_s)
-                        monitor.errors.clear()
                         continue
                     if resizing is not None and history and history[-1].get(REGROUP_KEY):
                         job_df, spec = resizing.grow(spec, monitor.rank_hosts)

@@ -6,8 +6,11 @@ the slots found; a worker that comes back -> the fit grows to 3 at the next epoc
 Applications run in subprocesses (this process keeps its local-cluster session)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import shutil
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from standalone import StandaloneCluster, environment
+from standalone import StandaloneCluster, descendants, environment
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +46,18 @@ def workers_alive(cluster: StandaloneCluster) -> int:
 
 
 def restore_workers(cluster: StandaloneCluster, count: int) -> None:
+    """Exactly `count` live workers: new ones started, extra ones stopped with their executors (by PID)."""
     while workers_alive(cluster) < count:
         cluster.start_worker(cluster.next_worker)  # type: ignore[attr-defined]
         cluster.next_worker += 1  # type: ignore[attr-defined]
+    extra = [p for p in cluster._processes[1:] if p.poll() is None][count:]  # noqa: SLF001
+    for process in extra:
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(20)
+    if extra:
+        time.sleep(2)  # the master drops them from its workers
 
 
 def fit(cluster: StandaloneCluster, out: Path, *extra: str, check: bool = True, timeout: float = 420
@@ -108,25 +120,32 @@ def test_below_min_workers_the_fit_fails_naming_the_slots_found(cluster, tmp_pat
 
 def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     restore_workers(cluster, 3)
-    marker = tmp_path / "killed"
+    marker, log = tmp_path / "killed", tmp_path / "fit.log"
 
-    def replace_the_host() -> None:  # a replacement registers some seconds after the loss
+    def replace_the_host() -> None:  # a replacement registers once the run went on with 2
         deadline = time.monotonic() + 300
-        while not marker.exists() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if log.exists() and "sparkdl: workers 3 -> 2" in log.read_text(errors="replace"):
+                restore_workers(cluster, 3)
+                return
             time.sleep(0.5)
-        time.sleep(8)
-        restore_workers(cluster, 3)
 
     helper = threading.Thread(target=replace_the_host, daemon=True)
     helper.start()
-    done = fit(cluster, tmp_path / "grown.pt", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--min-workers",
-               "2", "--grow", "--sync", "diloco", "--epochs", "8", "--kill-marker", str(marker))
+    with open(log, "w") as sink:
+        done = subprocess.run([sys.executable, str(SUPPORT / "elastic_fit.py"), cluster.url, str(tmp_path / "grown.pt"),
+                               "--checkpoint-dir", str(tmp_path / "checkpoints"), "--min-workers", "2", "--grow",
+                               "--sync", "diloco", "--epochs", "12", "--step-sleep", "0.2", "--kill-marker",
+                               str(marker)], cwd=REPO, env=environment(), stdout=sink, stderr=subprocess.STDOUT,
+                              timeout=600)
     helper.join(60)
-    output = done.stdout + done.stderr
+    output = log.read_text(errors="replace")
+    assert done.returncode == 0, output[-5000:]
     grown = torch.load(tmp_path / "grown.pt", weights_only=False)
     workers = [h["workers"] for h in grown["history"]]
     assert 2 in workers and workers[-1] == 3, (workers, output[-3000:])
     changes = [h["membership"] for h in grown["history"] if "membership" in h]
     assert [(c["from_workers"], c["to_workers"]) for c in changes] == [(3, 2), (2, 3)]
     assert changes[1]["reason"] == "slots returned" and "sparkdl: workers 2 -> 3 (slots returned" in output
+    assert changes[1]["global_batch"] == changes[0]["global_batch"] == 24
     assert all(h["val_loss"] < 1.2 for h in grown["history"][-2:])  # it kept learning through both changes

@@ -6,7 +6,7 @@ file.
 
     python elastic_fit.py MASTER OUT --checkpoint-dir DIR [--workers 3] [--min-workers 2] [--grow]
         [--kill-marker PATH] [--kill-rank 2] [--kill-call 9] [--strategy data_parallel] [--sync allreduce]
-        [--resume-run ID] [--epochs 4] [--batch 8]
+        [--resume-run ID] [--epochs 4] [--batch 8] [--step-sleep S]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 FEATURES = [f"f{i}" for i in range(6)]
-KILL = {"path": "", "rank": 2, "call": 9}
+KILL = {"path": "", "rank": 2, "call": 9, "sleep": 0.0}
 CALLS = {"n": 0}
 
 
@@ -53,6 +54,8 @@ def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         for pid in reversed(ancestors_named(os.getpid(), (b"deploy.worker.Worker", b"CoarseGrainedExecutorBackend"))):
             os.kill(pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+    if KILL["sleep"]:
+        time.sleep(KILL["sleep"])  # slower steps: time for a replacement to register while the run trains
     return nn.functional.cross_entropy(output, labels)
 
 
@@ -82,6 +85,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--keep", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
     from pyspark.sql import SparkSession
 
@@ -90,7 +94,7 @@ def main() -> None:
     spark = (SparkSession.builder.master(args.master).appName("sparkdl-elastic-test")
              .config("spark.ui.enabled", "false").config("spark.executor.memory", "640m")
              .config("spark.task.maxFailures", "4").getOrCreate())
-    KILL.update(path=args.kill_marker, rank=args.kill_rank, call=args.kill_call)
+    KILL.update(path=args.kill_marker, rank=args.kill_rank, call=args.kill_call, sleep=args.step_sleep)
     df = rows_df(spark)
     sync = {"sync": "diloco", "sync_every": 4} if args.sync == "diloco" else {}
     estimator = TorchEstimator(
