@@ -24,7 +24,9 @@ class Controller:
     worker hosts reject each other's connections to ports the OS picks, or every connection to the
     asking host); {"do": "sniff", "host"} (record
     what reaches that host); {"do": "attack", "host", "port"} (stop recording, then bed_attacker.py
-    on the master host)."""
+    on the master host); {"do": "lose", "worker": n or "host"} (a host gone for good: its Worker and
+    executors killed, its link cut); {"do": "return", "worker": n or "host"} (link mended, a new
+    Worker registered)."""
 
     def __init__(self, bed: Bed, ask: Path) -> None:
         self.bed, self.ask = bed, ask
@@ -83,6 +85,14 @@ class Controller:
                 bed.reject(bed.workers, bed.workers, bool(asked["on"]), ports=EPHEMERAL_PORTS)
             else:  # the asking host (a Connect client): no executor reaches it at all
                 bed.reject(bed.workers, [bed.host_named(asked["host"])], bool(asked["on"]))
+        elif what == "lose":  # a worker host gone for good (its Worker and executors killed, its link cut)
+            host = bed.workers[int(asked["worker"]) - 1] if "worker" in asked else bed.host_named(asked["host"])
+            bed.lose_host(host)
+            return {"host": host.address, "at": time.time()}
+        elif what == "return":  # a replacement Worker on that host, registered when this answers
+            host = bed.workers[int(asked["worker"]) - 1] if "worker" in asked else bed.host_named(asked["host"])
+            bed.return_host(host)
+            return {"host": host.address, "at": time.time()}
         elif what == "network":  # every worker host's link; with "islands", slow links between groups
             return self._network(asked)
         elif what == "sniff":

@@ -278,7 +278,30 @@ class Bed:
             wait_for_line(started, "Successfully registered with master", 90)
 
     def worker_process(self, host: Host) -> Started:
-        return next(s for s in self._started if s.host == host and s.log.name == "worker.log")
+        """The host's Spark Worker (the latest one started there)."""
+        return [s for s in self._started if s.host == host and s.log.name.startswith("worker")][-1]
+
+    def lose_host(self, host: Host) -> None:
+        """The host gone for good, as a reclaimed spot instance: its Worker and executors SIGKILLed
+        (by PID; nothing relaunches them) and its link cut."""
+        worker = self.worker_process(host)
+        for pid in [worker.process.pid, *descendants(worker.process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        worker.process.wait(timeout=10)
+        self.cut(host)
+
+    def return_host(self, host: Host) -> None:
+        """A replacement on the same host: its link mended and a new Worker registered."""
+        self.mend(host)
+        count = sum(1 for s in self._started if s.host == host and s.log.name.startswith("worker"))
+        work = self.root / "hosts" / host.name / "work"
+        started = self.start_on(host, [str(SPARK_CLASS), "org.apache.spark.deploy.worker.Worker", "--cores",
+                                       str(self.worker_cores), "--memory", self.worker_memory, "--work-dir", str(work),
+                                       "--webui-port", "8081", self.master_url], f"worker-{count}")
+        wait_for_line(started, "Successfully registered with master", 90)
 
     def stop(self) -> None:
         # Executor JVMs (and their Python workers) run in sessions of their own under the workers:
