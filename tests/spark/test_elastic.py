@@ -21,11 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import multihost
 from standalone import StandaloneCluster, descendants, environment
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
+# Where the multi-host bed runs, tests/spark/test_multihost_elastic.py runs these on hosts of their own.
+ON_THE_BED = pytest.mark.skipif(multihost.why_not() is None, reason="the multi-host bed runs this across hosts "
+                                "(tests/spark/test_multihost_elastic.py); here only where it cannot run")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,7 @@ def fit(cluster: StandaloneCluster, out: Path, *extra: str, check: bool = True, 
     return done
 
 
+@ON_THE_BED
 def test_a_host_lost_for_good_shrinks_the_run_and_data_parallel_matches_a_resume_on_two(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     restore_workers(cluster, 3)
     checkpoints, marker = tmp_path / "checkpoints", tmp_path / "killed"
@@ -118,6 +123,7 @@ def test_below_min_workers_the_fit_fails_naming_the_slots_found(cluster, tmp_pat
     assert time.monotonic() - started < 240
 
 
+@ON_THE_BED
 def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     restore_workers(cluster, 3)
     marker, log = tmp_path / "killed", tmp_path / "fit.log"
