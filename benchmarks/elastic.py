@@ -1,13 +1,13 @@
 """Goodput of spot-safe runs on the multi-host bed: hosts lost for good every minute, replaced later.
 
-    sudo .venv/bin/python benchmarks/elastic.py [--every 60] [--back-after 40] [--epochs 6]
+    sudo .venv/bin/python benchmarks/elastic.py [--every 60] [--back-after 40] [--losses 2] [--epochs 6]
 
 Three worker hosts (network namespaces with their own addresses, disks and links, tests/support/
 multihost.py; one core and one rank each, on this machine's cores), a standalone master, the driver
 on a host of its own. One DiLoCo fit of the GPT of examples/language_model.py (2 blocks, d=128, byte
 tokens; H=32, checkpoints every 64 steps in the shared directory) three ways: without failures; with
 a worker host lost for good (its Spark Worker and executors SIGKILLed, its link cut) every --every
-seconds and a replacement registered --back-after seconds later, once elastic (min_workers=2,
+seconds (at most --losses times) and a replacement registered --back-after seconds later, once elastic (min_workers=2,
 grow_workers) and once as before spot-safe runs (the failed job is resubmitted and waits for the
 replacement's slots in launch.slot_wait_s). Goodput = the training seconds the final history keeps
 (work redone after a failure counts once) / the fit's wall seconds.
@@ -76,7 +76,8 @@ def main() -> None:
     root = Path("/var/tmp") / f"sparkdl-elastic-{os.getpid()}"
     shutil.rmtree(root, ignore_errors=True)
     started, load_before = time.time(), os.getloadavg()
-    extra = ["--epochs", "2", "--every", "30", "--back-after", "20", "--train-rows", "3072"] if args.quick else []
+    extra = ["--epochs", "2", "--every", "30", "--back-after", "20", "--train-rows", "3072", "--losses", "1"] \
+        if args.quick else []
     try:
         with multihost.Bed(root, workers=3, worker_cores=1, worker_memory="2g") as bed:
             out, ask = bed.shared / "elastic.json", bed.shared / "ask"

@@ -35,10 +35,11 @@ def _model_factory() -> Any:
 
 
 class Chaos:
-    """Loses worker host 1, 2, 3, ... in turn every `every` seconds, each back after `back_after`."""
+    """Loses worker host 1, 2, 3, ... in turn every `every` seconds, each back after `back_after`,
+    at most `losses` times (a run resubmitted after every loss must still end)."""
 
-    def __init__(self, every: float, back_after: float, workers: int) -> None:
-        self.every, self.back_after, self.workers = every, back_after, workers
+    def __init__(self, every: float, back_after: float, workers: int, losses: int) -> None:
+        self.every, self.back_after, self.workers, self.losses = every, back_after, workers, losses
         self.events: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -55,7 +56,7 @@ class Chaos:
 
     def _run(self) -> None:
         victim = 0
-        while not self._stop.wait(self.every):
+        while victim < self.losses and not self._stop.wait(self.every):
             worker = victim % self.workers + 1
             victim += 1
             lost = bed_driver.ask({"do": "lose", "worker": worker})
@@ -78,7 +79,7 @@ def fit_row(name: str, train: Any, evaluation: Any, args: argparse.Namespace, sh
         # resubmit-and-wait: the resubmitted job waits for the replacement's slots
         slot_wait_s=args.back_after + 90, timeout_s=60.0, **elastic)
     started = time.monotonic()
-    chaos = Chaos(args.every, args.back_after, args.workers) if name != "steady" else None
+    chaos = Chaos(args.every, args.back_after, args.workers, args.losses) if name != "steady" else None
     if chaos is not None:
         with chaos:
             fitted = estimator.fit(train)
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=64)
     parser.add_argument("--every", type=float, default=60.0, help="seconds between host losses")
     parser.add_argument("--back-after", type=float, default=40.0, help="seconds until the replacement")
+    parser.add_argument("--losses", type=int, default=2, help="host losses per run at most")
     args = parser.parse_args()
     bed_driver.ASK["dir"] = args.ask
     import numpy as np
