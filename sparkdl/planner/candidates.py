@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from sparkdl.config_elastic import is_elastic
 from sparkdl.config import RunConfig, parse_bytes
 from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.planner import cost
@@ -303,6 +304,9 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
     def add(strategy: str, options: dict[str, Any], estimate: cost.Estimate, feasible: bool, reason: str) -> None:
         if feasible and config.launch.emulate_speed and strategy in ("hybrid", "ist"):
             feasible, reason = False, "launch.emulate_speed emulates data-parallel ranks only"
+        if feasible and (strategy in ("hybrid", "ist") or options.get("islands")) and is_elastic(config.launch):
+            feasible, reason = False, "the run may change its workers (min_workers/max_workers): its stages, " \
+                                      "subnets or islands are not re-cut from a checkpoint"
         if feasible:
             feasible, reason = _fits(estimate.memory_bytes, budget)
         out.append(Candidate(strategy=strategy, options=tuple(options.items()),

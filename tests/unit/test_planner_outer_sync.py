@@ -149,3 +149,12 @@ def test_an_islands_choice_that_passes_at_both_calibration_ends_stands() -> None
 
     decision = decide(candidates(79.0), candidates(101.0), 2.0, 10_000)
     assert decision.index == 2, decision
+
+
+def test_a_run_that_may_change_its_workers_is_planned_among_strategies_a_checkpoint_carries() -> None:
+    """Elastic runs (min_workers): hybrid, IST and islands stay in the table, infeasible, saying why."""
+    chosen = plan(matrix(TWO_ISLANDS, GBIT, SLOW, INF), flops=2e9, min_workers=2, checkpoint_dir="/ckpt")
+    refused = [c for c in chosen.candidates if c.strategy in ("hybrid", "ist", "islands")]
+    assert refused and not any(c.feasible for c in refused)
+    assert all("not re-cut from a checkpoint" in c.reason for c in refused if c.strategy in ("hybrid", "islands"))
+    assert chosen.choice.strategy in ("data_parallel", "diloco", "sharded"), chosen.explain()
