@@ -93,15 +93,13 @@ def test_data_parallel_goes_on_with_two_hosts_and_equals_a_resume_on_two(bed_res
     (copy / run / "manifest.json").write_text(json.dumps(manifest))
     for module in (bed_driver, bed_elastic):
         cloudpickle.register_pickle_by_value(module)
-    df = spark.sparkContext.parallelize(bed_driver.rows(), 6).toDF(bed_driver.FEATURES + ["label"]).cache()
-    validation = spark.sparkContext.parallelize(bed_driver.rows(300, seed=9), 2).toDF(
-        bed_driver.FEATURES + ["label"]).cache()
+    df, validation = bed_elastic.frames(spark)
     bed_elastic.LOSE.update(ask="")
     reference = TorchEstimator(
-        model=bed_driver.net, feature_cols=bed_driver.FEATURES, label_col="label", batch_size=24, epochs=6,
-        num_workers=2, optimizer="sgd", lr=0.05, momentum=0.9, seed=7, strategy="data_parallel", tracking=False,
-        progress=False, loss=bed_elastic.losing_loss, validation_df=validation, checkpoint_dir=str(copy),
-        checkpoint_every=5, keep_checkpoints=50, resume_run=run).fit(df)
+        **dict(bed_elastic.TRAINING, batch_size=24), model=bed_driver.net, feature_cols=bed_driver.FEATURES,
+        label_col="label", num_workers=2, strategy="data_parallel", tracking=False, progress=False,
+        loss=bed_elastic.losing_loss, validation_df=validation, checkpoint_dir=str(copy), checkpoint_every=5,
+        keep_checkpoints=50, resume_run=run).fit(df)
     elastic = torch.load(Path(bed_results["kept"]) / Path(result["weights"]).name, weights_only=True)
     for key, value in reference.torch_module().state_dict().items():
         torch.testing.assert_close(elastic[key], value, atol=1e-5, rtol=0, msg=key)
