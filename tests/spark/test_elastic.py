@@ -109,6 +109,7 @@ def test_a_host_lost_for_good_shrinks_the_run_and_data_parallel_matches_a_resume
                                                                          rel=1e-5)
 
 
+@ON_THE_BED
 def test_below_min_workers_the_fit_fails_naming_the_slots_found(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     restore_workers(cluster, 2)
     marker = tmp_path / "killed"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -28,7 +29,8 @@ from bed_controller import Controller  # noqa: E402
 pytestmark = [pytest.mark.skipif(multihost.why_not() is not None, reason=str(multihost.why_not())),
               pytest.mark.timeout(1200)]
 DRIVER = SUPPORT / "bed_elastic.py"
-SCENARIOS = ["elastic-data_parallel", "elastic-diloco", "steady-diloco", "elastic-sharded", "steady-sharded"]
+SCENARIOS = ["elastic-data_parallel", "elastic-diloco", "steady-diloco", "elastic-sharded", "steady-sharded",
+             "below-min"]
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +126,19 @@ def test_the_run_goes_on_within_the_bound_after_a_loss(bed_results) -> None:  # 
     """From the host's loss to the re-plan for 2 workers: the executor-lost event + the replacement
     wait (launch.replacement_wait_s=5) + the re-plan's data preparation; one restart follows."""
     losses = [e for e in bed_results["controller"] if e.get("do") == "lose"]
-    assert len(losses) == 3, bed_results["controller"]  # one per elastic scenario, in order
+    assert len(losses) == 5, bed_results["controller"]  # one per elastic scenario, in order, then two
     for lost, name in zip(losses, ["elastic-data_parallel", "elastic-diloco", "elastic-sharded"]):
         ((said_at, line), *_) = ok(bed_results, name)["said"]
         assert "sparkdl: workers 3 -> 2 (hosts lost; left: " in line, line
         assert said_at - lost["answer"]["at"] <= 5 + 25, (name, said_at - lost["answer"]["at"])
+
+
+def test_below_min_workers_the_fit_fails_naming_the_hosts_lost_and_the_slots_found(bed_results) -> None:  # type: ignore[no-untyped-def]
+    result = bed_results["below-min"]
+    assert result["lost"] and result.get("error_type") == "TrainingError", result
+    assert re.search(r"the run lost host\(s\) 198\.18\.0\.\d+, 198\.18\.0\.\d+: 1 slot\(s\) found after waiting "
+                     r"launch.replacement_wait_s=5 s for replacements, fewer than launch.min_workers=2 \(it had 3\)",
+                     result["message"]), result["message"]
+    last_loss = [e for e in bed_results["controller"] if e.get("do") == "lose"][-1]
+    # Detection (the executor-lost event) + the replacement wait + the check: well inside 30 s.
+    assert result["failed_at"] - last_loss["answer"]["at"] <= 5 + 25, result

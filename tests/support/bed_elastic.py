@@ -6,7 +6,8 @@ Writes one JSON object per scenario to OUT; weights go to the shared directory.
     python bed_elastic.py MASTER OUT SCENARIOS --shared DIR --ask DIR
 
 Scenarios: elastic-data_parallel (shrinks to 2), elastic-diloco (shrinks, the host returns, grows
-back to 3), elastic-sharded (shrinks), steady-diloco and steady-sharded (3 hosts throughout).
+back to 3), elastic-sharded (shrinks), steady-diloco and steady-sharded (3 hosts throughout),
+below-min (two hosts lost with min_workers=2: the error).
 """
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ from torch import nn
 import bed_driver
 from bed_driver import ASK, FEATURES, ask, said
 
-LOSE = {"ask": "", "once": "", "calls": 0, "at": 12, "sleep": 0.0}
+LOSE = {"ask": "", "once": "", "calls": 0, "at": 12, "sleep": 0.0, "workers": [3]}
 # Every scenario's training options (and the data parallel reference's, in the test): the decayed
 # lr makes the last epochs' losses comparable within 2 %.
 TRAINING = dict(batch_size=16, epochs=6, optimizer="adam", lr=0.01, lr_schedule="cosine", min_lr=1e-4, seed=7)
 
 
 def losing_loss(output: Any, labels: Any) -> Any:
-    """Cross-entropy; rank 0's LOSE["at"]-th call asks for worker host 3 to be lost for good (once
+    """Cross-entropy; rank 0's LOSE["at"]-th call asks for worker hosts LOSE["workers"] to be lost for good (once
     per marker file) and trains on; LOSE["sleep"] slows every step (time for a replacement)."""
     LOSE["calls"] += 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -45,7 +46,8 @@ def losing_loss(output: Any, labels: Any) -> Any:
             pass
         else:
             ASK["dir"] = LOSE["ask"]
-            ask({"do": "lose", "worker": 3, "from": socket.gethostname()}, wait=False)
+            for worker in LOSE["workers"]:
+                ask({"do": "lose", "worker": worker, "from": socket.gethostname()}, wait=False)
             time.sleep(1.0)
     if LOSE["sleep"]:
         time.sleep(LOSE["sleep"])
@@ -82,6 +84,8 @@ def wait_for_slots(spark: Any, count: int, timeout: float = 120.0) -> None:
 def run(spark: Any, df: Any, validation: Any, shared: Path, name: str) -> dict[str, Any]:
     from sparkdl import TorchEstimator
 
+    if name == "below-min":
+        return below_min(df, validation, shared)
     kind, strategy = name.split("-", 1)
     options: dict[str, Any] = dict(TRAINING, model=bed_driver.net, feature_cols=FEATURES, label_col="label",
                                    num_workers=3, strategy=strategy, tracking=False, progress=False, loss=losing_loss,
@@ -134,6 +138,27 @@ def run(spark: Any, df: Any, validation: Any, shared: Path, name: str) -> dict[s
             "membership": [r["membership"] for r in history if "membership" in r],
             "resized_from_step": [r.get("resumed_from_step") for r in history if "resized_from_workers" in r],
             "said": shrunk(), "accuracy": bed_driver.accuracy(model, df)}
+
+
+def below_min(df: Any, validation: Any, shared: Path) -> dict[str, Any]:
+    """Two of the three hosts lost at once with min_workers=2: the fit fails naming the slots found;
+    the seconds from the loss to the error."""
+    from sparkdl import TorchEstimator
+
+    LOSE.update(ask=ASK["dir"], once=str(shared / "lost-below-min"), calls=0, sleep=0.0, workers=[2, 3])
+    failed: dict[str, Any] = {}
+    try:
+        TorchEstimator(**TRAINING, model=bed_driver.net, feature_cols=FEATURES, label_col="label", num_workers=3,
+                       min_workers=2, replacement_wait_s=5.0, tracking=False, progress=False, loss=losing_loss,
+                       validation_df=validation, checkpoint_dir=str(shared / "ckpt-below-min"), checkpoint_every=5,
+                       timeout_s=30.0, peer_failure_delay_s=0.5).fit(df)
+    except Exception as exc:  # noqa: BLE001 - the failure is the result
+        failed = {"error_type": type(exc).__name__, "message": str(exc), "failed_at": time.time()}
+    finally:
+        LOSE.update(ask="", workers=[3])
+        for worker in (2, 3):
+            ask({"do": "return", "worker": worker})
+    return {**failed, "lost": Path(shared / "lost-below-min").exists()}
 
 
 def main() -> None:
