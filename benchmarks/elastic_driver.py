@@ -90,7 +90,7 @@ def fit_row(name: str, train: Any, evaluation: Any, args: argparse.Namespace, sh
     useful = sum(float(r["seconds"]) for r in history)
     return {"wall_s": round(wall, 1), "useful_train_s": round(useful, 1), "goodput": round(useful / wall, 3),
             "eval_loss": float(history[-1]["val_loss"]), "workers": [r.get("workers") for r in history],
-            "membership": [r["membership"] for r in history if "membership" in r],
+            "membership": [c for r in history for c in r.get("membership", [])],
             "resumed": [r.get("resumed_from_step") for r in history if r.get("resumed_from_step") is not None],
             "chaos": chaos.events if chaos is not None else []}
 

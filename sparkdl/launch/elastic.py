@@ -182,9 +182,14 @@ class Resizing:
         return self.job_df, resized
 
     def annotate(self, history: list[dict[str, Any]]) -> None:
-        """Each change on the first epoch record trained after it (the ranks mark the epoch they
-        resumed at another size with `resized_from_workers`)."""
+        """Every change on the first epoch record trained after it, as a list (`membership`): the
+        ranks mark the epoch they resumed at another size with `resized_from_workers`, and changes
+        whose attempt never finished an epoch (grown, then a host lost again) go with the next."""
         pending = list(self.changes)
         for record in history:
-            if "resized_from_workers" in record and pending:
-                record["membership"] = pending.pop(0).record()
+            if "resized_from_workers" not in record or not pending:
+                continue
+            landed = next((i for i, c in enumerate(pending) if c.from_workers == record["resized_from_workers"]
+                           and c.to_workers == record.get("workers")), len(pending) - 1)
+            record["membership"] = [c.record() for c in pending[: landed + 1]]
+            del pending[: landed + 1]

@@ -135,7 +135,7 @@ def run(spark: Any, df: Any, validation: Any, shared: Path, name: str) -> dict[s
     return {"seconds": round(time.monotonic() - started, 1), "weights": str(weights), "runs": runs,
             "checkpoint_dir": str(shared / f"ckpt-{name}"), "lost": Path(LOSE["once"]).exists(),
             "workers": [r.get("workers") for r in history], "val_loss": float(history[-1]["val_loss"]),
-            "membership": [r["membership"] for r in history if "membership" in r],
+            "membership": [c for r in history for c in r.get("membership", [])],
             "resized_from_step": [r.get("resumed_from_step") for r in history if "resized_from_workers" in r],
             "said": shrunk(), "accuracy": bed_driver.accuracy(model, df)}
 

@@ -173,8 +173,18 @@ def test_changes_are_recorded_on_the_first_epoch_after_them() -> None:
     history = [{"epoch": 0, "workers": 3}, {"epoch": 1, "workers": 2, "resized_from_workers": 3},
                {"epoch": 2, "workers": 2}]
     resizing.annotate(history)
-    assert history[1]["membership"] == {"time": 1.0, "from_workers": 3, "to_workers": 2, "hosts_left": ["h3"],
-                                        "hosts_joined": [], "reason": "hosts lost", "per_rank_batch": 6,
-                                        "global_batch": 12}
+    assert history[1]["membership"] == [{"time": 1.0, "from_workers": 3, "to_workers": 2, "hosts_left": ["h3"],
+                                         "hosts_joined": [], "reason": "hosts lost", "per_rank_batch": 6,
+                                         "global_batch": 12}]
     assert "membership" not in history[0] and "membership" not in history[2]
+    # Grown back, then a host lost again before the grown attempt finished an epoch: both changes
+    # go with the next record.
+    grown, lost = (MembershipChange(2.0, 2, 3, (), ("h3",), "slots returned", 4, 12),
+                   MembershipChange(3.0, 3, 2, ("h2",), (), "hosts lost", 6, 12))
+    resizing.changes[:] = [change, grown, lost]
+    history = [{"epoch": 0, "workers": 3}, {"epoch": 1, "workers": 2, "resized_from_workers": 3},
+               {"epoch": 2, "workers": 2, "resized_from_workers": 3}]
+    resizing.annotate(history)
+    assert [c["time"] for c in history[1]["membership"]] == [1.0]
+    assert [c["time"] for c in history[2]["membership"]] == [2.0, 3.0]
     assert "workers 3 -> 2 (hosts lost; left: h3)" in change.line()
