@@ -23,6 +23,16 @@ from sparkdl.launch.checkpoint import CheckpointStore, Position, Resume, StepRec
 KEPT_PROGRESS = ("history", "early_stopping")
 
 
+def reshaper_for(config: Any) -> Callable[[CheckpointStore, StepRecord, int, Any], Resume] | None:
+    """find_resume's `reshape` for a run that may change size, or that continues another fit's
+    checkpoints (train.resume_run) on another number of workers; None: same size only."""
+    from sparkdl.config_elastic import is_elastic
+
+    if not is_elastic(config.launch) and not config.train.resume_run:
+        return None
+    return reshaper(config.train)
+
+
 def reshaper(train: Any) -> Callable[[CheckpointStore, StepRecord, int, Any], Resume]:
     """find_resume's `reshape` for this run's strategy."""
     def reshape(store: CheckpointStore, latest: StepRecord, written_by: int, comm: Any) -> Resume:

@@ -271,24 +271,13 @@ def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo
         return None, None, None  # a custom loop keeps its own checkpoints and balance
     from sparkdl.launch.balance import agreed_shares
     from sparkdl.launch.checkpoint import find_resume, open_store
+    from sparkdl.launch.reshape import reshaper_for
 
     store = open_store(spec, world.rank)
-    resume = find_resume(store, comm, _reshape(spec)) if store is not None else None
+    resume = find_resume(store, comm, reshaper_for(spec.config)) if store is not None else None
     started_with = resume.progress.get("batch_shares") if resume is not None else None
     shares = agreed_shares(spec.config, comm, world.rank, world.size, row_counts, started_with)
     return store, resume, shares
-
-
-def _reshape(spec: TrainSpec) -> Any:
-    """How a checkpoint of another world size carries over: in a run that may change size, or one
-    that continues another fit's checkpoints (train.resume_run) on another number of workers."""
-    from sparkdl.config_elastic import is_elastic
-
-    if not is_elastic(spec.config.launch) and not spec.config.train.resume_run:
-        return None
-    from sparkdl.launch.reshape import reshaper
-
-    return reshaper(spec.config.train)
 
 
 def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
