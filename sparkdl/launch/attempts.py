@@ -87,7 +87,11 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                              f"retrying, every rank resumes from the latest checkpoint in {config.train.checkpoint_dir}")
                         monitor.errors.clear()  # reported above; an error of the resize is its own
                         if resizing is not None:
-                            job_df, spec = resizing.after_loss(spec, monitor.rank_hosts)
+                            try:
+                                job_df, spec = resizing.after_loss(spec, monitor.rank_hosts)
+                            except TrainingError as below:
+                                below.final = True  # its own words: late rank reports must not rename it
+                                raise
                         elif cut_off:
                             wait_for_hosts(cut_off, config.launch.timeout_s)
                         continue
@@ -97,11 +101,12 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                         continue
                     break
             except TrainingError as exc:
+                final = getattr(exc, "final", False)
                 exc = explain_lost_executors(spark, exc)
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
-                named = name_the_failure(monitor.errors, spec.world_size, config.launch.timeout_s, exc,
-                                         monitor.rank_hosts, cut_off)
+                named = exc if final else name_the_failure(
+                    monitor.errors, spec.world_size, config.launch.timeout_s, exc, monitor.rank_hosts, cut_off)
                 named.events = exc.events
                 raise named from None
             except BaseException:
