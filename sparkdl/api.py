@@ -17,7 +17,7 @@ from sparkdl.checks import (before_training, check_backend, check_enough_rows, c
 from sparkdl.config import RunConfig
 from sparkdl.config_elastic import is_elastic
 from sparkdl.errors import ConfigError, ModelError
-from sparkdl.fit_records import input_example, run_params
+from sparkdl.fit_records import fit_extras, input_example, run_params
 from sparkdl.launch.attempts import tracked_submit
 from sparkdl.launch.callbacks import resolve_callbacks
 from sparkdl.launch.stopping import stop_tags
@@ -128,19 +128,8 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     tracker.log_metric_points([(phases.metrics(), 0)])
     tracker.finish("FINISHED")
     return FitResult(module=module, history=history, layout=prepared.layout, output_kind=kind, config=config,
-                     run_id=spec.run_id, plan=resolved, extra=_fit_extras(tracker, model_uri, out_shape, phases,
+                     run_id=spec.run_id, plan=resolved, extra=fit_extras(tracker, model_uri, out_shape, phases,
                                                                           prepared, parts, config))
-
-
-def _fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], phases: Phases, prepared: Any,
-                parts: ModelParts, config: RunConfig) -> dict[str, Any]:
-    """What the TorchModel carries besides the module: MLflow ids, the output shape, where the fit's
-    time went, how the data came and how the model came back."""
-    return {"mlflow_run_id": tracker.run_id, "model_uri": model_uri, "tracking_uri": tracker.tracking_uri,
-            "output_shape": out_shape, "phases": phases.seconds,
-            "delivery": prepared.delivery,
-            "model_parts": None if config.output.load_model else parts, "model_transfer": dict(parts.via_by_rank),
-            "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}
 
 
 def _take_the_model(parts: ModelParts, module: Any, model: Any, config: RunConfig, prepared: Any, df: Any,

@@ -74,3 +74,14 @@ def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> An
         return df.select(*selected).limit(rows).toPandas()
     values = [r[0] for r in df.select(features_expression(df, cols)).limit(rows).collect()]
     return np.asarray(values, dtype=np.float32)
+
+
+def fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], phases: Any, prepared: Any,
+                parts: Any, config: Any) -> dict[str, Any]:
+    """What the TorchModel carries besides the module: MLflow ids, the output shape, where the fit's
+    time went, how the data came and how the model came back."""
+    return {"mlflow_run_id": tracker.run_id, "model_uri": model_uri, "tracking_uri": tracker.tracking_uri,
+            "output_shape": out_shape, "phases": phases.seconds,
+            "delivery": prepared.delivery,
+            "model_parts": None if config.output.load_model else parts, "model_transfer": dict(parts.via_by_rank),
+            "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}
