@@ -17,7 +17,7 @@ JAR    := sparkdl/jars/sparkdl-bridge.jar
 # Executors must run the same Python as the driver (DESIGN.md, "Things that bite").
 SPARK_ENV := PYSPARK_PYTHON=$(abspath $(VPY)) PYSPARK_DRIVER_PYTHON=$(abspath $(VPY))
 
-.PHONY: help venv check-java jvm demo test bench bench-venv bench-ingest horovod clean distclean
+.PHONY: help venv check-java jvm demo test test-quick bench bench-venv bench-ingest horovod clean distclean
 
 BENCH_VENV := .venv-bench
 BENCH_PY   := $(BENCH_VENV)/bin/python
@@ -29,7 +29,8 @@ PETASTORM_STAMP := $(PETASTORM_VENV)/.sparkdl-install-hash
 
 help:
 	@echo "make demo          set up .venv if needed, then train a small model on the bundled digits data"
-	@echo "make test          set up .venv if needed, then run the whole test suite"
+	@echo "make test          set up .venv if needed, then run the whole test suite (prints its wall time)"
+	@echo "make test-quick    unit tests + Spark smoke tests: no multi-host bed, no Horovod build (< 8 min)"
 	@echo "make venv          create/refresh .venv (pip runs only when $(DEPS) changed)"
 	@echo "make check-java    verify Java >= $(MIN_JAVA) (PySpark needs it)"
 	@echo "make jvm           compile jvm-bridge/ with javac into $(JAR) (Preflight, BarrierWatch)"
@@ -88,7 +89,7 @@ check-java:
 # The JVM bridge: javac against the jars inside the pyspark wheel (no Maven); rebuilt when a source changed.
 jvm: venv check-java
 	@if [ ! -f "$(JAR)" ] || [ -n "$$(find jvm-bridge/src -name '*.java' -newer "$(JAR)")" ]; then \
-	  $(VPY) -c "from sparkdl.jvm import build_jar; print('built', build_jar())"; \
+	  $(VPY) -c "from sparkdl.spark.jvm import build_jar; print('built', build_jar())"; \
 	else echo "$(JAR) is up to date"; fi
 
 demo: venv check-java jvm
@@ -96,8 +97,20 @@ demo: venv check-java jvm
 
 # Horovod is built (about 6 minutes cold on 2 cores, seconds from the wheel cache) so that its
 # tests run; SPARKDL_REQUIRE_HOROVOD makes them fail rather than skip if it is missing.
+# `make test` prints its wall time (the suite's budget: under 30 minutes on a quiet 2-core machine).
 test: venv check-java jvm horovod
-	$(SPARK_ENV) SPARKDL_REQUIRE_HOROVOD=1 $(VPY) -m pytest tests -q -p no:cacheprovider --durations=25
+	@start=$$(date +%s); status=0; \
+	$(SPARK_ENV) SPARKDL_REQUIRE_HOROVOD=1 $(VPY) -m pytest tests -q -p no:cacheprovider --durations=25 || status=$$?; \
+	echo "make test: pytest wall time $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
+
+# Daily work: the unit tests and the Spark smoke modules on one local-cluster session; no multi-host
+# bed, no Horovod build (Horovod's tests skip). Under 8 minutes on 2 cores.
+QUICK_SPARK := tests/spark/test_fit.py tests/spark/test_errors.py tests/spark/test_run.py
+test-quick: venv check-java jvm
+	@start=$$(date +%s); status=0; \
+	$(SPARK_ENV) $(VPY) -m pytest tests/unit $(QUICK_SPARK) -q -p no:cacheprovider -m "not bed and not horovod" \
+	  --durations=10 || status=$$?; \
+	echo "make test-quick: pytest wall time $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
 
 bench-ingest: venv check-java
 	$(SPARK_ENV) $(VPY) benchmarks/ingest.py
@@ -122,7 +135,7 @@ bench-venv: check-java
 	  else echo "warning: $(PETASTORM_VENV) did not install; peers.py then records Petastorm's error only"; rm -rf "$(PETASTORM_VENV)"; fi; fi
 	PYTHON=$(BENCH_PY) bash scripts/build_horovod.sh
 	@if [ ! -f "$(JAR)" ] || [ -n "$$(find jvm-bridge/src -name '*.java' -newer "$(JAR)")" ]; then \
-	  $(BENCH_PY) -c "from sparkdl.jvm import build_jar; print('built', build_jar())"; fi
+	  $(BENCH_PY) -c "from sparkdl.spark.jvm import build_jar; print('built', build_jar())"; fi
 
 bench: bench-venv
 	PYSPARK_PYTHON=$(abspath $(BENCH_PY)) PYSPARK_DRIVER_PYTHON=$(abspath $(BENCH_PY)) SPARKDL_BENCH_VIA_MAKE=1 \

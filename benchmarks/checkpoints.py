@@ -73,8 +73,8 @@ def synchronous_save_s(args: argparse.Namespace, root: str) -> tuple[float, int]
     import torch
     from language_model import gpt
 
-    from sparkdl.launch.checkpoint import CheckpointStore
-    from sparkdl.launch.checkpoint_async import snapshot
+    from sparkdl.executor.checkpoint import CheckpointStore
+    from sparkdl.executor.checkpoint_async import snapshot
 
     torch.manual_seed(0)
     model = gpt(args.d_model, args.layers, 4, args.seq_len)

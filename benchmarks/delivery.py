@@ -54,7 +54,7 @@ def session() -> Any:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from sparkdl.jvm import session_options
+    from sparkdl.spark.jvm import session_options
 
     builder = (SparkSession.builder.master(f"local[{WORLD}]").appName("sparkdl-delivery")
                .config("spark.driver.memory", "4g").config("spark.ui.enabled", "false")

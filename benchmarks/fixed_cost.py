@@ -6,7 +6,7 @@ training takes ~0.1 s, with MLflow on (a sqlite store) and off, alternating fit 
 One warm-up fit of each kind first (Python workers, imports, the calibration cache, the MLflow
 tables), then --repeats pairs. Each figure is the median over the repeats of the whole
 `TorchEstimator.fit` wall time; --breakdown adds the median seconds of each phase of the fit
-(`model.fit_seconds`, sparkdl/phases.py: slots + preflight, prepare (the stats job), checks,
+(`model.fit_seconds`, sparkdl/tracking/phases.py: slots + preflight, prepare (the stats job), checks,
 plan, tracking (the run and its params), job (the barrier job: spooling, training, result),
 log_model). A third kind of fit, side by side, lets MLflow infer the model's pip requirements
 itself (what sparkdl did before passing them: a subprocess that imports the model). Target (issue
@@ -40,7 +40,8 @@ KINDS = {"tracking_on": True, "tracking_on_inferred_requirements": True, "tracki
 
 
 def one_fit(df: Any, kind: str, store: str) -> tuple[float, dict[str, float]]:
-    from sparkdl import TorchEstimator, tracking as sparkdl_tracking
+    from sparkdl import TorchEstimator
+    from sparkdl.tracking import mlflow_run as sparkdl_tracking
     from sparkdl.datasets import DIGITS_FEATURE_COLS
 
     tracking = KINDS[kind]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 def _rank(sink: Any, rank: int, mb: int, ready: Any, go: Any, out: Any) -> None:
     import torch
 
-    from sparkdl.launch.model_transfer import deliver
+    from sparkdl.wire.model_transfer import deliver
 
     state = {f"layer{i}.weight": torch.randn((mb << 20) // 16) for i in range(4)}  # 4 tensors of mb/4 MB
     ready.put(rank)
@@ -44,7 +44,7 @@ def _rank(sink: Any, rank: int, mb: int, ready: Any, go: Any, out: Any) -> None:
 
 
 def one_round(mode: str, ranks: int, mb: int) -> float:
-    from sparkdl.launch.model_transfer import ModelSink, PartReceiver
+    from sparkdl.wire.model_transfer import ModelSink, PartReceiver
 
     context = mp.get_context("fork")
     directory = tempfile.mkdtemp(prefix="sparkdl-bench-transfer-")

@@ -88,8 +88,8 @@ def make_train_fn(model_name: str, runs: list[dict[str, Any]], batch: int) -> An
         for run in runs:
             options = run["options"]
             x, y, weight = features, labels, 1.0
-            if options.get("batch_balance") == "speed":  # as the built-in loop does (launch/balance.py)
-                from sparkdl.launch.balance import agree_on_shares, loss_weight
+            if options.get("batch_balance") == "speed":  # as the built-in loop does (executor/balance.py)
+                from sparkdl.executor.balance import agree_on_shares, loss_weight
 
                 shares = agree_on_shares(ctx.comm, ctx.rank, batch, None)
                 rows = torch.arange(shares[ctx.rank]) % batch
@@ -127,7 +127,7 @@ def main() -> None:
     from sparkdl.config import RunConfig
     from sparkdl.planner.candidates import build_plan
     from sparkdl.planner.stages import plan_hybrid
-    from sparkdl.planning import calibrate
+    from sparkdl.driver.planning import calibrate
     from sparkdl.strategies.ist import ist_layout
 
     spark = (SparkSession.builder.master("local[2]").appName("sparkdl-bench-planner")

@@ -49,7 +49,7 @@ def step_seconds(make_model: Callable[[], Any], x: Any, y: Any, precision: str, 
     import torch
 
     from sparkdl.config import TrainConfig
-    from sparkdl.losses import BuiltinLoss
+    from sparkdl.model.losses import BuiltinLoss
     from sparkdl.strategies.stepping import OptimizerSteps, float_output
 
     torch.manual_seed(0)

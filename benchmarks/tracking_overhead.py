@@ -109,7 +109,7 @@ _EPOCH_CPU: list[float] = []
 
 
 def observe_epoch_records() -> None:
-    from sparkdl.launch.monitor import RunMonitor
+    from sparkdl.driver.monitor import RunMonitor
 
     original = RunMonitor.on_message
 

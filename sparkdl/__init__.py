@@ -1,10 +1,19 @@
-"""sparkdl: train PyTorch models on Spark DataFrames (public surface only)."""
+"""sparkdl: train PyTorch models on Spark DataFrames. The public surface only: fit, run, plan,
+predict, TorchEstimator / TorchModel, RunConfig, ResolvedPlan, SparkdlError.
+
+The packages under it, in the order a run flows (docs/architecture.md, "Layering", has the table of
+what each may import): config -> data -> driver (checks, planning, the barrier job) -> wire ->
+executor (the in-task main) -> strategies -> comm; beside them planner, model, tracking, storage, spark.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import SparkdlError
+from sparkdl.old_paths import install as _install_old_paths
+
+_install_old_paths()  # the flat layout's module paths (sparkdl 0.1) still import: saved models name them
 
 __version__ = "0.1.0"
 
@@ -20,7 +29,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name == "ResolvedPlan":
-        from sparkdl.resolved_plan import ResolvedPlan
+        from sparkdl.planner.resolved import ResolvedPlan
 
         return ResolvedPlan
     if name == "errors":

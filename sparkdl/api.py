@@ -10,24 +10,24 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from sparkdl.checks import (before_training, check_backend, check_enough_rows, check_gpus_per_task,  # noqa: F401 - public here
-                            check_inference_batch_size, check_output_width, check_picklable, check_training_options,
-                            check_weighted_loss, drop_labels_beyond_the_model, preflight, probe_model,
-                            probe_tensor_model)
+from sparkdl.driver.checks import (before_training, check_backend, check_enough_rows, check_gpus_per_task,
+                                   check_inference_batch_size, check_output_width, check_picklable,
+                                   check_training_options, check_weighted_loss, drop_labels_beyond_the_model,
+                                   preflight, probe_model, probe_tensor_model)
 from sparkdl.config import RunConfig
-from sparkdl.config_elastic import is_elastic
+from sparkdl.config.elastic import is_elastic
 from sparkdl.errors import ConfigError, ModelError
-from sparkdl.fit_records import fit_extras, input_example, run_params
-from sparkdl.launch.attempts import tracked_submit
-from sparkdl.launch.callbacks import resolve_callbacks
-from sparkdl.launch.stopping import stop_tags
-from sparkdl.launch.shipping import ship_by_value
-from sparkdl.planning import check_kept_world, resolve
-from sparkdl.resolved_plan import ResolvedPlan
-from sparkdl.phases import Phases
-from sparkdl.serving import ServedModel
-from sparkdl.trained_model import ModelParts, check_complete, load_parts, real_where_state_cannot_reach
-from sparkdl.session import facts
+from sparkdl.tracking.fit_records import fit_extras, input_example, run_params
+from sparkdl.driver.attempts import tracked_submit
+from sparkdl.driver.callbacks import resolve_callbacks
+from sparkdl.wire.stopping import stop_tags
+from sparkdl.driver.shipping import ship_by_value
+from sparkdl.driver.planning import check_kept_world, resolve
+from sparkdl.planner.resolved import ResolvedPlan
+from sparkdl.tracking.phases import Phases
+from sparkdl.tracking.serving import ServedModel
+from sparkdl.model.trained import ModelParts, check_complete, load_parts, real_where_state_cannot_reach
+from sparkdl.spark.session import facts
 
 _log = logging.getLogger("sparkdl")
 
@@ -53,7 +53,7 @@ def _spark(df: Any = None) -> Any:
 
 
 def output_kind(config: RunConfig, classification: bool, out_width: int, out_shape: tuple[int, ...] = ()) -> str:
-    """How predictions are written (inference.py): "class" (B, C) -> long, "classes" (B, T, C) ->
+    """How predictions are written (tracking/inference.py): "class" (B, C) -> long, "classes" (B, T, C) ->
     array<long> of length T, "binary", "value" (one number) or "values" (array<float>, flattened)."""
     if config.train.loss == "bce_with_logits":
         return "binary" if math.prod(out_shape or (1,)) == 1 else "values"
@@ -86,7 +86,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
         plan: ResolvedPlan | str | None = None) -> FitResult:
     from sparkdl.data.feed import check_columns
     from sparkdl.data.prepare import prepare_run
-    from sparkdl.launch.driver import ensure_training_slots
+    from sparkdl.driver.job import ensure_training_slots
 
     phases = Phases()
     config.validate()
@@ -177,7 +177,7 @@ def _explicit_dtypes(config: RunConfig) -> frozenset[str]:
 
 def _the_model(model: Any, config: RunConfig) -> Any:
     if model is None and config.model.factory:
-        from sparkdl.launch.objectives import import_factory
+        from sparkdl.model.objectives import import_factory
 
         model = import_factory(config.model.factory)
     if model is None:
@@ -188,7 +188,7 @@ def _the_model(model: Any, config: RunConfig) -> Any:
 
 def _input_columns(config: RunConfig) -> list[str]:
     """The DataFrame columns the model reads (input_cols, or feature_cols), plus weight_col."""
-    from sparkdl.config_values import input_columns
+    from sparkdl.config.values import input_columns
 
     data = config.data
     used = input_columns(data) if data.input_cols is not None else list(data.feature_cols)
@@ -210,11 +210,11 @@ def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPla
         raise ConfigError(f"both plan= and train.{'plan_from_run' if run_id else 'plan_file'} are set",
                           hint="pass only one of them")
     if run_id:
-        from sparkdl.tracking import read_run_artifact
+        from sparkdl.tracking.mlflow_run import read_run_artifact
 
         return ResolvedPlan.from_json(read_run_artifact(run_id, "plan.json", config.tracking.tracking_uri))
     if path:
-        from sparkdl.storage import read_plan_file
+        from sparkdl.storage.files import read_plan_file
 
         return ResolvedPlan.from_json(read_plan_file(path))
     if plan is None or isinstance(plan, ResolvedPlan):
@@ -227,8 +227,8 @@ def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPla
 
 def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedPlan, run_id: str = "") -> Any:
     from sparkdl.data.epochs import check_shards
-    from sparkdl.launch.driver import new_run_id
-    from sparkdl.launch.spec import TrainSpec
+    from sparkdl.driver.job import new_run_id
+    from sparkdl.wire.spec import TrainSpec
 
     row_counts = prepared.training_shards(config.launch.num_workers)  # ranks stream epoch 1 on these counts
     check_shards(row_counts, config.data)  # an empty shard or no full batch: raised here, before the job
@@ -249,12 +249,12 @@ def _train_spec(model: Any, config: RunConfig, prepared: Any, resolved: Resolved
 
 def _resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], config: RunConfig,
              resolved: ResolvedPlan, run_id: str) -> Callable[[int, Any], tuple[Any, Any]]:
-    """An elastic run's re-plan for another number of workers (launch/elastic.py): the data
+    """An elastic run's re-plan for another number of workers (driver/elastic.py): the data
     re-sharded, the layout resolved again for the strategy the run trains with (a checkpoint
     carries over within its strategy), the global batch kept, the same run id (its checkpoints)."""
-    from sparkdl.config_elastic import worker_range
+    from sparkdl.config.elastic import worker_range
     from sparkdl.data.prepare import prepare_run
-    from sparkdl.launch.elastic import kept_batch
+    from sparkdl.driver.elastic import kept_batch
 
     trained = resolved.config or config
     accumulate = trained.train.accumulate_steps
@@ -271,7 +271,7 @@ def _resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], c
 
 
 def _start_tracking(config: RunConfig, df: Any, prepared: Any, resolved: ResolvedPlan, run_id: str) -> Any:
-    from sparkdl.tracking import RunTracker
+    from sparkdl.tracking.mlflow_run import RunTracker
 
     t = config.tracking
     tracker = RunTracker(t.tracking, t.tracking_uri, t.experiment, t.run_name)
@@ -294,8 +294,8 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
     from sparkdl.data.epochs import check_shards
     from sparkdl.data.prepare import prepare_run
-    from sparkdl.launch.driver import ensure_training_slots, new_run_id
-    from sparkdl.launch.spec import TrainSpec
+    from sparkdl.driver.job import ensure_training_slots, new_run_id
+    from sparkdl.wire.spec import TrainSpec
 
     config = _run_config(train_fn, df, num_workers, options)
     spark = _spark(df)
@@ -361,9 +361,9 @@ def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = 
     from sparkdl.data.feed import check_columns, features_expression
     from sparkdl.data.layout import FEATURES_COLUMN
     from sparkdl.errors import SchemaError
-    from sparkdl.inference import make_predict_fn
-    from sparkdl.launch.driver import gpu_task_profile
-    from sparkdl.launch.wire import dumps_any
+    from sparkdl.tracking.inference import make_predict_fn
+    from sparkdl.driver.job import gpu_task_profile
+    from sparkdl.wire.codec import dumps_any
 
     check_gpus_per_task(gpus_per_task)
     check_inference_batch_size(batch_size)

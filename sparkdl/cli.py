@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, EmptyDataError, SparkdlError
-from sparkdl.session import facts
+from sparkdl.spark.session import facts
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".orc": "orc"}
 # Per-worker batch 32 on 2 workers is a global batch of 64: lr 1e-3 stops at ~0.927 test accuracy
@@ -104,7 +104,7 @@ def read_input(spark: Any, config: RunConfig, fmt: str) -> Any:
 def model_factory(df: Any, config: RunConfig) -> tuple[Any, int | None, int | None]:
     """(zero-argument model factory, input width, output width); widths are None for a user factory."""
     if config.model.factory:
-        from sparkdl.launch.objectives import import_factory
+        from sparkdl.model.objectives import import_factory
 
         return import_factory(config.model.factory), None, None
     return mlp_factory(df, config)
@@ -200,7 +200,7 @@ def demo_session(master: str, workers: int) -> Any:
     """A fresh session on `master`; local[workers] when a local-cluster does not come up in 60 s."""
     from pyspark.sql import SparkSession
 
-    from sparkdl.launch.driver import concurrent_slots
+    from sparkdl.driver.job import concurrent_slots
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = (SparkSession.builder.appName("sparkdl-demo").config("spark.ui.enabled", "false")

@@ -14,9 +14,9 @@ from sparkdl import api
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import SparkdlError
-from sparkdl.session import facts
-from sparkdl.storage import (delete_tree, exists, join, list_names, locate, pyarrow_reaches, read_all, read_bytes,
-                             write_atomic, write_bytes)
+from sparkdl.spark.session import facts
+from sparkdl.storage.files import (delete_tree, exists, join, list_names, locate, pyarrow_reaches, read_all,
+                                   read_bytes, write_atomic, write_bytes)
 
 FORMAT_VERSION = 2  # 1: module.pkl held the weights too, with state.pt beside it (still read)
 WEIGHTS_DIR = "weights"
@@ -48,7 +48,7 @@ class TorchEstimator(Estimator, MLWritable):
         model.explicit_dtypes = sorted(result.config.data.input_dtypes or {})
         model.output_shape = tuple(result.extra.get("output_shape", ()))
         model.plan = result.plan  # the layout it trained with: TorchEstimator(plan=model.plan) trains alike
-        model.fit_seconds = dict(result.extra.get("phases", {}))  # where the fit's wall time went (phases.py)
+        model.fit_seconds = dict(result.extra.get("phases", {}))  # where the fit's wall time went (tracking/phases.py)
         model.model_transfer = dict(result.extra.get("model_transfer", {}))  # rank -> how its part came back
         model.model_return = {"bytes": int(result.extra.get("model_bytes", 0)),  # the parts' bytes, all ranks
                               "send_s": float(result.extra.get("model_send_s", 0.0))}  # the slowest rank's send
@@ -100,7 +100,7 @@ class TorchModel(Model, MLWritable, MLReadable):
 
     def served(self) -> Any:
         """The module with what it scores with (serving.ServedModel): input layout, transform_fn, kind."""
-        from sparkdl.serving import ServedModel
+        from sparkdl.tracking.serving import ServedModel
 
         return ServedModel(self.torch_module(), self.layout, self.output_kind, self.transform_fn,
                            frozenset(self.explicit_dtypes), tuple(self.output_shape), self.prediction_col)
@@ -109,7 +109,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         """The trained module, its weights read from the ranks' files now if that was deferred."""
         parts = self._pending_parts
         if parts is not None:
-            from sparkdl.trained_model import load_parts
+            from sparkdl.model.trained import load_parts
 
             with parts.lock:  # two threads scoring at once load once
                 if self._pending_parts is not None:
@@ -150,14 +150,14 @@ class _TorchModelWriter(MLWriter):
     """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
     data/: the module's weightless skeleton (module.pkl), its weights as tensor files (weights/,
     written a piece at a time from the tensors, or copied from the ranks' files when the model was
-    never loaded) and sparkdl.json; all through sparkdl/storage.py."""
+    never loaded) and sparkdl.json; all through sparkdl/storage/files.py."""
 
     def __init__(self, instance: TorchModel) -> None:
         super().__init__()
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
-        from sparkdl.trained_model import skeleton_bytes
+        from sparkdl.model.trained import skeleton_bytes
 
         model = self.instance
         if model._module is None or model.layout is None:
@@ -174,7 +174,7 @@ class _TorchModelWriter(MLWriter):
         _write_weights(self.sparkSession, join(data, WEIGHTS_DIR), model)
         files = [("module.pkl", skeleton_bytes(model._module)), ("sparkdl.json", json.dumps(info, indent=1).encode())]
         if model.transform_fn is not None:
-            from sparkdl.launch.wire import dumps_any
+            from sparkdl.wire.codec import dumps_any
 
             files.append(("transform_fn.pkl", dumps_any(model.transform_fn)))
         for name, payload in files:
@@ -216,8 +216,8 @@ def _load_metadata(spark: Any, path: str) -> dict[str, Any]:
 def _write_weights(spark: Any, directory: str, model: TorchModel) -> None:
     """The weights as tensor files under `directory`: streamed where pyarrow reaches the path,
     else (a Hadoop-only scheme) as one payload through the session."""
-    from sparkdl.storage import atomic_output, locate, open_input, pyarrow_reaches
-    from sparkdl.tensor_files import tensor_pieces
+    from sparkdl.storage.files import atomic_output, locate, open_input, pyarrow_reaches
+    from sparkdl.model.tensor_files import tensor_pieces
 
     pending = model._pending_parts
     sources = list(pending.files) if pending is not None else [None]
@@ -285,9 +285,9 @@ def _read_module(spark: Any, data: str, version: int, read: Any) -> Any:
         module = pickle.loads(read("module.pkl"))
         module.load_state_dict(torch.load(io.BytesIO(read("state.pt")), weights_only=True))
         return module
-    from sparkdl.storage import list_names, locate, pyarrow_reaches
-    from sparkdl.trained_model import load_parts, load_skeleton, check_complete
-    from sparkdl.tensor_files import read_tensors
+    from sparkdl.storage.files import list_names, locate, pyarrow_reaches
+    from sparkdl.model.trained import load_parts, load_skeleton, check_complete
+    from sparkdl.model.tensor_files import read_tensors
 
     module = load_skeleton(read("module.pkl"))
     directory = join(data, WEIGHTS_DIR)
@@ -310,8 +310,8 @@ def _read_module(spark: Any, data: str, version: int, read: Any) -> Any:
 
 
 def _names(uri: str) -> list[str]:
-    from sparkdl.storage import locate, open_input
-    from sparkdl.tensor_files import read_header
+    from sparkdl.storage.files import locate, open_input
+    from sparkdl.model.tensor_files import read_header
 
     with open_input(locate(uri)) as stream:
         return [e.name for e in read_header(stream).entries]

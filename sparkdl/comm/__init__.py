@@ -1,4 +1,10 @@
-"""Communicators: one small interface (base.py), one file per backend, chosen by name."""
+"""comm: the communicators that ranks exchange tensors through, on the executors.
+
+Owns: base.py (the Communicator interface: allreduce, reduce_scatter, allgather_into, p2p, and the `ops`
+each backend offers), torch_dist.py (torch.distributed gloo/NCCL), horovod.py, emulated.py (the
+in-process network emulator), interfaces.py and reachability.py (which address peers dial).
+Backends are chosen by name here (BACKENDS). May import: errors only; horovod loads lazily.
+"""
 from __future__ import annotations
 
 from typing import Any, Callable

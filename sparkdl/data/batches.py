@@ -29,7 +29,7 @@ from sparkdl.data.layout import FIXED, FeedLayout
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
 from sparkdl.data.spool_space import check_free_space, out_of_space
 from sparkdl.errors import EmptyDataError
-from sparkdl.phases import Clock, maybe_timed
+from sparkdl.tracking.phases import Clock, maybe_timed
 
 
 _GROUP_BYTES = 1 << 19  # shuffled rows gathered per numpy call, see _gathered

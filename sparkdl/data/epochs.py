@@ -3,7 +3,7 @@
 Collectives hang when ranks disagree on the step count, so every rank runs the same number of steps,
 sized by the largest shard (smaller shards wrap around their rows); without drop_last the largest
 shard sees each row once and the last step holds its remainder. With batches shared by rank speed
-(launch/balance.py) every step holds each rank's full share and the epoch covers all rows once over
+(executor/balance.py) every step holds each rank's full share and the epoch covers all rows once over
 all ranks. Config validation, the planner, the worker's shard check, `WorkerContext.steps_per_epoch`
 and the spool's batches all ask `epoch_plan`; config validation shares its batch-size check
 (config_values.check_batch_size). Standard library only (and sparkdl.errors, config_values).
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from sparkdl.config_values import check_batch_size
+from sparkdl.config.values import check_batch_size
 from sparkdl.errors import EmptyDataError
 
 __all__ = ["Accumulation", "BatchOptions", "EpochPlan", "accumulation", "check_batch_size", "check_shards",

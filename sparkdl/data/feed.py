@@ -25,7 +25,7 @@ from sparkdl.errors import (
     MissingColumnError,
     NullValuesError,
 )
-from sparkdl.session import facts
+from sparkdl.spark.session import facts
 
 if TYPE_CHECKING:
     from sparkdl.config import RunConfig

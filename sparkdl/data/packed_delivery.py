@@ -63,7 +63,7 @@ def _pack(prepared: "PreparedData") -> DataFrame:
         raise NotPacked("it packs scalar feature columns of a DataFrame that keeps one partition per worker, "
                         "without a validation split (this one has array or vector features, is dealt over the "
                         "workers, or holds validation rows)")
-    from sparkdl import jvm
+    from sparkdl.spark import jvm
 
     spark = flat.sparkSession
     if jvm.jar_path() is None or jvm.bridge_loader(spark) is None:
@@ -83,7 +83,7 @@ def _pack(prepared: "PreparedData") -> DataFrame:
 def _give_executors_the_jar(spark: Any) -> None:
     """The executors deserialise the bridge's packing function: they need its jar (a jar attached at
     session creation through spark.jars is there already; adding it again is harmless)."""
-    from sparkdl import jvm
+    from sparkdl.spark import jvm
 
     context = spark.sparkContext
     if id(context) in _jars_added:

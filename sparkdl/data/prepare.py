@@ -13,7 +13,7 @@ from sparkdl.data.feed import PreparedData, is_classification, prepare
 from sparkdl.data.packed_delivery import with_packed_delivery
 from sparkdl.data.parquet_source import direct_candidate, with_parquet_source
 from sparkdl.data.tensor_feed import prepare_tensors
-from sparkdl.config_elastic import is_elastic
+from sparkdl.config.elastic import is_elastic
 
 if TYPE_CHECKING:
     from sparkdl.config import RunConfig

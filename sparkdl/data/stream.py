@@ -23,7 +23,7 @@ import pyarrow as pa
 from sparkdl.data.arrow_rows import Arrays, incoming_arrays, slice_rows, split_validation
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import ConfigError, EmptyDataError, PartitionChangedError
-from sparkdl.phases import Clock, maybe_timed
+from sparkdl.tracking.phases import Clock, maybe_timed
 
 __all__ = ["PartitionChangedError", "StreamedPartition", "cut", "epoch_rows", "rows_after", "shuffled", "skip"]
 

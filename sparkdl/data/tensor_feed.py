@@ -17,7 +17,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparkdl.config_values import input_columns, label_shape
+from sparkdl.config.values import input_columns, label_shape
 from sparkdl.data.feed import (PreparedData, check_columns, check_weight, feature_invalid, quoted, split_and_shard,
                                weight_aggregates)
 from sparkdl.data.layout import (BINARY, FIXED, INPUT_PREFIX, LABEL_COLUMN, RAGGED, TEXT, WEIGHT_COLUMN,

@@ -1,4 +1,4 @@
-"""Small bundled data sets for demos, examples and tests.
+"""datasets: small bundled data sets for demos, examples and tests (may import: errors only).
 
 `digits.csv.gz` is the test set of the UCI Machine Learning Repository's "Optical Recognition of
 Handwritten Digits" data set (E. Alpaydin and C. Kaynak, 1998), licensed CC BY 4.0 (attribution

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from sparkdl.config_elastic import is_elastic
+from sparkdl.config.elastic import is_elastic
 from sparkdl.config import RunConfig, parse_bytes
 from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.planner import cost
@@ -227,7 +227,7 @@ def _full_step_s(model: nn.Module, config: RunConfig, num_features: "ModelInput 
     import statistics
     import time
 
-    from sparkdl.launch.objectives import build_optimizer, loss_function
+    from sparkdl.model.objectives import build_optimizer, loss_function
 
     local = copy.deepcopy(model)
     optimizer = build_optimizer(config.train, local.parameters())

@@ -1,6 +1,6 @@
 """ClusterInfo: what the planner knows about the cluster, as data: Spark's facts (executors, slots,
-executor memory, GPU amounts; `ClusterFacts`, gathered on the driver by sparkdl.planning) and the
-calibration probe's measurements (sparkdl/launch/probe.py: per-rank FLOP/s and torch threads,
+executor memory, GPU amounts; `ClusterFacts`, gathered on the driver by sparkdl.driver.planning) and the
+calibration probe's measurements (sparkdl/driver/probe.py: per-rank FLOP/s and torch threads,
 latency and bandwidth between every pair of ranks, the backend's allreduce), each at two ends: the
 median and the best of its repeats.
 
@@ -113,7 +113,7 @@ class ClusterInfo:
 
 def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: float,
                        threads_option: int | None = None, measured_at: float | None = None) -> ClusterInfo:
-    """A ClusterInfo from Spark's facts and launch.probe's result dict (rank 0's)."""
+    """A ClusterInfo from Spark's facts and driver.probe's result dict (rank 0's)."""
     return ClusterInfo(
         master=facts.master, workers=facts.workers, executors=facts.executors,
         flops_per_s=tuple(float(f) for f in probe["flops"]), latency_s=_matrix(probe["latency"]),

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from sparkdl.errors import ModelError
-from sparkdl.layer_factories import real_layers
+from sparkdl.model.layer_factories import real_layers
 
 
 @dataclass(frozen=True)

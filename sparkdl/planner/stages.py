@@ -14,7 +14,7 @@ from sparkdl.config import RunConfig, parse_bytes
 from sparkdl.errors import ConfigError, ModelError, ResourceError
 from sparkdl.planner.partition import balanced_cuts, stage_costs
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
-from sparkdl.layouts import HybridLayout, default_grid
+from sparkdl.model.layouts import HybridLayout, default_grid
 from sparkdl.strategies.schedules import SCHEDULES, max_in_flight
 
 PROFILE_ROWS_MAX = 256

@@ -1,4 +1,10 @@
-"""Training strategies behind one interface (base.py); users choose by name."""
+"""strategies: how ranks train together, behind one interface (base.py: Strategy, `requires`),
+one file per strategy, chosen by name (STRATEGIES): data_parallel.py (+ diloco.py, islands.py,
+low_precision.py, quantize.py), hybrid.py (+ micro_batches.py, schedules.py), ist.py, sharded.py
+(+ layer_shards.py); inputs.py, stepping.py and lr_schedule.py around each optimizer step.
+Runs on the executors. May import: errors, config, comm (only comm.base, never a backend), data,
+model (docs/architecture.md, "Layering").
+"""
 from __future__ import annotations
 
 from sparkdl.strategies.base import Strategy

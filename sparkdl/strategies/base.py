@@ -9,7 +9,7 @@ from torch import nn
 
 from sparkdl.comm.base import Communicator
 from sparkdl.config import TrainConfig
-from sparkdl.layouts import StrategyLayout
+from sparkdl.model.layouts import StrategyLayout
 from sparkdl.strategies.inputs import Inputs, call_model, to_device, weighted_terms
 from sparkdl.strategies.stepping import SINGLE, Accumulation, OptimizerSteps, ScheduleFactory, float_output
 
@@ -30,7 +30,7 @@ class Strategy(abc.ABC):
         """`layout`: the strategy's own frozen parameters worked out on the driver (stage cuts, IST
         layers; None for data parallel); `train`: the run's training options (sync mode, gradient
         clipping, precision, ...); `loss_weight`: factor on this rank's loss when batches are shared
-        by speed (launch/balance.py); `compute_speed`: launch.emulate_speed, < 1 stretches this
+        by speed (executor/balance.py); `compute_speed`: launch.emulate_speed, < 1 stretches this
         rank's compute; `schedule`: optimizer -> lr scheduler (strategies/lr_schedule.py), stepped
         once per optimizer step."""
         self.comm = comm
@@ -51,7 +51,7 @@ class Strategy(abc.ABC):
 
     def layers_to_build(self) -> Sequence[int] | None:
         """The top-level layers this rank trains, when the model is built layer by layer
-        (layer_factories.py): the others are never built here. None: all of them."""
+        (model/layer_factories.py): the others are never built here. None: all of them."""
         return None
 
     # True: given layer factories, setup receives a LazyLayers and makes each layer real itself.
@@ -102,7 +102,7 @@ class Strategy(abc.ABC):
         """(loss sum, correct predictions, loss denominator, labels counted) over this rank's
         validation batches of (inputs, labels, weights), float64: the denominator is rows (or the
         weight sum); labels counted are rows (or positions not ignored, for per-position labels).
-        `metrics` (launch/validation.py's MetricSums) also sees every batch's outputs. Every rank
+        `metrics` (executor/validation.py's MetricSums) also sees every batch's outputs. Every rank
         calls it (strategies may run collectives inside); the loop sums over ranks."""
         device = self.comm.device
         module = self.module()
@@ -169,7 +169,7 @@ def as_triple(batch: tuple) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
 def evaluation_sums(output: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, loss_fn: LossFn,
                     classification: bool) -> torch.Tensor:
     """One validation batch's (loss sum, correct, denominator, counted) as Strategy.evaluate sums them."""
-    from sparkdl.losses import IGNORE_INDEX
+    from sparkdl.model.losses import IGNORE_INDEX
 
     sums = torch.zeros(4, dtype=torch.float64)
     rows = labels.shape[0]

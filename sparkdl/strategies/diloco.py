@@ -196,7 +196,7 @@ class OuterSync:
             self._in_flight[int(key)] = future
 
     def _restart_from_global(self) -> None:
-        """Another world size (launch/reshape.py): every replica starts again from the global model
+        """Another world size (executor/reshape.py): every replica starts again from the global model
         with the outer optimizer's state; local progress since each fragment's last sync, the sync in
         flight and the error-feedback residuals (one per old rank) are dropped."""
         self._residuals = [None] * self.schedule.fragments

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
-from sparkdl.layouts import HybridLayout
+from sparkdl.model.layouts import HybridLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_triple, evaluation_sums
 from sparkdl.strategies.inputs import (InputSpec, call_model, flat_inputs, input_spec, rebuilt_inputs, to_device,
                                        weight_total, weighted_terms)

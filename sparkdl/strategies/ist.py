@@ -24,7 +24,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST, Communicator
 from sparkdl.errors import ModelError
-from sparkdl.layouts import IstLayout
+from sparkdl.model.layouts import IstLayout
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.data_parallel import broadcast_module
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output

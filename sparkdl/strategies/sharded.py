@@ -34,7 +34,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST
 from sparkdl.errors import ConfigError, ModelError
-from sparkdl.layer_factories import LazyLayers
+from sparkdl.model.layer_factories import LazyLayers
 from sparkdl.strategies.base import LossFn, OptimizerFactory
 from sparkdl.strategies.data_parallel import DataParallel, broadcast_module
 from sparkdl.strategies.inputs import call_model, loss_and_weight_sum
@@ -206,7 +206,7 @@ class Sharded(DataParallel):
                 buffer.copy_(snapshot[f"buffer.{name}"])
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        if state.get("gathered_from"):  # written by another world size (launch/reshape.py)
+        if state.get("gathered_from"):  # written by another world size (executor/reshape.py)
             state = self._my_slices(state)
         self.restore(state["module"])
         if "optimizer" in state:

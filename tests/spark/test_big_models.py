@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkdl import TorchEstimator
-from sparkdl.layer_factories import LayerFactories
+from sparkdl.model.layer_factories import LayerFactories
 
 FEATURES = [f"f{i}" for i in range(6)]
 SMALL = [lambda: nn.Linear(6, 32), nn.Tanh, lambda: nn.Linear(32, 32), nn.Tanh, lambda: nn.Linear(32, 3)]

@@ -39,7 +39,7 @@ def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # After this process's checkpoint writes queued so far (rank 0's: the manifest recording the
         # save of step 3), so the resume point does not depend on how fast the disk is; a kill inside
         # a write is test_a_rank_killed_mid_write_resumes_from_the_last_complete_checkpoint.
-        from sparkdl.launch.checkpoint_async import wait_idle
+        from sparkdl.executor.checkpoint_async import wait_idle
 
         wait_idle(60)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -138,7 +138,7 @@ MID_WRITE = {"marker": "", "checkpoints": "", "rank": 1, "write_step": 9, "recor
 def installing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy; on the chosen rank (while the marker file is absent) it installs the writer's
     hook that kills this process in the middle of a checkpoint write."""
-    from sparkdl.launch import checkpoint_async
+    from sparkdl.executor import checkpoint_async
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == MID_WRITE["rank"] and MID_WRITE["marker"] and not os.path.exists(MID_WRITE["marker"]):
@@ -166,7 +166,7 @@ def _recorded_steps(root: str) -> list[int]:
     """The steps the run's manifest records, read through sparkdl's storage (a local path or a URI)."""
     import json
 
-    from sparkdl import storage
+    from sparkdl.storage import files as storage
 
     where = storage.locate(root)
     for run_id in storage.list_names(where):
@@ -213,7 +213,7 @@ def test_a_rank_exception_is_not_retried(spark, tmp_path) -> None:  # type: igno
 def test_checkpoint_files_hold_no_code(tmp_path) -> None:
     import pickle
 
-    from sparkdl.launch.checkpoint import CheckpointStore, Manifest, StepRecord
+    from sparkdl.executor.checkpoint import CheckpointStore, Manifest, StepRecord
 
     store = CheckpointStore(str(tmp_path), "run", rank=0)
     path = tmp_path / "run" / "step-000000001"
@@ -235,7 +235,7 @@ def test_checkpoint_options_are_checked() -> None:
 
 
 def _write_forever(root: str, ready: str) -> None:
-    from sparkdl.launch.checkpoint import CheckpointStore
+    from sparkdl.executor.checkpoint import CheckpointStore
 
     store = CheckpointStore(root, "run", rank=0)
     Path(ready).touch()
@@ -245,7 +245,7 @@ def _write_forever(root: str, ready: str) -> None:
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path) -> None:
     import multiprocessing
 
-    from sparkdl.launch.checkpoint import CheckpointStore, Manifest, StepRecord
+    from sparkdl.executor.checkpoint import CheckpointStore, Manifest, StepRecord
 
     store = CheckpointStore(str(tmp_path), "run", rank=0)
     store.write_part(10, {"w": torch.ones(4)})

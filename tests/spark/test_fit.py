@@ -177,3 +177,16 @@ def test_a_union_of_dataframes_still_trains(spark) -> None:  # type: ignore[no-u
     model = TorchEstimator(model=lambda: nn.Linear(1, 2), feature_cols=["x"], label_col="label",
                            batch_size=10, epochs=1, num_workers=2).fit(df)
     assert model.history[0]["samples"] == 100
+
+
+def test_a_torch_model_saved_before_the_layout_move_loads_and_predicts_as_it_did(spark) -> None:  # type: ignore[no-untyped-def]
+    """tests/fixtures/saved_0_1: TorchModel.save of sparkdl 0.1's flat layout (issue 41)."""
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "saved_0_1"
+    loaded = TorchModel.load(str(fixture / "torch_model"))
+    rows = json.loads((fixture / "rows.json").read_text())
+    df = spark.createDataFrame([[float(r[c]) for c in DIGITS_FEATURE_COLS] for r in rows], list(DIGITS_FEATURE_COLS))
+    predicted = [r["prediction"] for r in loaded.transform(df.coalesce(1)).collect()]
+    assert predicted == json.loads((fixture / "expected.json").read_text())["predictions"]

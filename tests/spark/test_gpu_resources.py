@@ -158,7 +158,7 @@ def test_fractional_gpus_for_inference(inference_scores, amount: float) -> None:
 
 
 def test_inference_device_follows_the_assigned_gpu() -> None:
-    from sparkdl.inference import inference_device
+    from sparkdl.tracking.inference import inference_device
 
     assert inference_device([], cuda_available=True) == "cpu"
     assert inference_device(["1"], cuda_available=False) == "cpu"

@@ -51,7 +51,7 @@ def test_hybrid_gives_the_weights_of_data_parallel(spark, workers: int, stages: 
     if workers == 4:
         # With this cluster calibrated, the grid is placed on the measured links between the
         # executors this job's ranks land on (at run time); the update must not depend on it.
-        from sparkdl.planning import calibrate
+        from sparkdl.driver.planning import calibrate
 
         calibrate(spark, workers)
     hybrid = fit(df, num_workers=workers, strategy="hybrid", stages=stages, microbatches=4)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sparkdl
-from sparkdl import jvm
+from sparkdl.spark import jvm
 from sparkdl.errors import TrainingError
 
 
@@ -89,4 +89,4 @@ def test_without_the_bridge_everything_degrades_to_none(monkeypatch, tmp_path) -
     monkeypatch.setenv("SPARKDL_BRIDGE_JAR", str(tmp_path / "missing.jar"))
     monkeypatch.setattr(jvm, "packaged_jar", lambda: tmp_path / "also-missing.jar")
     assert jvm.jar_path() is None and jvm.session_options() == {}
-    assert sys.modules["sparkdl.jvm"] is jvm
+    assert sys.modules["sparkdl.spark.jvm"] is jvm

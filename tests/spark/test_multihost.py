@@ -30,7 +30,7 @@ sys.path.insert(0, str(SUPPORT))
 import multihost  # noqa: E402
 from bed_controller import Controller  # noqa: E402
 
-pytestmark = pytest.mark.skipif(multihost.why_not() is not None, reason=str(multihost.why_not()))
+pytestmark = [pytest.mark.bed, pytest.mark.skipif(multihost.why_not() is not None, reason=str(multihost.why_not()))]
 
 DRIVER = SUPPORT / "bed_driver.py"
 MBIT = 1_000_000

@@ -26,7 +26,7 @@ sys.path.insert(0, str(SUPPORT))
 import multihost  # noqa: E402
 from bed_controller import Controller  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(multihost.why_not() is not None, reason=str(multihost.why_not())),
+pytestmark = [pytest.mark.bed, pytest.mark.skipif(multihost.why_not() is not None, reason=str(multihost.why_not())),
               pytest.mark.timeout(1200)]
 DRIVER = SUPPORT / "bed_elastic.py"
 SCENARIOS = ["elastic-data_parallel", "elastic-diloco", "steady-diloco", "elastic-sharded", "steady-sharded",

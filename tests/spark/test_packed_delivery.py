@@ -73,7 +73,7 @@ def test_what_cannot_be_packed_is_delivered_by_spark_or_refused(spark) -> None: 
 def test_cached_columns_of_the_right_types_are_read_without_rows(spark) -> None:  # type: ignore[no-untyped-def]
     """float features, a bigint label and a float weight, cached: the blocks are the cached column
     batches themselves (no row conversion), and train what Spark's rows train."""
-    from sparkdl import jvm
+    from sparkdl.spark import jvm
     from sparkdl.data.prepare import prepare_run
     from sparkdl.data.packed_delivery import PACKER
 

@@ -12,7 +12,7 @@ import sparkdl
 from sparkdl import TorchEstimator
 from sparkdl.datasets import DIGITS_FEATURE_COLS
 from sparkdl.errors import ConfigError
-from sparkdl.resolved_plan import ResolvedPlan
+from sparkdl.planner.resolved import ResolvedPlan
 
 
 def model() -> nn.Module:
@@ -35,7 +35,7 @@ def digits(spark):  # type: ignore[no-untyped-def]
 
 def forbid_planning(monkeypatch):  # type: ignore[no-untyped-def]
     """A tripwire: from now on a fit that plans (or calibrates, or cuts stages) again fails loudly."""
-    import sparkdl.planning as planning
+    import sparkdl.driver.planning as planning
 
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("planned again although a kept plan was given")

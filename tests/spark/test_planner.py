@@ -99,14 +99,14 @@ def test_cli_plan_prints_the_table(spark, repo_root: Path, tmp_path: Path, capsy
     assert "chosen:" in out and "data_parallel" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["emulated"] is True and summary["strategy"]
-    from sparkdl.resolved_plan import ResolvedPlan
+    from sparkdl.planner.resolved import ResolvedPlan
 
     kept = ResolvedPlan.from_json((tmp_path / "plan.json").read_text())  # for --set train.plan_file=...
     assert kept.strategy == summary["strategy"] and kept.options == summary["options"]
 
 
 def test_cluster_info_records_spark_resources(spark) -> None:  # type: ignore[no-untyped-def]
-    from sparkdl.planning import calibrate
+    from sparkdl.driver.planning import calibrate
 
     info = calibrate(spark, 2, refresh=True)
     assert info.slots == 4 and info.executor_memory == "1g" and len(info.executors) == 2

@@ -25,7 +25,7 @@ def test_run_without_a_dataframe_returns_rank_zeros_value(spark) -> None:  # typ
 
 
 def test_a_model_larger_than_one_result_chunk_comes_back(spark) -> None:  # type: ignore[no-untyped-def]
-    from sparkdl.launch.wire import RESULT_CHUNK_BYTES
+    from sparkdl.wire.codec import RESULT_CHUNK_BYTES
 
     width = RESULT_CHUNK_BYTES // (4 * 4) + 1000  # Linear(4, width): > one chunk of float32 weights
     df = spark.createDataFrame([(float(i), float(-i), float(i % 3), float(i % 5), i % 2) for i in range(16)],

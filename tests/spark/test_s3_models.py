@@ -1,7 +1,7 @@
 """The trained model through an object store (moto's S3 on 127.0.0.1, the `s3_server` fixture):
 the ranks write their parts to the run's storage and the driver reads them there
 (launch.model_transfer="storage"), and TorchModel.save/load round-trips through s3:// with no
-Hadoop connector: all of it through sparkdl/storage.py and pyarrow's S3 filesystem."""
+Hadoop connector: all of it through sparkdl/storage/files.py and pyarrow's S3 filesystem."""
 from __future__ import annotations
 
 import uuid

@@ -202,7 +202,7 @@ def test_a_failed_run_is_marked_failed_with_the_log_tail(spark, mlflow_server) -
 def test_training_goes_on_when_the_server_dies_mid_run(spark, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from mlflow_server import FAST_FAIL_CLIENT_ENV, MlflowServer
 
-    from sparkdl.launch.monitor import RunMonitor
+    from sparkdl.driver.monitor import RunMonitor
 
     for name, value in FAST_FAIL_CLIENT_ENV.items():
         monkeypatch.setenv(name, value)

@@ -252,7 +252,7 @@ def hetero(spark: Any, df: Any) -> dict[str, Any]:
     """Three worker hosts, the last at SLOW_MBIT: the calibration's pair matrix (twice: the first
     also starts the Python workers), then a hybrid fit of three stages placed on it."""
     import sparkdl
-    from sparkdl.planning import calibrate, session_facts
+    from sparkdl.driver.planning import calibrate, session_facts
 
     slow = ask({"do": "shape", "last_worker": True, "mbit": SLOW_MBIT})["host"]
     try:
@@ -304,7 +304,7 @@ def inject(spark: Any, df: Any, workers: int) -> dict[str, Any]:
     a notebook's callback holds training); the run's records must come through intact. The model
     is then saved to a path only this host sees, and loaded back."""
     from sparkdl import TorchEstimator
-    from sparkdl.launch import channel as channel_module
+    from sparkdl.driver import channel as channel_module
 
     opened: list[Any] = []
     original = channel_module.DriverChannel.__init__

@@ -31,7 +31,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from sparkdl import TorchEstimator
-    from sparkdl.layer_factories import LayerFactories
+    from sparkdl.model.layer_factories import LayerFactories
 
     spark = (SparkSession.builder.master("local-cluster[2,2,1024]").appName("sparkdl-big-model-transfer")
              .config("spark.driver.memory", "512m").config("spark.driver.maxResultSize", "16m")

@@ -50,7 +50,7 @@ def main(url: str, mlflow_uri: str, workdir: str, out: str) -> None:
     import sparkdl
     from sparkdl import TorchEstimator, TorchModel, cli
     from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe, train_test_split_digits
-    from sparkdl.session import facts, is_connect
+    from sparkdl.spark.session import facts, is_connect
 
     FEATURES.extend(DIGITS_FEATURE_COLS)
     spark = SparkSession.builder.remote(url).getOrCreate()

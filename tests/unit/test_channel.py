@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from sparkdl.launch.channel import (PURPOSE, ChannelAddress, DriverChannel, challenge_of, encode_frame, hello_frame,
-                                    read_frame)
-from sparkdl.launch.handshake import TO_DRIVER, TO_PEER, FrameSeal
-from sparkdl.launch.channel_client import ChannelClient
-from sparkdl.launch.output import LineForwarder, forward_output
+from sparkdl.driver.channel import DriverChannel
+from sparkdl.wire.frames import PURPOSE, ChannelAddress, challenge_of, encode_frame, hello_frame, read_frame
+from sparkdl.wire.handshake import TO_DRIVER, TO_PEER, FrameSeal
+from sparkdl.executor.channel_client import ChannelClient
+from sparkdl.executor.output import LineForwarder, forward_output
 
 pytestmark = pytest.mark.timeout(20)  # a hang here is a bug: fail fast instead of at the 1200 s default
 
@@ -376,7 +376,7 @@ def test_a_frame_altered_replayed_or_reordered_on_a_live_connection_closes_it(
 
 def test_silent_peer_is_refused_after_hello_timeout(monkeypatch: pytest.MonkeyPatch, inbox: Inbox,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("sparkdl.launch.channel.HELLO_TIMEOUT_S", 0.2)  # a constant, so the test stays < 2 s
+    monkeypatch.setattr("sparkdl.driver.channel.HELLO_TIMEOUT_S", 0.2)  # a constant, so the test stays < 2 s
     caplog.set_level(logging.WARNING, logger="sparkdl")
     with DriverChannel("127.0.0.1", inbox) as ch, raw_connect(ch.address) as sock:
         assert_closed_by_peer(sock)
@@ -450,14 +450,14 @@ def test_forward_output_rejects_unknown_streams() -> None:
 
 def test_channel_module_imports_only_the_stdlib(repo_root: Any) -> None:
     import ast
-    tree = ast.parse((repo_root / "sparkdl" / "launch" / "channel.py").read_text())
+    tree = ast.parse((repo_root / "sparkdl" / "wire" / "frames.py").read_text())
     roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert roots <= set(sys.stdlib_module_names) | {"__future__", "sparkdl"}, roots
     sparkdl_modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                        and n.module.startswith("sparkdl")}
-    assert sparkdl_modules == {"sparkdl.launch.handshake"}, sparkdl_modules
-    handshake = ast.parse((repo_root / "sparkdl" / "launch" / "handshake.py").read_text())
+    assert sparkdl_modules == {"sparkdl.wire.handshake"}, sparkdl_modules
+    handshake = ast.parse((repo_root / "sparkdl" / "wire" / "handshake.py").read_text())
     roots = {a.name.split(".")[0] for n in ast.walk(handshake) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(handshake) if isinstance(n, ast.ImportFrom) and n.module}
     assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from sparkdl.errors import CheckpointError
-from sparkdl.launch import checkpoint_async
-from sparkdl.launch.checkpoint import CheckpointStore, Position, find_resume
-from sparkdl.launch.checkpoint_async import RunCheckpoints, snapshot
+from sparkdl.executor import checkpoint_async
+from sparkdl.executor.checkpoint import CheckpointStore, Position, find_resume
+from sparkdl.executor.checkpoint_async import RunCheckpoints, snapshot
 
 
 class FakeComm:

@@ -1,4 +1,4 @@
-"""sparkdl/config.py: defaults, flat keyword mapping, `--set` overrides, TOML files, to_dict/flat."""
+"""sparkdl/config/sections.py: defaults, flat keyword mapping, `--set` overrides, TOML files, to_dict/flat."""
 from __future__ import annotations
 
 import dataclasses
@@ -383,7 +383,7 @@ def test_spool_modes_are_checked_with_the_epochs() -> None:
 
 def test_auto_spool_writes_none_for_one_epoch() -> None:
     from sparkdl.config import TrainConfig
-    from sparkdl.config_training import spool_mode
+    from sparkdl.config.training import spool_mode
 
     one, three = TrainConfig(epochs=1), TrainConfig(epochs=3)
     assert spool_mode("auto", one) == "none" and spool_mode("auto", three) == "disk"

@@ -15,8 +15,8 @@ from sparkdl.data.batches import Spool
 from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import ConfigError
-from sparkdl.launch.context import WorkerContext
-from sparkdl.launch.spec import TrainSpec
+from sparkdl.executor.context import WorkerContext
+from sparkdl.wire.spec import TrainSpec
 from sparkdl.planner.candidates import run_steps
 
 LAYOUT = FeedLayout(num_features=1, label_dtype="int64")

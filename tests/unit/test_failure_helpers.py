@@ -13,10 +13,10 @@ import torch
 from sparkdl.config import RunConfig
 from sparkdl.data.epochs import BatchOptions, check_shards
 from sparkdl.errors import EmptyDataError, TrainingError
-from sparkdl.launch.attempts import name_the_failure, retryable
-from sparkdl.launch.driver import training_error
-from sparkdl.launch.wire import (FAILURE_MARKER, RESULT_CHUNK_BYTES, collect_parts, dumps_any, failure_text,
-                                 loads_history, loads_result, parse_failure, result_batches)
+from sparkdl.driver.attempts import name_the_failure, retryable
+from sparkdl.driver.job import training_error
+from sparkdl.wire.codec import (FAILURE_MARKER, RESULT_CHUNK_BYTES, collect_parts, dumps_any, failure_text,
+                                loads_history, loads_result, parse_failure, result_batches)
 
 
 def own(text: str, host: str = "h1") -> dict:

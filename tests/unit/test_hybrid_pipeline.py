@@ -16,7 +16,7 @@ from sparkdl.errors import ConfigError, ModelError, ResourceError
 from sparkdl.planner.partition import balanced_cuts, stage_costs
 from sparkdl.planner.profile import profile_sequential
 from sparkdl.planner.stages import check_data_parallel_memory, plan_hybrid
-from sparkdl.layouts import HybridLayout, default_grid
+from sparkdl.model.layouts import HybridLayout, default_grid
 from sparkdl.strategies.hybrid import microbatch_sizes
 from sparkdl.strategies.schedules import SCHEDULES, gpipe, max_in_flight, one_f_one_b
 

@@ -121,7 +121,7 @@ def test_islands_options_are_checked() -> None:
         config(sync="diloco", islands=[["a", "b"], ["a"]])
     with pytest.raises(ConfigError, match="islands shape DiLoCo's outer synchronisation, but train.strategy='ist'"):
         config(strategy="ist", islands=2)
-    from sparkdl.checks import check_backend
+    from sparkdl.driver.checks import check_backend
 
     with pytest.raises(ConfigError, match="train.islands needs a process group per island.*'horovod'"):
         check_backend(RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", islands=2,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparkdl.layer_factories import LayerFactories, on_meta, real_layers
+from sparkdl.model.layer_factories import LayerFactories, on_meta, real_layers
 
 
 def block() -> nn.Module:

@@ -1,4 +1,4 @@
-"""Validation metrics (sparkdl/metrics.py) against independent references (sklearn, torch) on the same
+"""Validation metrics (sparkdl/model/metrics.py) against independent references (sklearn, torch) on the same
 predictions, and exactness across ranks: partials summed and gathered parts concatenated over uneven
 chunks give the value of the whole set."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from sklearn.metrics import (accuracy_score, mean_absolute_error, mean_squared_e
                              top_k_accuracy_score)
 
 from sparkdl.errors import ConfigError
-from sparkdl.metrics import GatheredMetric, batch_partials, build_metrics, metric_values, total_size
+from sparkdl.model.metrics import GatheredMetric, batch_partials, build_metrics, metric_values, total_size
 
 CUTS = (0, 7, 8, 40)  # three uneven "ranks" of a 40-row set: 7, 1 and 32 rows
 

@@ -11,7 +11,7 @@ def test_model_requirements_name_the_model_layers_distribution() -> None:
     import torch
     from torch import nn
 
-    from sparkdl.tracking import model_requirements
+    from sparkdl.tracking.mlflow_run import model_requirements
 
     @dataclass
     class Served:

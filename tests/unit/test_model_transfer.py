@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.launch.model_transfer import ModelSink, PartReceiver, deliver, part_name, record_bytes
-from sparkdl.launch.parts import OpenSink, gather_parts
-from sparkdl.launch.wire import collect_parts, result_batches
-from sparkdl.storage import atomic_output, exists, locate, read_all, write_atomic
-from sparkdl.tensor_files import TensorFileError, read_header, read_tensors, tensor_pieces, write_tensors
-from sparkdl.trained_model import check_complete, load_parts, load_skeleton, module_from_files, skeleton_bytes
+from sparkdl.wire.model_transfer import ModelSink, PartReceiver, deliver, part_name, record_bytes
+from sparkdl.driver.parts import OpenSink, gather_parts
+from sparkdl.wire.codec import collect_parts, result_batches
+from sparkdl.storage.files import atomic_output, exists, locate, read_all, write_atomic
+from sparkdl.model.tensor_files import TensorFileError, read_header, read_tensors, tensor_pieces, write_tensors
+from sparkdl.model.trained import check_complete, load_parts, load_skeleton, module_from_files, skeleton_bytes
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -101,7 +101,7 @@ def test_a_rank_that_cannot_reach_the_driver_sends_its_part_in_the_rows(tmp_path
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
-    from sparkdl.launch.channel import ChannelAddress
+    from sparkdl.wire.frames import ChannelAddress
 
     record = deliver(ModelSink("channel", ChannelAddress("127.0.0.1", port, "s" * 64)), 0, {"w": torch.ones(3)})
     assert record["via"] == "rows" and record["payload"]
@@ -186,7 +186,7 @@ def test_a_missing_part_is_named_before_anything_loads(tmp_path) -> None:  # typ
 
 
 def test_hadoop_only_schemes_are_not_taken_for_local_names() -> None:
-    from sparkdl.storage import is_local_path, pyarrow_reaches
+    from sparkdl.storage.files import is_local_path, pyarrow_reaches
 
     assert not pyarrow_reaches("dbfs:/mnt/models/m") and not pyarrow_reaches("hdfs:/user/m")
     assert pyarrow_reaches("/tmp/m") and pyarrow_reaches("file:/tmp/m") and pyarrow_reaches("relative/m")
@@ -194,7 +194,7 @@ def test_hadoop_only_schemes_are_not_taken_for_local_names() -> None:
 
 
 def test_an_explicit_channel_fails_instead_of_falling_back() -> None:
-    from sparkdl.launch.channel import ChannelAddress
+    from sparkdl.wire.frames import ChannelAddress
 
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
@@ -205,8 +205,8 @@ def test_an_explicit_channel_fails_instead_of_falling_back() -> None:
 
 
 def test_a_part_altered_on_the_way_is_refused_and_keeps_no_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from sparkdl.launch.channel import challenge_of, hello_frame, read_frame
-    from sparkdl.launch.handshake import TO_PEER, FrameSeal, StreamTag
+    from sparkdl.wire.frames import challenge_of, hello_frame, read_frame
+    from sparkdl.wire.handshake import TO_PEER, FrameSeal, StreamTag
 
     with PartReceiver("127.0.0.1", str(tmp_path)) as receiver:
         address, payload = receiver.address, b"a model part" * 100

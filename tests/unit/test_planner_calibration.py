@@ -29,7 +29,7 @@ def facts(executors: tuple[str, ...] = ("h:1", "h:2")) -> ClusterFacts:
 
 def probe(flops: tuple[float, float] = (2e10, 1e10), latency: float = 1e-3, bandwidth: float = 1e8,
           executors: tuple[str, str] = ("h:2", "h:1")) -> dict[str, Any]:
-    """A launch.probe result as rank 0 returns it; the best end is 2x better than the median."""
+    """A driver.probe result as rank 0 returns it; the best end is 2x better than the median."""
     def pair(value: float, diagonal: float) -> list[list[float]]:
         return [[diagonal, value], [value, diagonal]]
 
@@ -123,7 +123,7 @@ def test_run_steps_count_as_the_workers_do(rows: int, workers: int, batch: int, 
 
 
 def test_worker_threads_come_from_the_calibration() -> None:
-    from sparkdl.planning import worker_threads
+    from sparkdl.driver.planning import worker_threads
 
     info = cl.cluster_from_probe(facts(), {**probe(), "threads": [3, 2]}, 1.0)
     assert worker_threads(config(), info) == 2
@@ -136,8 +136,8 @@ def test_worker_threads_come_from_the_calibration() -> None:
 def test_planning_measures_once_more_when_the_ends_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch import nn
 
-    from sparkdl import planning
-    from sparkdl.launch import probe as probe_module
+    from sparkdl.driver import planning
+    from sparkdl.driver import probe as probe_module
 
     calls: list[tuple[int, int | None]] = []
 

@@ -136,7 +136,7 @@ def test_plan_is_validated_and_explains_every_candidate() -> None:
 
 
 # -- heterogeneity (DT-FM) ---------------------------------------------------------------------------
-from sparkdl.layouts import batch_shares, place_hybrid, placement_cost  # noqa: E402
+from sparkdl.model.layouts import batch_shares, place_hybrid, placement_cost  # noqa: E402
 
 
 def test_batch_shares_follow_measured_speed() -> None:
@@ -183,7 +183,7 @@ def test_local_search_handles_larger_worlds() -> None:
 
 
 def test_shares_by_speed_keep_the_global_batch_and_the_mean_gradient() -> None:
-    from sparkdl.launch.balance import balanced_steps, loss_weight, shares_by_speed
+    from sparkdl.executor.balance import balanced_steps, loss_weight, shares_by_speed
 
     shares = shares_by_speed([1.0, 1 / 3], batch_size=32)
     assert shares == [48, 16]
@@ -196,7 +196,7 @@ def test_shares_by_speed_keep_the_global_batch_and_the_mean_gradient() -> None:
 
 
 def test_the_hybrid_grid_is_placed_by_executor_not_by_calibration_rank() -> None:
-    from sparkdl.layouts import place_on_executors
+    from sparkdl.model.layouts import place_on_executors
 
     fast, slow = (1e-4, 10e9), (2e-2, 10e6)
     links = [("dc1:1", "dc1:2", *fast), ("dc2:1", "dc2:2", *fast), ("dc1:1", "dc2:1", *slow),

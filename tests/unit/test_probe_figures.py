@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdl.launch.probe import link_figures
+from sparkdl.driver.probe import link_figures
 
 
 def test_best_link_is_at_least_the_typical_one_when_load_hit_the_small_messages() -> None:

@@ -74,7 +74,7 @@ def test_environment_is_restored_exactly(monkeypatch) -> None:  # type: ignore[n
 
 
 def test_the_driver_is_taken_out_of_the_executor_list_wherever_it_sorts() -> None:
-    from sparkdl.session import without_driver
+    from sparkdl.spark.session import without_driver
 
     # On separate hosts the driver's address need not sort first (issue 31: the key held the driver).
     executors = ["198.18.0.11:40001", "198.18.0.12:40002", "198.18.0.3:39999"]
@@ -83,7 +83,7 @@ def test_the_driver_is_taken_out_of_the_executor_list_wherever_it_sorts() -> Non
 
 
 def test_probe_messages_are_sized_to_the_link_from_a_first_measurement() -> None:
-    from sparkdl.launch import probe
+    from sparkdl.driver import probe
 
     at_20_mbit = probe.message_bytes(256 << 10, (256 << 10) / 2.5e6 + 0.001, 0.001)  # 20 Mbit/s = 2.5 MB/s
     assert abs(at_20_mbit - 2.5e6 * probe.TRANSFER_S) < 8 and at_20_mbit % 4 == 0

@@ -9,8 +9,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from sparkdl.launch.monitor import RunMonitor
-from sparkdl.launch.rendezvous import rendezvous_through_driver
+from sparkdl.driver.monitor import RunMonitor
+from sparkdl.executor.rendezvous import rendezvous_through_driver
 
 SPARK_POLL_S = 1.0
 
@@ -120,7 +120,7 @@ def test_ports_of_another_stage_attempt_are_not_used() -> None:
 
 
 def test_a_custom_loops_own_spark_barrier_waits_for_the_rendezvous_allgather() -> None:
-    from sparkdl.launch.rendezvous import spark_barriers_after
+    from sparkdl.executor.rendezvous import spark_barriers_after
 
     calls: list[tuple[str, bool]] = []
 

@@ -1,5 +1,5 @@
-"""Spot-safe runs without Spark: checkpoints carried to another world size (launch/reshape.py,
-strategies' loaders) on real gloo worlds, and the driver's rules (launch/elastic.py, config)."""
+"""Spot-safe runs without Spark: checkpoints carried to another world size (executor/reshape.py,
+strategies' loaders) on real gloo worlds, and the driver's rules (driver/elastic.py, config)."""
 from __future__ import annotations
 
 import io
@@ -15,9 +15,9 @@ from torch import nn
 from gloo_world import run_world
 from sparkdl.config import RunConfig, TrainConfig
 from sparkdl.errors import ConfigError, TrainingError
-from sparkdl.launch.checkpoint import Manifest, StepRecord
-from sparkdl.launch.elastic import MembershipChange, Resizing, grown_world, kept_batch, shrunk_world
-from sparkdl.launch.reshape import gathered_shards
+from sparkdl.executor.checkpoint import Manifest, StepRecord
+from sparkdl.driver.elastic import MembershipChange, Resizing, grown_world, kept_batch, shrunk_world
+from sparkdl.executor.reshape import gathered_shards
 
 pytestmark = pytest.mark.timeout(180)
 

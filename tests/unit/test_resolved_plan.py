@@ -11,10 +11,10 @@ from torch import nn
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import ConfigError
-from sparkdl.layouts import HybridLayout, IstLayout, default_grid
+from sparkdl.model.layouts import HybridLayout, IstLayout, default_grid
 from sparkdl.planner.plan import Candidate, Plan
-from sparkdl.planning import plan_strategy, reuse
-from sparkdl.resolved_plan import ResolvedPlan
+from sparkdl.driver.planning import plan_strategy, reuse
+from sparkdl.planner.resolved import ResolvedPlan
 
 FEED = FeedLayout(num_features=8, label_dtype="int64", source_feature_cols=("x",), num_classes=3)
 

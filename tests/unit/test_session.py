@@ -1,4 +1,4 @@
-"""sparkdl/session.py without Spark: slot rules from conf values, the probe's overlap count, the
+"""sparkdl/spark/session.py without Spark: slot rules from conf values, the probe's overlap count, the
 Connect file I/O (pyarrow), the channel address, launch.channel, and what a rank returns when its
 driver channel is off or unreachable."""
 from __future__ import annotations
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from sparkdl.config_training import check_channel
+from sparkdl.config.training import check_channel
 from sparkdl.errors import ConfigError
-from sparkdl.launch.channel import ChannelAddress
-from sparkdl.launch.channel_client import ChannelClient
-from sparkdl.launch.output import forward_output
-from sparkdl.launch.wire import collect_parts, output_batch, output_lines
-from sparkdl.session import (ConnectSession, Shipped, is_connect, is_local_master, local_master_slots, max_overlap,
-                             route_address, static_slots)
+from sparkdl.wire.frames import ChannelAddress
+from sparkdl.executor.channel_client import ChannelClient
+from sparkdl.executor.output import forward_output
+from sparkdl.wire.codec import collect_parts, output_batch, output_lines
+from sparkdl.spark.session import (ConnectSession, Shipped, is_connect, is_local_master, local_master_slots,
+                                   max_overlap, route_address, static_slots)
 
 
 @pytest.mark.parametrize("master, cpus, slots", [

@@ -41,7 +41,7 @@ def _batches(rank: int, steps: int, rows: int = 8) -> list[tuple[Any, torch.Tens
 
 def _train(comm: Any, name: str, options: dict[str, Any], two_inputs: bool, weighted: bool, steps: int,
            resume_at: int = -1) -> dict[str, Any]:
-    from sparkdl.launch.objectives import build_optimizer
+    from sparkdl.model.objectives import build_optimizer
     from sparkdl.strategies import strategy_class
 
     train = TrainConfig(**options)

@@ -1,8 +1,8 @@
-"""Which paths the shared-directory check applies to (sparkdl/shared_paths.py); the check itself
+"""Which paths the shared-directory check applies to (sparkdl/storage/shared_paths.py); the check itself
 runs on the multi-host bed (tests/spark/test_multihost.py), where hosts have their own disks."""
 from __future__ import annotations
 
-from sparkdl.shared_paths import is_cluster_master, local_directory
+from sparkdl.storage.shared_paths import is_cluster_master, local_directory
 
 
 def test_only_local_paths_are_checked() -> None:

@@ -1,4 +1,4 @@
-"""User code reaches the executors (launch/shipping.py): a factory's own module and the local
+"""User code reaches the executors (driver/shipping.py): a factory's own module and the local
 modules it builds the model from are pickled by value."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from pyspark import cloudpickle
 
-from sparkdl.launch.shipping import ship_by_value
+from sparkdl.driver.shipping import ship_by_value
 
 
 def test_a_factory_that_builds_from_another_local_file_ships_that_file(tmp_path: Path) -> None:

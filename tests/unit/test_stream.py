@@ -191,7 +191,7 @@ def test_epoch_zero_after_the_partition_was_waited_for_reads_the_spool(tmp_path:
 
 
 def test_the_clock_sums_phases_and_the_time_waiting_for_items() -> None:
-    from sparkdl.phases import Clock
+    from sparkdl.tracking.phases import Clock
 
     clock = Clock()
 

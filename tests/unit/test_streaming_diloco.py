@@ -229,7 +229,7 @@ def test_streaming_options_are_checked() -> None:
         config(strategy="hybrid", sync_dtype="int4")
     with pytest.raises(ConfigError, match="train.sync_dtype"):
         config(sync="diloco", sync_dtype="int2")
-    from sparkdl.checks import check_backend, check_fragments
+    from sparkdl.driver.checks import check_backend, check_fragments
 
     with pytest.raises(ConfigError, match="fragment_sync_delay=1 overlaps .* launch.backend='horovod' cannot"):
         check_backend(RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco",

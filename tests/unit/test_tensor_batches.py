@@ -17,8 +17,8 @@ from sparkdl.data.assemble import TensorAssembler, prefetched
 from sparkdl.data.batches import Spool
 from sparkdl.data.layout import BINARY, FIXED, RAGGED, FeedLayout, TensorColumn
 from sparkdl.errors import ConfigError, ModelError
-from sparkdl.losses import BuiltinLoss
-from sparkdl.serving import ServedModel
+from sparkdl.model.losses import BuiltinLoss
+from sparkdl.tracking.serving import ServedModel
 from sparkdl.strategies.inputs import call_model, global_share, weighted_terms
 
 N, L = 300, 6

@@ -12,7 +12,7 @@ from sparkdl.data.layout import FIXED, FeedLayout, TensorColumn
 from sparkdl.planner.candidates import price_plan, profile_model
 from sparkdl.planner.cluster import ClusterInfo
 from sparkdl.planner.profile import ModelInput, profile_sequential
-from sparkdl.planning import model_input, plan_strategy
+from sparkdl.driver.planning import model_input, plan_strategy
 
 TOKENS = TensorColumn("tokens", "__sparkdl_in_0", FIXED, "int32", "int64", (TOKEN_LEN,))
 LABEL = TensorColumn("targets", "__sparkdl_label", FIXED, "int32", "int64", (TOKEN_LEN,))

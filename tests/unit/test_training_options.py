@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from sparkdl.config import RunConfig
-from sparkdl.config_training import check_monitored, early_stopping_options, parse_metric_name
+from sparkdl.config.training import check_monitored, early_stopping_options, parse_metric_name
 from sparkdl.data.epochs import Accumulation, accumulation, optimizer_steps
 from sparkdl.errors import ConfigError
-from sparkdl.launch.callbacks import resolve_callbacks, run_callbacks
-from sparkdl.launch.stopping import EarlyStopping, stop_tags
+from sparkdl.driver.callbacks import resolve_callbacks, run_callbacks
+from sparkdl.wire.stopping import EarlyStopping, stop_tags
 from sparkdl.strategies.stepping import OptimizerSteps
 
 

@@ -1,0 +1,17 @@
+"""config: the run's options as frozen sections (data, train, launch, input, output, model, tracking),
+their values and the rules each section's options obey on their own.
+
+Owns: sections.py (the dataclasses, RunConfig, TOML and `a.b=c` overrides, flat keywords),
+values.py (parsers of sizes, literals, choices), training.py (training-essential options),
+elastic.py (spot-safe runs). May import: sparkdl.errors only. Imported by everything above it.
+`from sparkdl.config import RunConfig` is the public path.
+"""
+from __future__ import annotations
+
+from sparkdl.config.sections import (BACKENDS, LOSSES, OPTIMIZERS, STRATEGIES, DataConfig, InputConfig, LaunchConfig,
+                                     ModelConfig, OutputConfig, RunConfig, TrackingConfig, TrainConfig, option_owners,
+                                     parse_bytes, parse_literal, suggest)
+
+__all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
+           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest",
+           "BACKENDS", "LOSSES", "OPTIMIZERS", "STRATEGIES"]

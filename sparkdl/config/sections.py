@@ -1,0 +1,392 @@
+"""Run configuration: frozen dataclasses, TOML loading, `a.b=c` overrides and flat keyword mapping.
+
+The same RunConfig comes from estimator keyword arguments, from `sparkdl.run(**options)` and from a
+TOML file plus `--set` overrides on the CLI, so the three entry points can never drift apart.
+Imports nothing from sparkdl but errors (layering rule).
+"""
+from __future__ import annotations
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (Databricks runtimes before 15)
+    import tomli as tomllib  # type: ignore[no-redef]
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from sparkdl.config.values import (check_feature_spec, check_input_spec, check_types, choice, coerce, parse_bytes,
+                                   parse_literal, plain, positive_int, positive_int_or_zero, suggest)
+from sparkdl.config.training import (DELIVERY_MODES, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
+                                     check_spool, check_training_essentials)
+from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
+from sparkdl.config.elastic import check_elastic, check_worker_range
+from sparkdl.errors import ConfigError
+
+__all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
+           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
+
+LOSSES = ("cross_entropy", "mse", "bce_with_logits")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "auto")
+SCHEDULES = ("1f1b", "gpipe")
+SYNC_MODES = ("allreduce", "diloco")
+SYNC_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+IST_SCALES = ("scale", "batchnorm")
+BATCH_BALANCES = ("equal", "speed")
+BACKENDS = ("torch", "horovod")
+TASKS = ("auto", "classification", "regression")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    feature_cols: tuple[str, ...] = ()
+    label_col: str | None = "label"
+    batch_size: int = 64
+    shuffle: bool = True
+    drop_last: bool = False
+    prediction_col: str = "prediction"
+    spool_dir: str | None = None
+    validation_fraction: float = 0.0  # rows held out (randomly, by seed) for per-epoch validation
+    on_invalid: str = "error"  # rows with NaN/Inf features or unusable labels: "error", or "skip" (dropped, counted)
+    input_cols: tuple[str, ...] | dict[str, str] | None = None  # tensor columns: list (positional) or {kwarg: column}
+    input_shapes: dict[str, Sequence[int]] | None = None  # {column: per-row shape} of fixed-length arrays, one -1
+    input_dtypes: dict[str, str] | None = None  # {column: "float32" | "int64" | "bfloat16" | ...} over the default
+    label_shapes: Sequence[int] | dict[str, Sequence[int]] | None = None  # per-row shape of an array label
+    weight_col: str | None = None  # per-row weight: built-in losses become sum(w * l) / sum(w)
+    transform_fn: Callable[..., Any] | None = None  # executors: dict of input columns -> dict of model inputs
+    prefetch_batches: int = 2  # batches made ahead on a background thread when transform_fn is set (0 = off)
+    spool: str = "auto"  # "disk": epoch 1 streams, later epochs read a local spool; "none": one pass, no file
+    shuffle_buffer_rows: int = 0  # epoch 1's seeded shuffle buffer per rank (0 = about 64 MiB of rows)
+    # "parquet": ranks read a plain Parquet scan's files themselves; "packed": Spark hands over blocks of rows
+    # packed on the JVM; "spark": Spark's own Arrow rows; "auto": the first of these the DataFrame qualifies for
+    delivery: str = "auto"
+
+    def validate(self) -> None:
+        if self.input_cols is not None:
+            check_input_spec(self)
+        else:
+            check_feature_spec(self)
+        positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
+        choice("data.spool", self.spool, SPOOL_MODES)
+        positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)
+        choice("data.delivery", self.delivery, DELIVERY_MODES)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 5
+    lr: float = 1e-3
+    optimizer: str | Callable[..., Any] = "adam"
+    loss: str | Callable[..., Any] = "cross_entropy"
+    task: str = "auto"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    strategy: str = "auto"  # "auto": the planner chooses (sparkdl.plan shows how); or one of STRATEGIES
+    stages: int = 0  # hybrid: pipeline stages K (0 = the smallest K >= 2 dividing num_workers that fits)
+    microbatches: int = 0  # hybrid: micro-batches per step (0 = 4 x stages, capped by the batch)
+    schedule: str = "1f1b"  # hybrid: "1f1b" or "gpipe"
+    sync: str = "allreduce"  # data_parallel: "allreduce" (every step) or "diloco" (every sync_every steps)
+    sync_every: int = 50  # diloco: inner steps H between synchronisations
+    outer_lr: float = 0.7  # diloco: outer Nesterov SGD learning rate (1.0 with momentum 0 = plain averaging)
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum
+    # diloco: the pseudo-gradient on the wire, "fp32", "fp16", "bf16", "int8" or "int4" (block scales and an
+    # error-feedback residual); always summed in fp32
+    sync_dtype: str = "fp32"
+    fragments: int = 1  # diloco: P fragments of strided top-level layers syncing at staggered steps (Streaming DiLoCo)
+    fragment_sync_delay: int = 0  # diloco: tau, inner steps a fragment's sync overlaps before it lands (< H / P)
+    fragment_update_alpha: float = 0.0  # diloco: a landed fragment = alpha x local + (1 - alpha) x global
+    # diloco: islands of fast links, data parallel inside each every step and DiLoCo across: host groups
+    # [["h1", "h2"], ["h3", "h4"]], or a count (>= 2) to find from measured links; 0 = none
+    islands: int | tuple[tuple[str, ...], ...] = 0
+    ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
+    ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
+    grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
+    approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
+    batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
+    checkpoint_dir: str | None = None  # local path or pyarrow filesystem URI; None: no checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
+    keep_checkpoints: int = 2  # complete checkpoints kept
+    resume_run: str | None = None  # an earlier fit's run id: continue its checkpoints under checkpoint_dir
+    plan_from_run: str | None = None  # MLflow run id of an earlier fit: train with its plan.json, no planning
+    plan_file: str | None = None  # a plan's JSON (sparkdl plan --out, ResolvedPlan.to_json): train with it
+    # Training essentials (config/training.py validates them): stepped per optimizer step
+    lr_schedule: str | Callable[..., Any] = "constant"  # "linear" | "cosine" | "step", or optimizer -> LRScheduler
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
+    min_lr: float = 0.0  # the floor linear/cosine decay to
+    step_every: int = 0  # "step": optimizer steps between lr *= step_gamma (0 = once per epoch)
+    step_gamma: float = 0.1
+    precision: str = "32"  # "32", "bf16" (autocast, fp32 master weights) or "16" (CUDA, GradScaler)
+    accumulate_steps: int = 1  # micro-batches per optimizer step; gradients communicated on the last only
+    metrics: tuple[Any, ...] = ()  # validation metrics by name or callable (output, label) -> (sum, count)
+    early_stopping: dict | None = None  # {"metric", "mode", "patience", "min_delta", "restore_best"}
+    callbacks: tuple[Any, ...] = ()  # driver: fn(epoch record) -> None | "stop" (or "pkg.mod:fn" paths)
+
+    @property
+    def implied_strategy(self) -> str:
+        """`strategy`, except that under "auto" options only one strategy has decide it (sync="diloco"
+        or batch_balance="speed": data_parallel; stages >= 2 or microbatches: hybrid); "auto" when the
+        planner is to choose."""
+        if self.strategy != "auto":
+            return self.strategy
+        if self.sync != "allreduce" or self.batch_balance != "equal" or self.precision == "16":
+            return "data_parallel"
+        if self.stages >= 2 or self.microbatches:
+            return "hybrid"
+        return "auto"
+
+    def is_classification(self, label_is_integral: bool, builtin_loss: bool = True) -> bool:
+        """The one rule: class labels are int64 (cross entropy); every other loss trains on float32
+        values. Under task="auto", where no built-in loss decides (a callable loss, or a custom loop
+        of sparkdl.run, `builtin_loss=False`), the label column's type does."""
+        if self.task != "auto":
+            return self.task == "classification"
+        if callable(self.loss) or not builtin_loss:
+            return label_is_integral
+        return self.loss == "cross_entropy"
+
+    def validate(self) -> None:
+        positive_int("train.epochs", self.epochs)
+        if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
+            raise ConfigError(f"train.lr must be a positive number, got {self.lr!r}", hint="for example lr=1e-3")
+        choice("train.optimizer", self.optimizer, OPTIMIZERS, callable_ok=True)
+        choice("train.loss", self.loss, LOSSES, callable_ok=True)
+        choice("train.task", self.task, TASKS)
+        choice("train.strategy", self.strategy, STRATEGIES)
+        choice("train.schedule", self.schedule, SCHEDULES)
+        for key in ("stages", "microbatches"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"train.{key} must be an integer >= 0 (0 = automatic), got {value!r}")
+        choice("train.sync", self.sync, SYNC_MODES)
+        choice("train.sync_dtype", self.sync_dtype, SYNC_DTYPES)
+        choice("train.ist_scale", self.ist_scale, IST_SCALES)
+        choice("train.batch_balance", self.batch_balance, BATCH_BALANCES)
+        if self.batch_balance == "speed" and self.implied_strategy not in ("data_parallel", "auto"):
+            raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
+                              f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
+        positive_int("train.sync_every", self.sync_every)
+        check_outer_sync(self)
+        positive_int("train.ist_sync_every", self.ist_sync_every)
+        if self.sync != "allreduce" and self.strategy not in ("data_parallel", "auto"):
+            raise ConfigError(f"train.sync={self.sync!r} is a synchronisation mode of data parallel, but "
+                              f"train.strategy={self.strategy!r}", hint="use strategy='data_parallel' with sync='diloco'")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"train.outer_lr must be > 0, got {self.outer_lr!r}", hint="DiLoCo uses 0.7")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"train.outer_momentum must be in [0, 1), got {self.outer_momentum!r}",
+                              hint="DiLoCo uses 0.9")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
+        if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \
+                or self.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every must be an integer >= 0 (0 = epoch ends only), got "
+                              f"{self.checkpoint_every!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError(f"train.checkpoint_every={self.checkpoint_every} needs train.checkpoint_dir",
+                              hint="set checkpoint_dir to a directory every executor can reach, e.g. "
+                                   "'/dbfs/tmp/ckpt', 's3://bucket/ckpt' or a local path on local masters")
+        positive_int("train.keep_checkpoints", self.keep_checkpoints)
+        if not self.approximate_min_speedup >= 1:
+            raise ConfigError(f"train.approximate_min_speedup must be >= 1, got {self.approximate_min_speedup!r}",
+                              hint="1 = the planner takes the fastest layout; inf = never DiLoCo or IST")
+        if self.strategy == "auto" and (self.sync != "allreduce" or self.batch_balance != "equal") \
+                and (self.stages >= 2 or self.microbatches):
+            raise ConfigError("train.sync/batch_balance are data-parallel options, but train.stages/microbatches "
+                              "are hybrid ones", hint="set strategy explicitly, and only that strategy's options")
+        if self.strategy == "hybrid" and self.stages == 1:
+            raise ConfigError("train.stages=1 with strategy='hybrid' is a pipeline of one stage",
+                              hint="use stages >= 2, or strategy='data_parallel'")
+        self._validate_kept_plan()
+        check_training_essentials(self)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
+
+    def _validate_kept_plan(self) -> None:
+        for key, what in (("plan_from_run", "an MLflow run id"), ("plan_file", "a path")):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"train.{key} must be {what}, got {value!r}", hint="or leave it unset")
+        if self.plan_from_run and self.plan_file:
+            raise ConfigError("train.plan_from_run and train.plan_file are both set", hint="set only one of them")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_workers: int = 2
+    backend: str = "torch"
+    timeout_s: float = 600.0
+    slot_wait_s: float = 15.0
+    peer_failure_delay_s: float = 5.0  # a rank whose collective broke waits this long, so the first failure is heard
+    threads_per_worker: int | None = None
+    run_dir: str | None = None
+    max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
+    emulate_network: dict | None = None  # {"latency_ms": .., "gbps": ..}: slow every message down (experiments)
+    gpus_per_worker: int = 0  # GPUs per rank for the training stage only (stage-level ResourceProfile); 0: app's
+    emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
+    horovod_env: dict | None = None  # HOROVOD_* settings applied before hvd.init() (backend="horovod")
+    channel: str = "auto"  # where executors send progress and metrics back: "auto", "off" or this client's host
+    # How the ranks' parts of the trained model reach the driver (wire/model_transfer.py):
+    # "auto", "channel", "storage" (checkpoint_dir or run_dir) or "rows" (the job's result rows).
+    model_transfer: str = "auto"
+    # Spot-safe runs (driver/elastic.py): a fit whose hosts are gone for good goes on with the slots
+    # there are, down to min_workers (0: num_workers, i.e. not elastic), after waiting
+    # replacement_wait_s for replacements; grow_workers: back up to max_workers (0: num_workers) at the
+    # next epoch end once slots return.
+    min_workers: int = 0
+    max_workers: int = 0
+    grow_workers: bool = False
+    replacement_wait_s: float = 30.0
+
+    def validate(self) -> None:
+        positive_int("launch.num_workers", self.num_workers)
+        check_worker_range(self.num_workers, self.min_workers, self.max_workers, self.grow_workers,
+                           self.replacement_wait_s)
+        if self.emulate_network is not None:
+            emulated = self.emulate_network
+            if not isinstance(emulated, dict) or set(emulated) - {"latency_ms", "gbps"} or "gbps" not in emulated \
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in emulated.values()) \
+                    or emulated["gbps"] <= 0 or emulated.get("latency_ms", 0) < 0:
+                raise ConfigError(f"launch.emulate_network must be a table {{latency_ms = >= 0, gbps = > 0}}, "
+                                  f"got {emulated!r}", hint='for example emulate_network={"latency_ms": 1, "gbps": 0.1}')
+        if not isinstance(self.gpus_per_worker, int) or isinstance(self.gpus_per_worker, bool) \
+                or self.gpus_per_worker < 0:
+            raise ConfigError(f"launch.gpus_per_worker must be a whole number of GPUs >= 0, got {self.gpus_per_worker!r}",
+                              hint="1 for one GPU per rank (NCCL needs a GPU of its own per rank); 0 = the "
+                                   "application's spark.task.resource.gpu.amount")
+        if self.emulate_speed is not None:
+            speeds = self.emulate_speed
+            if not isinstance(speeds, (list, tuple)) or len(speeds) != self.num_workers or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in speeds):
+                raise ConfigError(f"launch.emulate_speed must list one speed in (0, 1] per worker "
+                                  f"({self.num_workers}), got {speeds!r}", hint="for example emulate_speed=[1, 0.25]")
+        if self.max_memory_per_rank is not None:
+            parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
+        choice("launch.backend", self.backend, BACKENDS)
+        check_horovod_env(self.horovod_env, self.backend)
+        check_channel(self.channel)
+        choice("launch.model_transfer", self.model_transfer, ("auto", "channel", "storage", "rows"))
+        if self.model_transfer == "channel" and self.channel == "off":
+            raise ConfigError('launch.model_transfer="channel" needs the driver channel, but launch.channel="off"',
+                              hint='use model_transfer="storage" (with checkpoint_dir or run_dir) or "auto"')
+        for key in ("timeout_s", "slot_wait_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"launch.{key} must be a positive number of seconds, got {value!r}")
+        delay = self.peer_failure_delay_s
+        if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
+            raise ConfigError(f"launch.peer_failure_delay_s must be a number of seconds >= 0, got {delay!r}",
+                              hint="5 (the default) lets the rank that failed first be named; 0 fails at once")
+        if self.threads_per_worker is not None:
+            positive_int("launch.threads_per_worker", self.threads_per_worker)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> "RunConfig":
+        for section in _sections(self):
+            part = getattr(self, section)
+            check_types(section, part)
+            part.validate()
+        stages, workers = self.train.stages, self.launch.num_workers
+        hybrid = self.train.implied_strategy == "hybrid"
+        if hybrid and stages and workers % stages:
+            divisors = [k for k in range(2, workers + 1) if workers % k == 0]
+            raise ConfigError(f"train.stages={stages} does not divide launch.num_workers={workers}: hybrid runs "
+                              "stages x replicas ranks",
+                              hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
+        check_spool(self.data.spool, self.train)
+        check_elastic(self)
+        if hybrid and workers < 2:
+            raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
+                              hint="raise num_workers, or use strategy='data_parallel'")
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict; callables are shown by their qualified name."""
+        out: dict[str, dict[str, Any]] = {}
+        for section in _sections(self):
+            part = getattr(self, section)
+            out[section] = {f.name: plain(getattr(part, f.name)) for f in fields(part)}
+        return out
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key` -> value, for logging every option under one name."""
+        return {f"{s}.{k}": v for s, d in self.to_dict().items() for k, v in d.items()}
+
+    def with_overrides(self, overrides: Sequence[str]) -> "RunConfig":
+        """Apply `section.key=value` strings; values are TOML literals, else plain strings."""
+        updates: dict[str, dict[str, Any]] = {}
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep or "." not in key:
+                raise ConfigError(f"override {item!r} is not of the form section.key=value",
+                                  hint="for example --set train.epochs=3")
+            section, _, name = key.strip().partition(".")
+            updates.setdefault(section, {})[name] = parse_literal(raw.strip())
+        return self.merged(updates)
+
+    def merged(self, nested: Mapping[str, Mapping[str, Any]]) -> "RunConfig":
+        """A copy with `{section: {key: value}}` applied; unknown names raise with a suggestion."""
+        config = self
+        sections = _sections(self)
+        for section, values in nested.items():
+            if section not in sections:
+                raise ConfigError(f"unknown config section {section!r}", hint=suggest(section, sections))
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"config section {section!r} must be a table of options, got {values!r}")
+            part = getattr(config, section)
+            names = [f.name for f in fields(part)]
+            for name in values:
+                if name not in names:
+                    raise ConfigError(f"unknown option {section}.{name}", hint=suggest(name, names))
+            coerced = {k: coerce(part, k, v) for k, v in values.items()}
+            config = replace(config, **{section: replace(part, **coerced)})
+        return config
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: Sequence[str] = ()) -> "RunConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist",
+                              hint="pass --conf with the path of a TOML file, e.g. conf/examples/digits.toml")
+        try:
+            with path.open("rb") as stream:
+                nested = tomllib.load(stream)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        return cls().merged(nested).with_overrides(overrides).validate()
+
+    @classmethod
+    def from_kwargs(cls, base: "RunConfig | None" = None, **kwargs: Any) -> "RunConfig":
+        """Map flat keyword arguments (`batch_size=64`, `num_workers=2`) onto their sections."""
+        config = base or cls()
+        owner = option_owners(config)
+        nested: dict[str, dict[str, Any]] = {}
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise ConfigError(f"unknown option {name!r}", hint=suggest(name, list(owner)))
+            nested.setdefault(owner[name], {})[name] = value
+        return config.merged(nested)
+
+
+def option_owners(config: RunConfig | None = None) -> dict[str, str]:
+    """Flat option name -> section name; option names are unique across sections by design."""
+    config = config or RunConfig()
+    owners: dict[str, str] = {}
+    for section in _sections(config):
+        for f in fields(getattr(config, section)):
+            owners[f.name] = section
+    return owners
+
+
+def _sections(config: RunConfig) -> list[str]:
+    return [f.name for f in fields(config)]

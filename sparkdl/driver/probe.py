@@ -1,0 +1,183 @@
+"""The calibration probe: a short barrier job of num_workers ranks that measures what the planner
+prices a layout with, and hands it back as data (planner/cluster.py turns it into a ClusterInfo).
+
+Every rank measures its matrix-product FLOP/s with the torch threads it trains with (and reports that
+thread count); every pair of ranks measures latency (8-byte ping-pong) and bandwidth (a ping-pong of a message
+sized from a first 256 KiB one: up to 16 MiB on fast links (a 1 Gbit/s link carries 4 MiB in 34 ms, too short to time on a busy host), ~0.1 s of transfer on slow ones);
+rank 0 times the backend's allreduce (sized the same way). Each measurement is kept at two ends: the median
+(what the cluster did during the probe) and the best (what it can do: on a shared host noise only
+slows a measurement down), so the planner can tell a decision that holds from one that hinges on
+noise. `run_probe` launches the job through the launch modules directly, as `sparkdl.run` does for a
+loop without a DataFrame, so the planner never climbs back to the public entry points.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from sparkdl.planner.speed import matmul_rates
+
+PING_ROUNDS = 20  # 8-byte round trips per pair
+BANDWIDTH_ROUNDS = 3  # round trips of the sized message per pair
+ALLREDUCE_ROUNDS = (20, 5)  # timed allreduces of 8 bytes, of the sized message
+# Message sizes come from a first measurement, so that a slow link is measured in about a second,
+# not in the tens of seconds 4 MiB messages take at 20 Mbit/s: one transfer of the sized message
+# takes about TRANSFER_S, within [MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES].
+SIZING_BYTES = 256 << 10
+TRANSFER_S = 0.1
+MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 << 10, 16 << 20
+
+
+def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[str, Any]:
+    """Run `probe` on `workers` ranks (a barrier job over `workers` one-row partitions) and return
+    rank 0's result, the dict `probe` documents."""
+    from sparkdl.config import RunConfig
+    from sparkdl.driver.attempts import tracked_submit
+    from sparkdl.driver.job import new_run_id
+    from sparkdl.wire.spec import TrainSpec
+
+    options: dict[str, Any] = {"progress": False, "backend": "torch"}
+    if threads_per_worker:
+        options["threads_per_worker"] = threads_per_worker
+    config = RunConfig.from_kwargs(num_workers=workers, **options)
+    config.train.validate()  # no DataFrame: the data section does not apply
+    config.launch.validate()
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=None, train_fn=probe)
+    # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
+    result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec)
+    return result
+
+
+def probe(ctx: Any) -> dict[str, Any]:
+    """Runs on every rank. Returns (on every rank) per-rank lists "flops", "flops_best" and "threads",
+    rank-pair tables "latency", "latency_best", "bandwidth", "bandwidth_best" ([i][j], seconds and
+    bytes/s), the ring parameters "collective_latency", "collective_bandwidth" and their "_best"
+    counterparts, and "executors" (each rank's executor address)."""
+    import torch
+
+    rates = matmul_rates()  # with the threads the worker set for this rank, as training runs
+    small, sizing = torch.zeros(2), torch.zeros(SIZING_BYTES // 4)  # 8 bytes, 256 KiB
+    links = _links(ctx, small, sizing)
+    collective = _collective(ctx, small, sizing)
+    rates += matmul_rates()  # again after the messages: a burst of load shows as spread, not as speed
+    mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
+            **links}
+    gathered = ctx.comm.allgather_object(mine)
+    world = ctx.world_size
+    # Only rank i fills the entries of pair (i, j); the others hold 0 / inf there.
+    result: dict[str, Any] = {key: [g[key] for g in gathered] for key in ("flops", "flops_best", "threads")}
+    for key in ("latency", "latency_best"):
+        result[key] = [[max(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]
+    for key in ("bandwidth", "bandwidth_best"):
+        result[key] = [[min(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]
+    result.update(collective)
+    result["executors"] = list(ctx.world.executors)
+    return result
+
+
+def message_bytes(sample_bytes: int, sample_s: float, latency_s: float = 0.0) -> int:
+    """Bytes of the measured message: what a transfer of `sample_bytes` in `sample_s` says moves in
+    TRANSFER_S, within [MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES], a whole number of float32 values."""
+    rate = sample_bytes / max(sample_s - latency_s, 1e-9)
+    wanted = int(min(max(rate * TRANSFER_S, MIN_MESSAGE_BYTES), MAX_MESSAGE_BYTES))
+    return wanted - wanted % 4
+
+
+def _links(ctx: Any, small: Any, sizing: Any) -> dict[str, list[list[float]]]:
+    """Ping-pong every pair (i < j): one-way latency of 8 bytes, bandwidth of a message sized from a
+    first ping-pong of `sizing`, beyond the latency."""
+    import torch
+
+    world, rank = ctx.world_size, ctx.rank
+    tables = {key: [[0.0 if key.startswith("latency") else float("inf")] * world for _ in range(world)]
+              for key in ("latency", "latency_best", "bandwidth", "bandwidth_best")}
+    for i in range(world):
+        for j in range(i + 1, world):
+            ctx.comm.barrier()
+            small_times = _ping_pong(ctx, small, PING_ROUNDS, i, j)
+            sized = torch.zeros(1, dtype=torch.int64)
+            if rank == i:
+                sample = min(_ping_pong(ctx, sizing, 1, i, j))
+                sized[0] = message_bytes(sizing.numel() * 4, sample, statistics.median(small_times))
+                ctx.comm.send(sized, j, 33).wait()  # both ends of the pair must send the same bytes
+            elif rank == j:
+                _ping_pong(ctx, sizing, 1, i, j)
+                ctx.comm.recv(sized, i, 33)
+            large = torch.zeros(max(int(sized[0]) // 4, 1))
+            large_times = _ping_pong(ctx, large, BANDWIDTH_ROUNDS, i, j)
+            if rank != i:
+                continue
+            nbytes = large.numel() * large.element_size()
+            typical, best = link_figures(small_times, large_times, nbytes)
+            for suffix, (latency, bandwidth) in (("", typical), ("_best", best)):
+                tables["latency" + suffix][i][j] = tables["latency" + suffix][j][i] = latency
+                tables["bandwidth" + suffix][i][j] = tables["bandwidth" + suffix][j][i] = bandwidth
+    return tables
+
+
+def link_figures(small_times: list[float], large_times: list[float],
+                  nbytes: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(latency, bandwidth) typical (medians) and best. The best bandwidth is never below the typical
+    one: min(large) - min(small) can be the smaller difference when the small messages were the
+    ones a burst of load hit, and an optimistic figure slower than the typical one would be noise."""
+    typical_latency, best_latency = statistics.median(small_times), min(small_times)
+    typical = nbytes / max(statistics.median(large_times) - typical_latency, 1e-9)
+    best = nbytes / max(min(large_times) - best_latency, 1e-9)
+    return (typical_latency, typical), (best_latency, max(best, typical))
+
+
+def _ping_pong(ctx: Any, buffer: Any, rounds: int, i: int, j: int) -> list[float]:
+    """One-way times of `rounds` round trips between ranks i and j (other ranks return zeros)."""
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        if ctx.rank == i:
+            ctx.comm.send(buffer, j, 31).wait()
+            ctx.comm.recv(buffer, j, 32)
+        elif ctx.rank == j:
+            ctx.comm.recv(buffer, i, 31)
+            ctx.comm.send(buffer, i, 32).wait()
+        times.append((time.perf_counter() - started) / 2)
+    return times
+
+
+def _collective(ctx: Any, small: Any, sizing: Any) -> dict[str, float]:
+    """Ring parameters that reproduce the measured allreduce of 8 bytes and of a message sized from a
+    first allreduce of `sizing`: T(n) = 2(W-1) a + 2(W-1)/W n / b, from rank 0's median times and
+    from its best ones (after a barrier, so all ranks start together). Every rank returns rank 0's
+    figures."""
+    import torch
+
+    world = ctx.world_size
+    if world < 2:
+        return {"collective_latency": 0.0, "collective_bandwidth": 0.0,
+                "collective_latency_best": 0.0, "collective_bandwidth_best": 0.0}
+    ctx.comm.barrier()
+    ctx.comm.allreduce(sizing.clone(), op="sum")  # warm-up (connections, buffers)
+    started = time.perf_counter()
+    ctx.comm.allreduce(sizing.clone(), op="sum")
+    # Every rank sizes from the slowest rank's time, so all of them allreduce the same bytes.
+    slowest = ctx.comm.allreduce(torch.tensor([time.perf_counter() - started], dtype=torch.float64), op="max")
+    large = torch.zeros(message_bytes(sizing.numel() * 4, float(slowest[0])) // 4)
+    samples = []
+    for buffer, rounds in zip((small, large), ALLREDUCE_ROUNDS):
+        ctx.comm.barrier()
+        ctx.comm.allreduce(buffer.clone(), op="sum")  # warm-up
+        times = []
+        for _ in range(rounds):
+            work = buffer.clone()
+            started = time.perf_counter()
+            ctx.comm.allreduce(work, op="avg")
+            times.append(time.perf_counter() - started)
+        samples.append(times)
+    hops = 2 * (world - 1)
+    nbytes = large.numel() * large.element_size()
+    decided: dict[str, float] = {}
+    for suffix, pick in (("", statistics.median), ("_best", min)):
+        small_s, large_s = pick(samples[0]), pick(samples[1])
+        decided["collective_latency" + suffix] = small_s / hops
+        decided["collective_bandwidth" + suffix] = hops / world * nbytes / max(large_s - small_s, 1e-9)
+    # as for links: the optimistic ring bandwidth is never below the typical one
+    decided["collective_bandwidth_best"] = max(decided["collective_bandwidth_best"], decided["collective_bandwidth"])
+    return ctx.comm.allgather_object(decided)[0]

@@ -1,0 +1,87 @@
+"""What a fit records in MLflow about its data: the run's params (every option, the dataset, where
+its rows came from, the versions) and the model's input example. Split from api.py, which calls
+them when it starts the run and logs the model."""
+from __future__ import annotations
+
+from typing import Any
+
+from sparkdl.config import RunConfig
+from sparkdl.spark.session import facts
+
+
+def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
+    """Every option (flattened), the dataset and the versions: what makes a run reproducible
+    (credentials redacted)."""
+    from sparkdl.tracking.mlflow_run import redact, versions
+
+    params: dict[str, Any] = dict(config.flat())
+    data = config.data
+    used = list(prepared.layout.source_input_cols) + [c for c in (data.label_col, data.weight_col) if c]
+    types = dict(df.dtypes)
+    params.update({
+        "dataset.rows": prepared.num_rows, "dataset.validation_rows": prepared.num_validation_rows,
+        "dataset.columns": ", ".join(f"{c}:{types.get(c)}" for c in used),
+        "dataset.num_features": prepared.layout.num_features, "dataset.source": _source(df),
+        "dataset.inputs": "; ".join(f"{c.source}: {c.dtype}{list(c.shape)} ({c.kind})" for c in prepared.layout.inputs)
+        or "-",
+        "dataset.dropped_invalid_rows": prepared.dropped_rows,
+        "dataset.delivery": f"parquet ({prepared.source.files} files)" if prepared.source is not None else
+        prepared.delivery,
+        "world.workers": config.launch.num_workers, "world.master": facts(df.sparkSession).master(),
+    })
+    params.update(versions())
+    return redact(params)
+
+
+def _source(df: Any) -> str:
+    try:
+        files = df.inputFiles()
+    except Exception:  # noqa: BLE001 - not every plan can list its files
+        files = []
+    return ", ".join(files[:5]) + (f" (+{len(files) - 5} more)" if len(files) > 5 else "") if files else "in-memory/derived"
+
+
+def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> Any:
+    """A few rows of features as the model sees them: a pandas frame of the scalar feature columns,
+    or a float32 array when array/vector columns are involved. Decimal columns arrive as doubles:
+    MLflow stores the example as JSON, which has no Decimal. input_cols runs: the probe rows, as a
+    dict of numpy arrays per input column (tensor specs), or a pandas frame when binary, string or
+    variable-length columns are among them."""
+    import numpy as np
+
+    if layout.tensor_inputs:
+        from sparkdl.data.arrow_rows import incoming_arrays
+        from sparkdl.data.layout import FIXED
+
+        # The spool's own decoding: fixed columns as numpy in their element type (int32 tokens stay int32).
+        inputs = layout.for_scoring()
+        blocks = incoming_arrays(sample.combine_chunks().to_batches()[0], inputs)
+        columns = {c.source: block if c.kind == FIXED else block.to_pylist() for c, block in zip(inputs.inputs, blocks)}
+        if all(c.kind == FIXED for c in layout.inputs):
+            return columns
+        import pandas as pd
+
+        return pd.DataFrame(columns)
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    from sparkdl.data.feed_sql import feature_kind, features_expression, quoted
+
+    cols = list(layout.source_feature_cols)
+    if all(feature_kind(df, c) == "scalar" for c in cols):
+        selected = [F.col(quoted(c)).cast("double").alias(c) if isinstance(df.schema[c].dataType, T.DecimalType)
+                    else F.col(quoted(c)) for c in cols]
+        return df.select(*selected).limit(rows).toPandas()
+    values = [r[0] for r in df.select(features_expression(df, cols)).limit(rows).collect()]
+    return np.asarray(values, dtype=np.float32)
+
+
+def fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], phases: Any, prepared: Any,
+                parts: Any, config: Any) -> dict[str, Any]:
+    """What the TorchModel carries besides the module: MLflow ids, the output shape, where the fit's
+    time went, how the data came and how the model came back."""
+    return {"mlflow_run_id": tracker.run_id, "model_uri": model_uri, "tracking_uri": tracker.tracking_uri,
+            "output_shape": out_shape, "phases": phases.seconds,
+            "delivery": prepared.delivery,
+            "model_parts": None if config.output.load_model else parts, "model_transfer": dict(parts.via_by_rank),
+            "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}

@@ -1,0 +1,270 @@
+"""How each rank's part of the trained model reaches the driver, outside the JVMs.
+
+Rows of the barrier job's result are pickled whole in the executor's and the driver's JVM heaps and
+capped by spark.driver.maxResultSize, so the trained state never travels there (DESIGN.md). A rank
+writes its part as a tensor file (model/tensor_files.py) straight from its tensors' memory, by one of:
+
+- "channel": over an authenticated TCP connection to a receiver on the driver (beside the driver
+  channel, same host), which writes it to a file on the driver's local disk as it arrives. What is
+  in flight is bounded by the sockets' buffers and one piece on each side.
+- "storage": to `<checkpoint_dir>/<run id>/model/rank-<r>.safetensors` (any pyarrow filesystem the
+  driver reaches too: a shared mount, an object store); the driver reads it there.
+- "rows": in the job's rows, as before: the fallback when the driver cannot be reached (Spark
+  Connect clients behind NAT) or the channel is off; bounded by spark.driver.maxResultSize.
+
+A rank that cannot reach the receiver falls back to rows by itself and says so. Only small records
+(where each part went) stay in the job's rows. Stdlib + torch on the worker side; no pyspark.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sparkdl.wire.frames import (FRAME_HEADER, ChannelAddress, FrameError, challenge_of, check_hello, encode_frame,
+                                 hello_frame, read_frame)
+from sparkdl.wire.handshake import TAG_BYTES, TO_PEER, FrameSeal, StreamTag, new_challenge
+
+log = logging.getLogger("sparkdl")
+PART_SUFFIX = ".safetensors"
+CONNECT_TIMEOUT_S = 10.0
+PURPOSE = "model"  # what a hello proves the secret for (handshake.proof)
+RECEIVE_PIECE_BYTES = 4 << 20
+TRANSFERS = ("auto", "channel", "storage", "rows")
+
+
+@dataclass(frozen=True)
+class ModelSink:
+    """Where the ranks send their parts; travels inside the TrainSpec."""
+
+    mode: str  # "channel" | "storage" | "rows"
+    address: ChannelAddress | None = None  # channel: the driver's receiver
+    storage_uri: str | None = None  # storage: the directory of this attempt's parts
+    timeout_s: float = 600.0  # how long a rank waits for the driver to confirm its part
+    fallback: bool = True  # a rank that cannot reach the receiver sends its part in the rows (not when asked for "channel")
+
+
+def part_name(rank: int) -> str:
+    return f"rank-{rank}{PART_SUFFIX}"
+
+
+# -- executor side --------------------------------------------------------------------------------
+def deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    """Send this rank's part; returns the small record the driver reads from the job's rows:
+    {"via": "channel"|"storage", ...}, or {"via": "rows", "payload": bytes} when it must ride there."""
+    import time
+
+    started = time.perf_counter()
+    record = _deliver(sink, rank, state)
+    record["seconds"] = round(time.perf_counter() - started, 4)
+    return record
+
+
+def _deliver(sink: ModelSink | None, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+    from sparkdl.model.tensor_files import tensor_pieces
+
+    metadata = {"rank": str(rank), "format": "sparkdl-part-1"}
+    if sink is not None and sink.mode == "channel" and sink.address is not None:
+        try:
+            sent = _send_over_socket(sink, rank, state, metadata)
+            return {"via": "channel", "bytes": sent}
+        except (OSError, FrameError) as exc:
+            if not sink.fallback:
+                raise OSError(f"rank {rank} could not send its part of the model to the driver at "
+                              f"{sink.address.host}:{sink.address.port} (launch.model_transfer=\"channel\"): {exc}; "
+                              "model_transfer=\"auto\" falls back to the job's rows") from None
+            print(f"sparkdl: rank {rank} could not send its part of the model to the driver "
+                  f"({sink.address.host}:{sink.address.port}: {exc}); it comes back in the job's rows instead, "
+                  "bounded by spark.driver.maxResultSize", file=sys.stderr, flush=True)
+    elif sink is not None and sink.mode == "storage" and sink.storage_uri:
+        from sparkdl.storage.files import atomic_output, locate
+
+        where = locate(sink.storage_uri).child(part_name(rank))
+        with atomic_output(where) as stream:
+            total, pieces = tensor_pieces(state, metadata)
+            for piece in pieces:
+                stream.write(piece)
+        from sparkdl.storage.files import join
+
+        return {"via": "storage", "bytes": total, "uri": join(sink.storage_uri, part_name(rank))}
+    total, pieces = tensor_pieces(state, metadata)
+    return {"via": "rows", "bytes": total, "payload": b"".join(pieces)}  # one copy: the views are the tensors
+
+
+def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadata: dict[str, str]) -> int:
+    from sparkdl.model.tensor_files import tensor_pieces
+
+    address = sink.address
+    assert address is not None
+    total, pieces = tensor_pieces(state, metadata)
+    with socket.create_connection((address.host, address.port), CONNECT_TIMEOUT_S) as sock:
+        sock.settimeout(sink.timeout_s)
+        challenge = challenge_of(_raw_frame(sock))
+        sock.sendall(hello_frame(address.secret, PURPOSE, challenge, rank, bytes=total))
+        tag = StreamTag(address.secret, challenge)  # the receiver keeps the part only if it holds
+        for piece in pieces:
+            sock.sendall(piece)
+            tag.update(piece)
+        sock.sendall(tag.digest())
+        with sock.makefile("rb") as replies:
+            reply = read_frame(replies, 1 << 16, FrameSeal(address.secret, challenge, TO_PEER))
+    if not reply or not reply.get("ok"):
+        raise OSError(f"the driver refused the part: {(reply or {}).get('error', 'no reply')}")
+    return total
+
+
+# -- driver side ----------------------------------------------------------------------------------
+class PartReceiver:
+    """The driver's end of "channel": one thread per rank's connection writes its part to
+    `<directory>/rank-<r>.safetensors` (a temporary name until complete), then confirms."""
+
+    def __init__(self, host: str, directory: str, timeout_s: float = 600.0) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self._timeout = directory, timeout_s
+        try:
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            self._server = socket.create_server((host, 0), family=family, backlog=128)
+        except OSError:  # the address executors see need not be bindable here (NAT)
+            self._server = socket.create_server(("", 0), backlog=128)
+        self._server.settimeout(0.2)
+        self.address = ChannelAddress(host, self._server.getsockname()[1], secrets.token_hex(32))
+        self.errors: dict[int, str] = {}
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._open: set[socket.socket] = set()  # connections still receiving, cut by close()
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="sparkdl-part-receiver")
+        self._accepter.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except (TimeoutError, BlockingIOError):
+                continue
+            except OSError:
+                if self._closing.is_set():
+                    return
+                continue
+            thread = threading.Thread(target=self._receive, args=(conn,), daemon=True, name="sparkdl-part")
+            self._threads.append(thread)
+            self._open.add(conn)
+            thread.start()
+
+    def _receive(self, conn: socket.socket) -> None:
+        rank, temporary, challenge = -1, "", new_challenge()
+        secret = self.address.secret
+        try:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            conn.sendall(encode_frame({"challenge": challenge.hex()}))
+            hello = _raw_frame(conn)
+            rank = check_hello(hello, secret, PURPOSE, challenge)
+            size = int(hello["bytes"])
+            if size < 0:
+                raise ValueError(f"a part of {size} bytes")
+            conn.settimeout(self._timeout)  # a rank whose host vanished (no FIN) must not hold us forever
+            temporary = os.path.join(self.directory, f".{part_name(rank)}.{uuid.uuid4().hex[:8]}")
+            tag = StreamTag(secret, challenge)
+            _copy_exactly(conn, temporary, size, tag)
+            if not tag.matches(_recv_exactly(conn, TAG_BYTES)):
+                raise FrameError("the part fails its authentication tag (altered or not from this run)")
+            os.replace(temporary, os.path.join(self.directory, part_name(rank)))
+            conn.sendall(encode_frame({"ok": True, "bytes": size}, FrameSeal(secret, challenge, TO_PEER)))
+        except (OSError, FrameError, KeyError, TypeError, ValueError) as exc:
+            if rank >= 0:
+                self.errors[rank] = str(exc)
+            if temporary and os.path.exists(temporary):
+                os.unlink(temporary)
+            try:
+                conn.sendall(encode_frame({"ok": False, "error": str(exc)[:500]}, FrameSeal(secret, challenge, TO_PEER)))
+            except OSError:
+                pass
+        finally:
+            self._open.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop accepting; a part still arriving when the job is over (its rank failed) is cut."""
+        self._closing.set()
+        self._accepter.join(5.0)
+        self._server.close()
+        for conn in list(self._open):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(10.0)
+
+    def __enter__(self) -> "PartReceiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _raw_frame(conn: socket.socket) -> dict[str, Any]:
+    """A challenge or a hello, read straight off the socket: a buffered reader would swallow the
+    start of the part that follows it."""
+    (size,) = FRAME_HEADER.unpack(_recv_exactly(conn, FRAME_HEADER.size))
+    if size > 1 << 16:
+        raise FrameError(f"a first frame of {size} bytes")
+    try:
+        frame = json.loads(_recv_exactly(conn, size).decode("utf-8"))
+    except ValueError:
+        raise FrameError("the first frame is not UTF-8 JSON") from None
+    if not isinstance(frame, dict):
+        raise FrameError("the first frame is not a JSON object")
+    return frame
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise FrameError("connection closed in the middle of a frame")
+        data += chunk
+    return bytes(data)
+
+
+def _copy_exactly(conn: socket.socket, path: str, size: int, tag: StreamTag) -> None:
+    """`size` bytes from the connection into a new file (and `tag`), one piece buffered at a time
+    (recv_into: no copy but the kernel's)."""
+    buffer = bytearray(min(RECEIVE_PIECE_BYTES, max(size, 1)))
+    view = memoryview(buffer)
+    left = size
+    with open(path, "wb", buffering=0) as out:
+        while left:
+            got = conn.recv_into(view[: min(left, len(view))])
+            if not got:
+                raise OSError(f"the connection closed with {left} of {size} bytes still to come")
+            tag.update(view[:got])
+            written = 0
+            while written < got:
+                written += out.write(view[written:got])
+            left -= got
+
+
+def parts_directory(run_id: str) -> str:
+    """A new directory on the driver's disk for one attempt's parts."""
+    root = os.path.join(tempfile.gettempdir(), "sparkdl-models")
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}-", dir=root)
+
+
+def remove_directory(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def record_bytes(record: dict[str, Any]) -> bytes:
+    """The small JSON record a rank leaves in the job's rows (its payload, if any, rides apart)."""
+    return json.dumps({k: v for k, v in record.items() if k != "payload"}).encode()

@@ -1,0 +1,40 @@
+"""TrainSpec: the one picklable object that crosses from the driver to every executor task.
+
+Everything a worker needs travels here as explicit values (never through env vars or closures
+over driver state), so what a task ran with can be read off one object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sparkdl.config import RunConfig
+from sparkdl.data.layout import FeedLayout
+from sparkdl.data.parquet_shards import ParquetShards
+from sparkdl.wire.model_transfer import ModelSink
+from sparkdl.model.layouts import StrategyLayout
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    run_id: str
+    config: RunConfig  # final: the resolved plan's strategy options merged in
+    layout: FeedLayout | None  # how the prepared Arrow batches are laid out; None without a DataFrame
+    model: Any = None  # an nn.Module or a zero-argument callable returning one
+    train_fn: Callable[[Any], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
+    channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
+    strategy_layout: StrategyLayout = None  # HybridLayout / IstLayout from the resolved plan; None: data parallel
+    driver_callbacks: bool = False  # train.callbacks run on the driver: rank 0 waits for their verdict every epoch
+    rows: int = 0  # training + validation rows over all ranks, as the driver counted them (0: not counted)
+    # Every rank's training rows, counted by the driver (data/shards.py): the built-in loop then trains
+    # epoch 1 while its partition streams in. Empty: each rank spools its partition first and counts it.
+    row_counts: tuple[int, ...] = ()
+    # Direct Parquet delivery: the pieces every rank reads itself (the job's own input is one placeholder row).
+    source: ParquetShards | None = None
+    packed_rows: bool = False  # the job's rows are blocks of rows packed on the JVM (data/packed_delivery.py)
+    # Where each rank sends its part of the trained model (wire/model_transfer.ModelSink); set per attempt.
+    model_sink: ModelSink | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.config.launch.num_workers
