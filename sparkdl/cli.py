@@ -132,7 +132,7 @@ def mlp_factory(df: Any, config: RunConfig) -> tuple[Any, int, int]:
     if not outputs:
         outputs = 1
         if label and config.train.loss not in ("mse", "bce_with_logits") and \
-                is_classification(df, config):
+                is_classification(df, config.data, config.train):
             top = df.agg(F.max(F.col(label).cast("double")).alias("m")).first()["m"]
             outputs = max(int(top) + 1, 1) if top is not None else 1  # bad labels: prepare() raises
     return functools.partial(build_mlp, inputs, tuple(config.model.hidden), outputs), inputs, outputs

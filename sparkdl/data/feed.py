@@ -28,7 +28,7 @@ from sparkdl.errors import (
 from sparkdl.spark.session import facts
 
 if TYPE_CHECKING:
-    from sparkdl.config import RunConfig
+    from sparkdl.config import DataConfig, TrainConfig
 
 _log = logging.getLogger("sparkdl")
 
@@ -87,9 +87,9 @@ def label_is_integral(df: DataFrame, label_col: str | None) -> bool:
     return isinstance(element, (T.IntegralType, T.BooleanType))
 
 
-def is_classification(df: DataFrame, config: "RunConfig", custom_loop: bool = False) -> bool:
+def is_classification(df: DataFrame, data: "DataConfig", train: "TrainConfig", custom_loop: bool = False) -> bool:
     """TrainConfig.is_classification (the one rule) for this DataFrame's label column."""
-    return config.train.is_classification(label_is_integral(df, config.data.label_col), builtin_loss=not custom_loop)
+    return train.is_classification(label_is_integral(df, data.label_col), builtin_loss=not custom_loop)
 
 
 def check_columns(df: DataFrame, columns: Sequence[str]) -> None:

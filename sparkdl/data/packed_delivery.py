@@ -23,7 +23,6 @@ from sparkdl.data.arrow_rows import spool_columns
 from sparkdl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from sparkdl.config import RunConfig
     from sparkdl.data.feed import PreparedData
 
 _log = logging.getLogger("sparkdl")
@@ -37,10 +36,9 @@ class NotPacked(Exception):
     """Why a DataFrame is delivered by Spark's rows rather than packed."""
 
 
-def with_packed_delivery(prepared: "PreparedData", config: "RunConfig") -> "PreparedData":
+def with_packed_delivery(prepared: "PreparedData", delivery: str) -> "PreparedData":
     """`prepared` with `packed` set when data.delivery allows it and the DataFrame qualifies; with
     delivery="packed" a DataFrame that does not qualify raises, saying why."""
-    delivery = config.data.delivery
     if delivery in ("spark", "parquet") or prepared.source is not None:
         return prepared
     try:

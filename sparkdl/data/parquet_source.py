@@ -21,7 +21,7 @@ from sparkdl.data.parquet_shards import ParquetShards, SourceColumn, assign_piec
 from sparkdl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from sparkdl.config import RunConfig
+    from sparkdl.config import DataConfig
     from sparkdl.data.feed import PreparedData
 
 _log = logging.getLogger("sparkdl")
@@ -39,34 +39,35 @@ class ParquetScan:
     row_groups: tuple[tuple[str, int, int], ...]  # (path, row group, rows), in scan order
 
 
-def direct_candidate(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None = None) -> ParquetScan | None:
+def direct_candidate(df: DataFrame, data: "DataConfig", validation_df: DataFrame | None = None) -> ParquetScan | None:
     """The scan when data.delivery allows direct reads and the DataFrame qualifies so far (what the
     plan and the footers tell, before any Spark job); None for delivery through Spark."""
-    if config.data.delivery == "spark":
+    if data.delivery == "spark":
         return None
     try:
-        return _scan(df, config, validation_df)
+        return _scan(df, data, validation_df)
     except NotEligible as why:
-        return _through_spark(config, why)
+        return _through_spark(data.delivery, why)
 
 
-def with_parquet_source(prepared: "PreparedData", scan: ParquetScan | None, config: "RunConfig") -> "PreparedData":
+def with_parquet_source(prepared: "PreparedData", scan: ParquetScan | None, delivery: str,
+                        num_workers: int) -> "PreparedData":
     """`prepared` with `source` set when the candidate still qualifies after preparation (no rows
     dropped, the counts agree); with data.delivery="parquet" a DataFrame that does not qualify
     raises, saying why."""
     if scan is None:
         return prepared
     try:
-        shards = _shards(prepared, scan, config)
+        shards = _shards(prepared, scan, num_workers)
     except NotEligible as why:
-        return _through_spark(config, why, prepared)
+        return _through_spark(delivery, why, prepared)
     _log.info("sparkdl: each rank reads its rows from %d Parquet file(s) directly (data.delivery=%r)",
-              shards.files, config.data.delivery)
+              shards.files, delivery)
     return replace(prepared, source=shards, shard_rows=shards.row_counts)
 
 
-def _through_spark(config: "RunConfig", why: NotEligible, prepared: Any = None) -> Any:
-    if config.data.delivery == "parquet":
+def _through_spark(delivery: str, why: NotEligible, prepared: Any = None) -> Any:
+    if delivery == "parquet":
         raise ConfigError(f"data.delivery='parquet' reads a plain Parquet scan directly, but {why}",
                           hint="use data.delivery='auto' (Spark delivers what does not qualify) or 'spark'; "
                                "or write the prepared rows to Parquet first and fit on spark.read.parquet(path)")
@@ -74,8 +75,7 @@ def _through_spark(config: "RunConfig", why: NotEligible, prepared: Any = None) 
     return prepared
 
 
-def _scan(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None) -> ParquetScan:
-    data = config.data
+def _scan(df: DataFrame, data: "DataConfig", validation_df: DataFrame | None) -> ParquetScan:
     if data.input_cols is not None:
         raise NotEligible("input_cols runs are delivered by Spark (direct reads cover feature_cols)")
     if validation_df is not None or data.validation_fraction > 0:
@@ -93,7 +93,7 @@ def _scan(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None) -
     return ParquetScan(tuple(files), widths, tuple(row_groups))
 
 
-def _shards(prepared: "PreparedData", scan: ParquetScan, config: "RunConfig") -> ParquetShards:
+def _shards(prepared: "PreparedData", scan: ParquetScan, num_workers: int) -> ParquetShards:
     layout = prepared.layout
     if prepared.dropped_rows:
         raise NotEligible("on_invalid='skip' dropped rows, which Spark filters")
@@ -103,7 +103,7 @@ def _shards(prepared: "PreparedData", scan: ParquetScan, config: "RunConfig") ->
     features = tuple(SourceColumn(name, widths[name]) for name in layout.source_feature_cols)
     shards = ParquetShards(features=features, label=layout.source_label_col if layout.label_dtype else None,
                            weight=layout.source_weight_col,
-                           pieces=assign_pieces(scan.row_groups, config.launch.num_workers), files=len(scan.files))
+                           pieces=assign_pieces(scan.row_groups, num_workers), files=len(scan.files))
     if shards.num_features != layout.num_features or sum(shards.row_counts) != prepared.num_rows:
         raise NotEligible(f"the files hold {sum(shards.row_counts)} rows x {shards.num_features} features where "
                           f"Spark counted {prepared.num_rows} x {layout.num_features}")

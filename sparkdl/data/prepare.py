@@ -16,24 +16,26 @@ from sparkdl.data.tensor_feed import prepare_tensors
 from sparkdl.config.elastic import is_elastic
 
 if TYPE_CHECKING:
-    from sparkdl.config import RunConfig
+    from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
 
 
-def prepare_run(df: DataFrame, config: "RunConfig", validation_df: DataFrame | None = None,
-                custom_loop: bool = False) -> PreparedData:
-    data = config.data
-    classification = is_classification(df, config, custom_loop)
+def prepare_run(df: DataFrame, data: "DataConfig", train: "TrainConfig", launch: "LaunchConfig",
+                validation_df: DataFrame | None = None, custom_loop: bool = False) -> PreparedData:
+    """The data stage: the DataFrame checked, split, counted and dealt into launch.num_workers shards,
+    with the delivery data.delivery allows; train gives the seed, the loss (classification or
+    regression) and resume_run."""
+    classification = is_classification(df, data, train, custom_loop)
     # A run that may resume at another size deals its rows in a fixed order, so a resized attempt
     # sees what a fresh fit at that size would (a shuffle's arrival order varies run to run).
-    fixed = is_elastic(config.launch) or bool(config.train.resume_run)
+    fixed = is_elastic(launch) or bool(train.resume_run)
     if data.input_cols is not None:
-        return prepare_tensors(df, data, classification=classification, num_workers=config.launch.num_workers,
-                               validation_df=validation_df, seed=config.train.seed, fixed_order=fixed)
-    scan = direct_candidate(df, config, validation_df)
+        return prepare_tensors(df, data, classification=classification, num_workers=launch.num_workers,
+                               validation_df=validation_df, seed=train.seed, fixed_order=fixed)
+    scan = direct_candidate(df, data, validation_df)
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
-                       num_workers=config.launch.num_workers, validation_df=validation_df,
-                       validation_fraction=data.validation_fraction, seed=config.train.seed,
+                       num_workers=launch.num_workers, validation_df=validation_df,
+                       validation_fraction=data.validation_fraction, seed=train.seed,
                        on_invalid=data.on_invalid, weight_col=data.weight_col,
                        count_kept_partitions=scan is None,  # direct reads count the rows from the footers
                        fixed_order=fixed)
-    return with_packed_delivery(with_parquet_source(prepared, scan, config), config)
+    return with_packed_delivery(with_parquet_source(prepared, scan, data.delivery, launch.num_workers), data.delivery)

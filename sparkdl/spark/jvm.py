@@ -23,13 +23,13 @@ JAR_NAME = "sparkdl-bridge.jar"
 PACKAGE = "ai.sparkdl.bridge"
 LISTENER = f"{PACKAGE}.BarrierWatch"
 PREFLIGHT = f"{PACKAGE}.Preflight"
-_SOURCES = Path(__file__).resolve().parents[1] / "jvm-bridge" / "src" / "main" / "java"
+_SOURCES = Path(__file__).resolve().parents[2] / "jvm-bridge" / "src" / "main" / "java"
 _log = logging.getLogger("sparkdl")
 _loaded: dict[int, Any] = {}  # id of the JVM gateway -> its class loader for the bridge
 
 
 def packaged_jar() -> Path:
-    return Path(__file__).resolve().parent / "jars" / JAR_NAME
+    return Path(__file__).resolve().parents[1] / "jars" / JAR_NAME
 
 
 def jar_path() -> Path | None:

@@ -3,19 +3,18 @@ its rows came from, the versions) and the model's input example. Split from api.
 them when it starts the run and logs the model."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from sparkdl.config import RunConfig
+from sparkdl.config import DataConfig
 from sparkdl.spark.session import facts
 
 
-def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
-    """Every option (flattened), the dataset and the versions: what makes a run reproducible
-    (credentials redacted)."""
+def run_params(options: Mapping[str, Any], data: DataConfig, num_workers: int, df: Any, prepared: Any) -> dict[str, Any]:
+    """Every option (`options`: RunConfig.flat()), the dataset and the versions: what makes a run
+    reproducible (credentials redacted)."""
     from sparkdl.tracking.mlflow_run import redact, versions
 
-    params: dict[str, Any] = dict(config.flat())
-    data = config.data
+    params: dict[str, Any] = dict(options)
     used = list(prepared.layout.source_input_cols) + [c for c in (data.label_col, data.weight_col) if c]
     types = dict(df.dtypes)
     params.update({
@@ -27,7 +26,7 @@ def run_params(config: RunConfig, df: Any, prepared: Any) -> dict[str, Any]:
         "dataset.dropped_invalid_rows": prepared.dropped_rows,
         "dataset.delivery": f"parquet ({prepared.source.files} files)" if prepared.source is not None else
         prepared.delivery,
-        "world.workers": config.launch.num_workers, "world.master": facts(df.sparkSession).master(),
+        "world.workers": num_workers, "world.master": facts(df.sparkSession).master(),
     })
     params.update(versions())
     return redact(params)
@@ -77,11 +76,11 @@ def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> An
 
 
 def fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], phases: Any, prepared: Any,
-                parts: Any, config: Any) -> dict[str, Any]:
+                parts: Any, load_model: bool) -> dict[str, Any]:
     """What the TorchModel carries besides the module: MLflow ids, the output shape, where the fit's
     time went, how the data came and how the model came back."""
     return {"mlflow_run_id": tracker.run_id, "model_uri": model_uri, "tracking_uri": tracker.tracking_uri,
             "output_shape": out_shape, "phases": phases.seconds,
             "delivery": prepared.delivery,
-            "model_parts": None if config.output.load_model else parts, "model_transfer": dict(parts.via_by_rank),
+            "model_parts": None if load_model else parts, "model_transfer": dict(parts.via_by_rank),
             "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}

@@ -79,12 +79,11 @@ def test_cached_columns_of_the_right_types_are_read_without_rows(spark) -> None:
 
     df = frame(spark).selectExpr("cast(a as float) as a", "cast(b as float) as b", "c", "cast(label as bigint) as label",
                                  "cast(w as float) as w").cache()
-    prepared = prepare_run(df, RunConfig.from_kwargs(num_workers=2, feature_cols=FEATURES, label_col="label",
-                                                     weight_col="w"))
+    config = RunConfig.from_kwargs(num_workers=2, feature_cols=FEATURES, label_col="label", weight_col="w")
+    prepared = prepare_run(df, config.data, config.train, config.launch)
     assert prepared.delivery == "packed"
     assert jvm.call_static(spark, PACKER, "readsCachedColumns", prepared.flat._jdf)  # noqa: SLF001
-    cast = prepare_run(frame(spark).cache(), RunConfig.from_kwargs(num_workers=2, feature_cols=FEATURES,
-                                                                   label_col="label", weight_col="w"))
+    cast = prepare_run(frame(spark).cache(), config.data, config.train, config.launch)
     assert cast.delivery == "packed"  # double and int features cast to float: packed from rows instead
     assert not jvm.call_static(spark, PACKER, "readsCachedColumns", cast.flat._jdf)  # noqa: SLF001
     packed, rows = fit(df), fit(df, delivery="spark")
