@@ -45,6 +45,11 @@ TARGET = 0.20
 STAGES = 2
 
 
+def sections(c: Any) -> tuple[Any, Any, Any]:
+    """The sections the planner's hybrid functions take: data, train, launch."""
+    return c.data, c.train, c.launch
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", default="1,2,4,8,16", help="comma-separated micro-batch counts")
@@ -80,7 +85,7 @@ def plans(args: argparse.Namespace) -> dict[tuple[str, int], Any]:
         for m in args.microbatches:
             config = RunConfig.from_kwargs(feature_cols=["f"], strategy="hybrid", stages=STAGES, num_workers=STAGES,
                                            batch_size=args.batch_size, microbatches=m, schedule=schedule).validate()
-            layouts[(schedule, m)], _, _ = plan_hybrid(model, config, 64, "int64")
+            layouts[(schedule, m)], _, _ = plan_hybrid(model, *sections(config), 64, "int64")
     return layouts
 
 

@@ -35,6 +35,11 @@ if str(REPO) not in sys.path:
 NETWORKS = {"10Gbit": (10.0, 0.05), "100Mbit": (0.1, 0.5), "10Mbit": (0.01, 2.0)}  # gbps, latency ms
 
 
+def sections(c: Any) -> tuple[Any, Any, Any]:
+    """The sections the planner's hybrid functions take: data, train, launch."""
+    return c.data, c.train, c.launch
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=64)
@@ -160,7 +165,7 @@ def main() -> None:
                     layout = None
                     if candidate.strategy == "hybrid":
                         config = base.merged({"train": options}).validate()
-                        layout, _, _ = plan_hybrid(factory(), config, 64, "int64")
+                        layout, _, _ = plan_hybrid(factory(), *sections(config), 64, "int64")
                     elif candidate.strategy == "ist":
                         layout = ist_layout(factory(), 2, int(options["ist_sync_every"]), "scale", 0)
                     runs.append({"index": index, "strategy": candidate.strategy, "options": options, "layout": layout,

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.config import RunConfig
+from sparkdl.config import LaunchConfig
 from sparkdl.errors import ConfigError, TrainingError
 from sparkdl.wire.model_transfer import ModelSink, PartReceiver, part_name, parts_directory
 from sparkdl.storage.files import is_local_path
@@ -24,28 +24,28 @@ class OpenSink:
     receiver: PartReceiver | None = None
 
 
-def transfer_mode(config: RunConfig, cluster: bool = False) -> str:
+def transfer_mode(launch: LaunchConfig, checkpoint_dir: str | None, cluster: bool = False) -> str:
     """launch.model_transfer with "auto" decided: the channel when it is on, else the run's storage
     when there is one the driver shares with every executor, else the job's rows. `cluster`: the
     executors are other hosts (a host-local checkpoint_dir is a different directory on each)."""
-    launch = config.launch
     if launch.model_transfer != "auto":
         return launch.model_transfer
     if launch.channel != "off":
         return "channel"
-    root = storage_root(config)
+    root = storage_root(launch, checkpoint_dir)
     return "storage" if root and not (cluster and is_local_path(root)) else "rows"
 
 
-def storage_root(config: RunConfig) -> str | None:
-    return config.train.checkpoint_dir or config.launch.run_dir
+def storage_root(launch: LaunchConfig, checkpoint_dir: str | None) -> str | None:
+    """Where parts go with model_transfer="storage": train.checkpoint_dir, else launch.run_dir."""
+    return checkpoint_dir or launch.run_dir
 
 
-def check_transfer(config: RunConfig, cluster: bool = False) -> None:
+def check_transfer(launch: LaunchConfig, checkpoint_dir: str | None, cluster: bool = False) -> None:
     """Before any job: "storage" needs a directory every rank and the driver reach."""
-    if transfer_mode(config, cluster) != "storage":
+    if transfer_mode(launch, checkpoint_dir, cluster) != "storage":
         return
-    root = storage_root(config)
+    root = storage_root(launch, checkpoint_dir)
     if not root:
         raise ConfigError('launch.model_transfer="storage" needs train.checkpoint_dir or launch.run_dir',
                           hint="set checkpoint_dir to a directory every executor and the driver reach (a shared "
@@ -63,15 +63,15 @@ def open_sink(spark: Any, spec: Any, cleanup: ExitStack) -> OpenSink:
 
     from sparkdl.spark.session import is_local_master
 
-    config: RunConfig = spec.config
+    launch, checkpoint_dir = spec.config.launch, spec.config.train.checkpoint_dir
     cluster = not is_local_master(facts(spark).master())
-    check_transfer(config, cluster)
-    mode = transfer_mode(config, cluster)
+    check_transfer(launch, checkpoint_dir, cluster)
+    mode = transfer_mode(launch, checkpoint_dir, cluster)
     directory = parts_directory(spec.run_id)
-    timeout = float(config.launch.timeout_s)
-    explicit = config.launch.model_transfer != "auto"
+    timeout = float(launch.timeout_s)
+    explicit = launch.model_transfer != "auto"
     if mode == "channel":
-        channel = config.launch.channel
+        channel = launch.channel
         receiver = PartReceiver(facts(spark).channel_host() if channel == "auto" else channel, directory, timeout)
         cleanup.callback(receiver.close)
         cleanup.push(_remove_on_failure(directory, None))
@@ -81,7 +81,7 @@ def open_sink(spark: Any, spec: Any, cleanup: ExitStack) -> OpenSink:
         from sparkdl.storage.files import join
 
         attempt = os.path.basename(directory)  # unique per attempt: a retry never mixes with a failed one
-        where = join(str(storage_root(config)), spec.run_id, "model", attempt)
+        where = join(str(storage_root(launch, checkpoint_dir)), spec.run_id, "model", attempt)
         cleanup.push(_remove_on_failure(directory, where))
         return OpenSink(ModelSink("storage", storage_uri=where, timeout_s=timeout), directory)
     cleanup.push(_remove_on_failure(directory, None))

@@ -192,7 +192,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     if plan.strategy in ("data_parallel", "diloco", "islands") or (plan.strategy == "ist" and plan.auto is None):
         from sparkdl.planner.stages import check_data_parallel_memory
 
-        check_data_parallel_memory(module, config, inputs)
+        check_data_parallel_memory(module, config.data, config.train, config.launch, inputs)
     if plan.strategy == "ist" and config.train.ist_scale == "batchnorm":
         from sparkdl.strategies.ist import use_batch_statistics
 
@@ -231,8 +231,8 @@ def _stage_mismatch(kept: Any, module: Any, config: RunConfig, inputs: Any) -> s
         return ""
     budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank")
     for stage in range(kept.stages):
-        need = stage_memory(profile, config, kept.cuts[stage], kept.cuts[stage + 1], stage, kept.stages,
-                            kept.microbatches, kept.schedule).total
+        need = stage_memory(profile, config.train, config.data.batch_size, kept.cuts[stage], kept.cuts[stage + 1],
+                            stage, kept.stages, kept.microbatches, kept.schedule).total
         if need > budget:
             return (f"its stage {stage} needs about {need / 2**20:.1f} MiB per rank at batch_size "
                     f"{config.data.batch_size}, over launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}")
@@ -284,19 +284,20 @@ def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
 
     inputs = inputs if inputs is not None else model_input(layout)
     if config.train.strategy == "hybrid":
-        hybrid, profile, memory = plan_hybrid(module, config, inputs, layout.label_dtype or "float32", links)
+        hybrid, profile, memory = plan_hybrid(module, config.data, config.train, config.launch, inputs,
+                                              layout.label_dtype or "float32", links)
         return hybrid, describe(hybrid, profile, memory)
     if config.train.strategy == "sharded":
         from torch import nn
 
-        estimate = check_sharded_memory(module, config, inputs)
+        estimate = check_sharded_memory(module, config.data, config.train, config.launch, inputs)
         layers = len(module) if isinstance(module, nn.Sequential) and len(module) else 1
         params = {"sharded.ranks": str(config.launch.num_workers), "sharded.layers": str(layers)}
         if estimate is not None:
             params["sharded.memory_per_rank_bytes"] = str(estimate.total)
         return None, params
     if not (priced and config.train.strategy == "ist"):
-        check_data_parallel_memory(module, config, inputs)
+        check_data_parallel_memory(module, config.data, config.train, config.launch, inputs)
     if config.train.strategy == "ist":
         return plan_ist(module, config)
     return None, {}

@@ -19,7 +19,7 @@ from sparkdl.model.layouts import batch_shares
 
 if TYPE_CHECKING:
     from sparkdl.comm.base import Communicator
-    from sparkdl.config import RunConfig
+    from sparkdl.config import TrainConfig
 
 
 def measured_speed(rank: int, emulated: Sequence[float] | None) -> float:
@@ -53,13 +53,13 @@ def agree_on_shares(comm: Any, rank: int, batch_size: int, emulated: Sequence[fl
     return shares_by_speed(speeds, batch_size)
 
 
-def agreed_shares(config: "RunConfig", comm: "Communicator", rank: int, world_size: int, row_counts: Sequence[int],
+def agreed_shares(train: "TrainConfig", batch_size: int, emulate_speed: Sequence[float] | None, comm: "Communicator",
+                  rank: int, world_size: int, row_counts: Sequence[int],
                   started_with: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """The batch shares of a data-parallel run with train.batch_balance="speed" (None otherwise):
     those the run started with when a retried attempt resumes, else measured now by every rank."""
-    if config.train.batch_balance != "speed" or config.train.strategy != "data_parallel" or world_size < 2 \
-            or not any(row_counts):
+    if train.batch_balance != "speed" or train.strategy != "data_parallel" or world_size < 2 or not any(row_counts):
         return None
     if started_with:
         return tuple(int(s) for s in started_with)
-    return tuple(agree_on_shares(comm, rank, config.data.batch_size, config.launch.emulate_speed))
+    return tuple(agree_on_shares(comm, rank, batch_size, emulate_speed))

@@ -276,7 +276,9 @@ def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo
     store = open_store(spec, world.rank)
     resume = find_resume(store, comm, reshaper_for(spec.config)) if store is not None else None
     started_with = resume.progress.get("batch_shares") if resume is not None else None
-    shares = agreed_shares(spec.config, comm, world.rank, world.size, row_counts, started_with)
+    config = spec.config
+    shares = agreed_shares(config.train, config.data.batch_size, config.launch.emulate_speed, comm, world.rank,
+                           world.size, row_counts, started_with)
     return store, resume, shares
 
 

@@ -115,7 +115,8 @@ def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: 
     an approximate strategy must win at both ends, and data parallel with batches shared by speed is
     offered only when the ranks are unequal at both."""
     budget = rank_memory_budget(config, cluster)
-    ends = calibration_ends(cluster, config, island_groups(cluster, config, backend_ops))
+    ends = calibration_ends(cluster, config.launch, island_groups(cluster, config.train.islands, config.launch,
+                                                                   backend_ops))
     unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
     priced = [_price_end(model, config, costs, end, budget, backend_ops, unequal) for end in ends]
     steps = run_steps(config, num_rows) if num_rows else None
@@ -149,7 +150,7 @@ def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: Cali
     layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
     subnet = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.subnet) \
         if costs.subnet else None
-    per_param = optimizer_bytes_per_param(config.merged({"train": {"sync": "allreduce"}}))
+    per_param = optimizer_bytes_per_param(dataclasses.replace(config.train, sync="allreduce"))
     work = cost.Workload(layers=layers, world=config.launch.num_workers, rows=config.data.batch_size,
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sparkdl.config import RunConfig
+from sparkdl.config import LaunchConfig
 from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
 from sparkdl.planner.islands import IslandLinks, find_islands, host_of, island_links
@@ -27,13 +27,13 @@ class CalibrationEnd:
     islands: IslandLinks | None = None  # islands found in the measured links, with this end's figures
 
 
-def island_groups(cluster: ClusterInfo, config: RunConfig, backend_ops: frozenset[str]
-                  ) -> tuple[tuple[str, ...], ...]:
+def island_groups(cluster: ClusterInfo, declared: int | tuple[tuple[str, ...], ...], launch: LaunchConfig,
+                  backend_ops: frozenset[str]) -> tuple[tuple[str, ...], ...]:
     """Host groups of the islands the measured links form (train.islands=K: exactly K), found once so
     that both calibration ends price the same candidates; none under an emulated network, without
-    process groups per island, or when the user declared the islands (those are priced as given)."""
-    declared = config.train.islands
-    if config.launch.emulate_network or "subgroup" not in backend_ops or \
+    process groups per island, or when the user declared the islands (those are priced as given).
+    `declared`: train.islands."""
+    if launch.emulate_network or "subgroup" not in backend_ops or \
             len(cluster.rank_executors) != cluster.workers or not isinstance(declared, int):
         return tuple(tuple(g) for g in declared) if not isinstance(declared, int) else ()
     hosts = [host_of(e) for e in cluster.rank_executors]
@@ -41,25 +41,25 @@ def island_groups(cluster: ClusterInfo, config: RunConfig, backend_ops: frozense
     return found.islands if found is not None else ()
 
 
-def calibration_ends(cluster: ClusterInfo, config: RunConfig, islands: tuple[tuple[str, ...], ...] = ()
+def calibration_ends(cluster: ClusterInfo, launch: LaunchConfig, islands: tuple[tuple[str, ...], ...] = ()
                      ) -> list[CalibrationEnd]:
     """The measured end, and the optimistic one when the calibration measured its spread. At the
     optimistic end ranks whose best speeds are within HETEROGENEOUS count as equal (at the fastest):
     their measured difference may be load. Declared figures (emulate_network, emulate_speed) are
     the same at both ends: they are not noisy."""
-    ends = [_end("measured", cluster, config, islands)]
+    ends = [_end("measured", cluster, launch, islands)]
     if cluster.has_spread:
-        optimistic = _end("optimistic", cluster.optimistic(), config, islands)
+        optimistic = _end("optimistic", cluster.optimistic(), launch, islands)
         speeds = optimistic.speeds
-        if not config.launch.emulate_speed and max(speeds) <= HETEROGENEOUS * min(speeds):
+        if not launch.emulate_speed and max(speeds) <= HETEROGENEOUS * min(speeds):
             optimistic = dataclasses.replace(optimistic, speeds=(max(speeds),) * len(speeds))
         ends.append(optimistic)
     return ends
 
 
-def _end(name: str, cluster: ClusterInfo, config: RunConfig, islands: tuple[tuple[str, ...], ...] = ()
+def _end(name: str, cluster: ClusterInfo, launch: LaunchConfig, islands: tuple[tuple[str, ...], ...] = ()
          ) -> CalibrationEnd:
-    emulated = config.launch.emulate_network
+    emulated = launch.emulate_network
     latency, bandwidth = cluster.worst_link()
     if emulated:
         from sparkdl.comm.emulated import network_from_options
@@ -72,13 +72,13 @@ def _end(name: str, cluster: ClusterInfo, config: RunConfig, islands: tuple[tupl
                        collective_bandwidth_Bps=cluster.collective_bandwidth_Bps)
     links = island_links(islands, [host_of(e) for e in cluster.rank_executors], cluster.latency_s,
                          cluster.bandwidth_Bps) if islands and len(cluster.rank_executors) == cluster.workers else None
-    return CalibrationEnd(name, tuple(rank_speeds(cluster, config)), latency, bandwidth, net, links)
+    return CalibrationEnd(name, tuple(rank_speeds(cluster, launch)), latency, bandwidth, net, links)
 
 
-def rank_speeds(cluster: ClusterInfo, config: RunConfig) -> list[float]:
+def rank_speeds(cluster: ClusterInfo, launch: LaunchConfig) -> list[float]:
     """Each rank's FLOP/s: calibrated, or under launch.emulate_speed the fastest calibrated rank
     scaled by the declared relative speeds (the emulation slows alike ranks down)."""
-    emulated = config.launch.emulate_speed
+    emulated = launch.emulate_speed
     if emulated:
         return [max(cluster.flops_per_s) * float(s) for s in emulated]
     return list(cluster.flops_per_s)

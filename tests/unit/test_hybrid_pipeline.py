@@ -33,6 +33,11 @@ def test_every_schedule_runs_each_microbatch_forward_then_backward_once(name: st
             assert ops.index(("F", i)) < ops.index(("B", i))
 
 
+def sections(c: RunConfig) -> tuple[Any, Any, Any]:
+    """The sections the planner's hybrid functions take: data, train, launch."""
+    return c.data, c.train, c.launch
+
+
 def test_in_flight_microbatches_gpipe_m_and_1f1b_at_most_k_minus_stage() -> None:
     assert [max_in_flight(gpipe(k, 4, 8)) for k in range(4)] == [8, 8, 8, 8]
     assert [max_in_flight(one_f_one_b(k, 4, 8)) for k in range(4)] == [4, 3, 2, 1]
@@ -123,7 +128,7 @@ def test_stages_must_divide_the_world_size() -> None:
 
 def test_more_stages_than_layers() -> None:
     with pytest.raises(ConfigError, match=r"train.stages=4 but the model has only 2 top-level layer"):
-        plan_hybrid(nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 3)), config(stages=4), 8, "int64")
+        plan_hybrid(nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 3)), *sections(config(stages=4)), 8, "int64")
 
 
 def test_a_model_that_is_not_sequential_cannot_be_cut() -> None:
@@ -136,7 +141,7 @@ def test_a_model_that_is_not_sequential_cannot_be_cut() -> None:
             return self.a(x)
 
     with pytest.raises(ModelError, match="cuts an nn.Sequential.*Net"):
-        plan_hybrid(Net(), config(stages=2), 8, "int64")
+        plan_hybrid(Net(), *sections(config(stages=2)), 8, "int64")
 
 
 def test_a_layer_returning_a_tuple_cannot_be_a_stage_boundary() -> None:
@@ -145,13 +150,13 @@ def test_a_layer_returning_a_tuple_cannot_be_a_stage_boundary() -> None:
             return x, x
 
     with pytest.raises(ModelError, match=r"layer 1 \(Pair\) returns tuple"):
-        plan_hybrid(nn.Sequential(nn.Linear(8, 8), Pair(), nn.Linear(8, 3)), config(stages=2), 8, "int64")
+        plan_hybrid(nn.Sequential(nn.Linear(8, 8), Pair(), nn.Linear(8, 3)), *sections(config(stages=2)), 8, "int64")
 
 
 def test_more_microbatches_than_rows_per_replica() -> None:
     with pytest.raises(ConfigError, match=r"train.microbatches=17 is larger than the per-replica batch \(2 stages "
                                           r"x batch_size 8 = 16 rows\)"):
-        plan_hybrid(deep_mlp(), config(stages=2, microbatches=17), 8, "int64")
+        plan_hybrid(deep_mlp(), *sections(config(stages=2, microbatches=17)), 8, "int64")
 
 
 def test_horovod_has_no_send_recv_for_hybrid() -> None:
@@ -162,7 +167,7 @@ def test_horovod_has_no_send_recv_for_hybrid() -> None:
 
 
 def test_plan_balances_and_fills_the_layout() -> None:
-    layout, profile, memory = plan_hybrid(deep_mlp(), config(stages=2, schedule="gpipe"), 8, "int64")
+    layout, profile, memory = plan_hybrid(deep_mlp(), *sections(config(stages=2, schedule="gpipe")), 8, "int64")
     assert layout.stages == 2 and layout.replicas == 2 and layout.microbatches == 8  # 4 x K by default
     assert layout.cuts[0] == 0 and layout.cuts[-1] == len(profile.layers)
     assert layout.boundary_shapes == ((profile.layers[layout.cuts[1] - 1].out_shape),)
@@ -173,12 +178,12 @@ def test_memory_budget_refuses_data_parallel_and_picks_enough_stages() -> None:
     model = deep_mlp(width=256, depth=6)  # ~270k params: ~4.3 MB of Adam training state
     dp = config(strategy="data_parallel", max_memory_per_rank="3MB")
     with pytest.raises(ResourceError, match="max_memory_per_rank='3MB'.*") as info:
-        check_data_parallel_memory(model, dp, 8)
+        check_data_parallel_memory(model, *sections(dp), 8)
     assert "strategy='hybrid'" in str(info.value)
-    layout, _, memory = plan_hybrid(model, config(max_memory_per_rank="3MB"), 8, "int64")
+    layout, _, memory = plan_hybrid(model, *sections(config(max_memory_per_rank="3MB")), 8, "int64")
     assert layout.stages == 2 and max(m.total for m in memory) <= 3e6
     with pytest.raises(ResourceError, match="no hybrid layout fits"):
-        plan_hybrid(model, config(max_memory_per_rank="1MB"), 8, "int64")
+        plan_hybrid(model, *sections(config(max_memory_per_rank="1MB")), 8, "int64")
 
 
 # -- the strategy on real process groups ---------------------------------------------------------
@@ -258,7 +263,7 @@ def test_cuts_respect_the_memory_budget_and_float_boundaries() -> None:
             return x.float() * 2
 
     layout, _, _ = plan_hybrid(nn.Sequential(nn.Linear(8, 8), ToIndex(), Embed(), nn.Linear(8, 3)),
-                               config(stages=2), 8, "int64")
+                               *sections(config(stages=2)), 8, "int64")
     assert layout.cuts[1] != 2  # never after the integer output
     with pytest.raises(ModelError, match=r"layer\(s\) 0 \(ToIndex: int64\)"):
-        plan_hybrid(nn.Sequential(ToIndex(), Embed()), config(stages=2), 8, "int64")
+        plan_hybrid(nn.Sequential(ToIndex(), Embed()), *sections(config(stages=2)), 8, "int64")
