@@ -153,10 +153,10 @@ def main() -> None:
                                              num_workers=2, optimizer="adam", threads_per_worker=1,
                                              emulate_network={"latency_ms": latency_ms, "gbps": gbps}).validate()
                 if budget_name == "excludes_dp":
-                    free = build_plan(factory(), base, 64, cluster, ops, threads=1)
+                    free = build_plan(factory(), base.data, base.train, base.launch, 64, cluster, ops, threads=1)
                     dp = next(c for c in free.candidates if c.strategy == "data_parallel")
                     base = base.merged({"launch": {"max_memory_per_rank": int(0.6 * dp.memory_bytes)}}).validate()
-                plan = build_plan(factory(), base, 64, cluster, ops, threads=1)
+                plan = build_plan(factory(), base.data, base.train, base.launch, 64, cluster, ops, threads=1)
                 runs = []
                 for index, candidate in enumerate(plan.candidates):
                     if not candidate.feasible:

@@ -73,8 +73,9 @@ def make_plan(module: Any, config: RunConfig, num_features: Any, spark: Any, num
     cluster = calibrate(spark, launch.num_workers, launch.threads_per_worker)
     ops = backend_class(launch.backend).ops
     try:
-        costs = profile_model(module, config, num_features, worker_threads(config, cluster))
-        result = price_plan(module, config, costs, cluster, ops, num_rows)
+        threads = worker_threads(config, cluster)
+        costs = profile_model(module, config.data, config.train, config.launch, num_features, threads)
+        result = price_plan(module, config.data, config.train, config.launch, costs, cluster, ops, num_rows)
     except NoFeasibleLayout as exc:
         raise ResourceError(f"the planner found no layout that fits: {exc}",
                             hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
@@ -109,7 +110,7 @@ def _decide_again(spark: Any, module: Any, config: RunConfig, costs: Any, cluste
 
     try:
         cluster = remeasure(spark, cluster, config.launch.threads_per_worker)
-        return price_plan(module, config, costs, cluster, ops, num_rows)
+        return price_plan(module, config.data, config.train, config.launch, costs, cluster, ops, num_rows)
     except Exception as exc:  # noqa: BLE001 - any failure of the second probe keeps the first plan
         logging.getLogger("sparkdl").warning("sparkdl: measuring the cluster again failed (%s: %s); keeping the "
                                              "first plan", type(exc).__name__, str(exc).splitlines()[0][:200])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from sparkdl.config.elastic import is_elastic
-from sparkdl.config import RunConfig, parse_bytes
+from sparkdl.config import DataConfig, LaunchConfig, TrainConfig, parse_bytes
 from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
@@ -77,28 +77,29 @@ class ModelCosts:
     input_bytes: float = 0.0  # per row, of an input_cols run's inputs as delivered
 
 
-def build_plan(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", cluster: ClusterInfo,
-               backend_ops: frozenset[str], threads: int = 1, num_rows: int | None = None) -> Plan:
+def build_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+               num_features: "ModelInput | int", cluster: ClusterInfo, backend_ops: frozenset[str], threads: int = 1,
+               num_rows: int | None = None) -> Plan:
     """Price every candidate layout and choose; `num_rows` (the training rows, when known) lets the
     choice weigh the whole run, not only one step."""
-    return price_plan(model, config, profile_model(model, config, num_features, threads), cluster, backend_ops,
-                      num_rows)
+    costs = profile_model(model, data, train, launch, num_features, threads)
+    return price_plan(model, data, train, launch, costs, cluster, backend_ops, num_rows)
 
 
-def profile_model(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", threads: int = 1
-                  ) -> ModelCosts:
+def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+                  num_features: "ModelInput | int", threads: int = 1) -> ModelCosts:
     """Time the model's layers, its IST subnet and one full step on the driver with a rank's threads,
     on random feature rows or (input_cols runs, a ModelInput) the run's own sample rows."""
     model_input = ModelInput.of(num_features)
-    rows = config.data.batch_size
+    rows = data.batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:
         driver_flops = matmul_flops(threads)
-        profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0, config.train.precision)
-        subnet = _ist_subnet_costs(model, config.launch.num_workers, num_features, rows, driver_flops, 1.0)
+        profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0, train.precision)
+        subnet = _ist_subnet_costs(model, launch.num_workers, num_features, rows, driver_flops, 1.0)
         try:
-            full_step = _full_step_s(model, config, num_features, rows)
+            full_step = _full_step_s(model, train, num_features, rows)
         except Exception:  # noqa: BLE001 - a custom loss with other targets: no overhead term
             full_step = 0.0
         overhead = max(full_step - sum(layer.seconds for layer in profile.layers), 0.0)
@@ -109,55 +110,57 @@ def profile_model(model: nn.Module, config: RunConfig, num_features: "ModelInput
                       0.0 if width else model_input.bytes_per_row)
 
 
-def price_plan(model: nn.Module, config: RunConfig, costs: ModelCosts, cluster: ClusterInfo,
-               backend_ops: frozenset[str], num_rows: int | None = None) -> Plan:
+def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
+               cluster: ClusterInfo, backend_ops: frozenset[str], num_rows: int | None = None) -> Plan:
     """Price every candidate at each end of the calibration and decide (planner/plan.py `decide`):
     an approximate strategy must win at both ends, and data parallel with batches shared by speed is
     offered only when the ranks are unequal at both."""
-    budget = rank_memory_budget(config, cluster)
-    ends = calibration_ends(cluster, config.launch, island_groups(cluster, config.train.islands, config.launch,
+    budget = rank_memory_budget(launch, cluster)
+    ends = calibration_ends(cluster, launch, island_groups(cluster, train.islands, launch,
                                                                    backend_ops))
     unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
-    priced = [_price_end(model, config, costs, end, budget, backend_ops, unequal) for end in ends]
-    steps = run_steps(config, num_rows) if num_rows else None
-    decision = decide(priced[0], priced[1] if len(priced) > 1 else None, config.train.approximate_min_speedup, steps)
+    priced = [_price_end(model, data, train, launch, costs, end, budget, backend_ops, unequal) for end in ends]
+    steps = run_steps(data, train, launch, num_rows) if num_rows else None
+    decision = decide(priced[0], priced[1] if len(priced) > 1 else None, train.approximate_min_speedup, steps)
     measured = ends[0]
-    emulated = config.launch.emulate_network
-    return Plan(candidates=tuple(_explained(priced[0], decision, config.train.approximate_min_speedup)),
-                chosen=decision.index, world=config.launch.num_workers, latency_s=measured.latency_s,
+    emulated = launch.emulate_network
+    return Plan(candidates=tuple(_explained(priced[0], decision, train.approximate_min_speedup)),
+                chosen=decision.index, world=launch.num_workers, latency_s=measured.latency_s,
                 bandwidth_Bps=measured.bandwidth_Bps, emulated=bool(emulated), memory_budget=budget,
-                notes=tuple(_notes(config, cluster, costs, ends, unequal, decision)),
+                notes=tuple(_notes(data, launch, cluster, costs, ends, unequal, decision)),
                 executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge)
 
 
-def run_steps(config: RunConfig, num_rows: int, row_counts: Sequence[int] | None = None) -> int:
+def run_steps(data: DataConfig, train: TrainConfig, launch: LaunchConfig, num_rows: int,
+              row_counts: Sequence[int] | None = None) -> int:
     """The run's optimizer steps over `num_rows` training rows, by the rule every rank follows
     (data/epochs.py): over `row_counts` when the shards are known, else the equal shards of a
     round-robin repartition. With batches shared by speed only the global batch matters (every
     row once over all ranks), so any split of it gives these steps."""
-    workers = config.launch.num_workers
+    workers = launch.num_workers
     shards = tuple(row_counts) if row_counts is not None else expected_row_counts(num_rows, workers)
-    by_speed = config.train.batch_balance == "speed" and workers > 1
-    shares = (config.data.batch_size,) * workers if by_speed else None
-    return epoch_plan(shards, config.data, shares).steps * config.train.epochs
+    by_speed = train.batch_balance == "speed" and workers > 1
+    shares = (data.batch_size,) * workers if by_speed else None
+    return epoch_plan(shards, data, shares).steps * train.epochs
 
 
-def _price_end(model: nn.Module, config: RunConfig, costs: ModelCosts, end: CalibrationEnd, budget: float | None,
-               backend_ops: frozenset[str], unequal: bool) -> list[Candidate]:
+def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
+               end: CalibrationEnd, budget: float | None, backend_ops: frozenset[str],
+               unequal: bool) -> list[Candidate]:
     """Every candidate priced with this end's speeds and network."""
     slowest = min(end.speeds)
     ratio = costs.driver_flops / slowest  # fixed costs run slower on a slower rank, alike
     layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
     subnet = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.subnet) \
         if costs.subnet else None
-    per_param = optimizer_bytes_per_param(dataclasses.replace(config.train, sync="allreduce"))
-    work = cost.Workload(layers=layers, world=config.launch.num_workers, rows=config.data.batch_size,
+    per_param = optimizer_bytes_per_param(dataclasses.replace(train, sync="allreduce"))
+    work = cost.Workload(layers=layers, world=launch.num_workers, rows=data.batch_size,
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
-                         step_overhead_s=costs.step_overhead_s * ratio, accumulate=config.train.accumulate_steps)
+                         step_overhead_s=costs.step_overhead_s * ratio, accumulate=train.accumulate_steps)
     refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
-        "IST trains without per-row weights (weight_col)" if config.data.weight_col else ""
-    candidates = _candidates(model, config, work, end.net, budget, backend_ops, costs.profile, subnet,
+        "IST trains without per-row weights (weight_col)" if data.weight_col else ""
+    candidates = _candidates(model, data, train, launch, work, end.net, budget, backend_ops, costs.profile, subnet,
                              ist_refused=refused, islands=end.islands)
     if unequal:
         # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
@@ -192,15 +195,15 @@ def _explained(candidates: list[Candidate], decision: Decision, needed: float) -
     return out
 
 
-def _notes(config: RunConfig, cluster: ClusterInfo, costs: ModelCosts, ends: list[CalibrationEnd], unequal: bool,
-           decision: Decision) -> list[str]:
-    measured, workers = ends[0], config.launch.num_workers
+def _notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, costs: ModelCosts, ends: list[CalibrationEnd],
+           unequal: bool, decision: Decision) -> list[str]:
+    measured, workers = ends[0], launch.num_workers
     slowest, fastest = min(measured.speeds), max(measured.speeds)
     notes = [f"compute: {slowest / 1e9:.1f} GFLOP/s per rank (slowest of {workers}"
-             + (", EMULATED speeds" if config.launch.emulate_speed else "")
+             + (", EMULATED speeds" if launch.emulate_speed else "")
              + (f"; fastest {fastest / 1e9:.1f}" if fastest > HETEROGENEOUS * slowest else "")
-             + f"), profiled with {costs.threads} thread(s) at batch {config.data.batch_size}",
-             "emulated network: timings are for the emulated links, not this cluster's" if config.launch.emulate_network
+             + f"), profiled with {costs.threads} thread(s) at batch {data.batch_size}",
+             "emulated network: timings are for the emulated links, not this cluster's" if launch.emulate_network
              else f"network: slowest measured link of {workers} ranks"]
     if cluster.collective_bandwidth_Bps:
         ring_latency, ring_bandwidth = measured.net.ring
@@ -221,7 +224,7 @@ def _notes(config: RunConfig, cluster: ClusterInfo, costs: ModelCosts, ends: lis
     return notes
 
 
-def _full_step_s(model: nn.Module, config: RunConfig, num_features: "ModelInput | int", rows: int,
+def _full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int,
                  repeats: int = 3) -> float:
     """One local training step on a copy (zero_grad, forward, loss, backward, optimizer update)."""
     import copy
@@ -231,8 +234,8 @@ def _full_step_s(model: nn.Module, config: RunConfig, num_features: "ModelInput 
     from sparkdl.model.objectives import build_optimizer, loss_function
 
     local = copy.deepcopy(model)
-    optimizer = build_optimizer(config.train, local.parameters())
-    loss_fn = loss_function(config.train)
+    optimizer = build_optimizer(train, local.parameters())
+    loss_fn = loss_function(train)
     from sparkdl.strategies.inputs import call_model
 
     model_input = ModelInput.of(num_features)
@@ -240,7 +243,7 @@ def _full_step_s(model: nn.Module, config: RunConfig, num_features: "ModelInput 
     target = model_input.labels(rows)
     if target is None:
         out_shape = call_model(local, x).shape[1:]
-        target = torch.zeros(rows, dtype=torch.long) if config.train.loss == "cross_entropy" else \
+        target = torch.zeros(rows, dtype=torch.long) if train.loss == "cross_entropy" else \
             torch.zeros(rows, *out_shape)
     times = []
     for attempt in range(repeats + 1):
@@ -269,18 +272,18 @@ def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput 
     return layer_costs(subnet, num_features, rows, driver_flops, ratio)[1]
 
 
-def rank_memory_budget(config: RunConfig, cluster: ClusterInfo) -> float | None:
+def rank_memory_budget(launch: LaunchConfig, cluster: ClusterInfo) -> float | None:
     """What one rank may hold: launch.max_memory_per_rank, and spark.executor.pyspark.memory, which
     Spark divides among the executor's task slots and enforces on each Python worker (as an
     address-space limit, so the RSS a rank reaches is below it), whichever is less."""
     limits = []
-    if config.launch.max_memory_per_rank is not None:
-        limits.append(parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank"))
+    if launch.max_memory_per_rank is not None:
+        limits.append(parse_bytes(launch.max_memory_per_rank, "launch.max_memory_per_rank"))
     if cluster.pyspark_memory:
         per_executor = parse_bytes(cluster.pyspark_memory if any(c.isalpha() for c in cluster.pyspark_memory)
                                    else f"{cluster.pyspark_memory}m", "spark.executor.pyspark.memory")
         executors = max(1, len(cluster.executors))
-        slots_each = max(1, math.ceil((cluster.slots or config.launch.num_workers) / executors))
+        slots_each = max(1, math.ceil((cluster.slots or launch.num_workers) / executors))
         limits.append(per_executor / slots_each)
     return min(limits) if limits else None
 
@@ -291,8 +294,8 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
     return True, ""
 
 
-def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: cost.Network, budget: float | None,
-                backend_ops: frozenset[str], profile: ModelProfile,
+def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, work: cost.Workload,
+                net: cost.Network, budget: float | None, backend_ops: frozenset[str], profile: ModelProfile,
                 subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None
                 ) -> list[Candidate]:
     """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible);
@@ -303,9 +306,9 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
     out: list[Candidate] = []
 
     def add(strategy: str, options: dict[str, Any], estimate: cost.Estimate, feasible: bool, reason: str) -> None:
-        if feasible and config.launch.emulate_speed and strategy in ("hybrid", "ist"):
+        if feasible and launch.emulate_speed and strategy in ("hybrid", "ist"):
             feasible, reason = False, "launch.emulate_speed emulates data-parallel ranks only"
-        if feasible and (strategy in ("hybrid", "ist") or options.get("islands")) and is_elastic(config.launch):
+        if feasible and (strategy in ("hybrid", "ist") or options.get("islands")) and is_elastic(launch):
             feasible, reason = False, "the run may change its workers (min_workers/max_workers): its stages, " \
                                       "subnets or islands are not re-cut from a checkpoint"
         if feasible:
@@ -318,14 +321,14 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
     add("data_parallel", {"strategy": "data_parallel", "sync": "allreduce"}, cost.data_parallel(work, net), True, "")
     for every in DILOCO_H:
         add("diloco", {"strategy": "data_parallel", "sync": "diloco", "sync_every": every},
-            cost.diloco(work, net, every, user_wire(config.train)), True, "")
+            cost.diloco(work, net, every, user_wire(train)), True, "")
     workers = work.world
     layers = len(profile.layers)
-    streamed = streaming_options(config.train, len(layer_groups(model)), "subgroup" in backend_ops)
+    streamed = streaming_options(train, len(layer_groups(model)), "subgroup" in backend_ops)
     if streamed is not None and workers >= 2:
         add(*streaming_candidate(work, net, streamed), True, "")
     if islands is not None:
-        add(*island_candidate(work, islands, config.train, streamed), True, "")
+        add(*island_candidate(work, islands, train, streamed), True, "")
     if workers >= 2:
         gathers = "allgather" in backend_ops
         add("sharded", {"strategy": "sharded"}, cost.sharded(work, net), gathers,
@@ -342,7 +345,7 @@ def _candidates(model: nn.Module, config: RunConfig, work: cost.Workload, net: c
             if micro > stages * work.rows:
                 continue
             cuts = balanced_cuts([layer.seconds for layer in profile.layers], stages)
-            add("hybrid", options, cost.hybrid(work, net, cuts, micro, config.train.schedule == "1f1b"),
+            add("hybrid", options, cost.hybrid(work, net, cuts, micro, train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
     if workers >= 2 and ist_refused:
         add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, cost.Estimate(math.inf, 0, 0, math.inf, math.inf),

@@ -55,10 +55,10 @@ def test_planner_and_worker_agree_on_steps(drop_last: bool, shards: str, balance
     # shares by speed: any split of the global batch; the planner cannot know it, only its sum
     shares = None if balance == "equal" else tuple([workers * batch - (workers - 1)] + [1] * (workers - 1))
     worker = context(cfg, counts, shares).steps_per_epoch
-    planner = run_steps(cfg, sum(counts), row_counts=counts)
+    planner = run_steps(cfg.data, cfg.train, cfg.launch, sum(counts), row_counts=counts)
     assert planner == 3 * worker, (counts, shares)
     if shards == "equal":  # the planner's default: the round-robin shares prepare() gives
-        assert run_steps(cfg, sum(counts)) == 3 * worker
+        assert run_steps(cfg.data, cfg.train, cfg.launch, sum(counts)) == 3 * worker
         assert epoch_plan(expected_row_counts(sum(counts), workers), cfg.data).steps == \
             context(cfg, counts, None).steps_per_epoch
 

@@ -117,9 +117,9 @@ def test_run_steps_count_as_the_workers_do(rows: int, workers: int, batch: int, 
     cfg = RunConfig.from_kwargs(feature_cols=["a"], label_col="label", num_workers=workers, batch_size=batch,
                                 drop_last=drop_last, epochs=epochs).validate()
     shards = expected_row_counts(rows, workers)
-    assert run_steps(cfg, rows) == epochs * steps_per_epoch(list(shards), batch, drop_last)
+    assert run_steps(cfg.data, cfg.train, cfg.launch, rows) == epochs * steps_per_epoch(list(shards), batch, drop_last)
     if rows == 1797 and not drop_last:
-        assert run_steps(cfg, rows) == 15  # 899 rows on the larger shard: 14 full steps and a last one
+        assert run_steps(cfg.data, cfg.train, cfg.launch, rows) == 15  # 899 rows on the larger shard: 14 full steps and a last one
 
 
 def test_worker_threads_come_from_the_calibration() -> None:

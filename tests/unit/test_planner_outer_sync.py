@@ -93,7 +93,7 @@ def plan(bandwidth: tuple[tuple[float, ...], ...], flops: float = 2e10, **option
     config = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,
                                    num_workers=4, epochs=100, weight_col="w", **options).validate()
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
-    return price_plan(model, config, model_costs(), cluster(bandwidth, flops), OPS, num_rows=60_000)
+    return price_plan(model, config.data, config.train, config.launch, model_costs(), cluster(bandwidth, flops), OPS, num_rows=60_000)
 
 
 def test_auto_picks_islands_on_two_islands_and_explains_the_others() -> None:

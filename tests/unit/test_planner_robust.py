@@ -127,7 +127,7 @@ def calibration(flops: tuple[float, float], latency: float, bandwidth: float, be
 def plan(cluster: ClusterInfo, epochs: int = 100, **options: Any) -> Any:
     config = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,
                                    num_workers=2, epochs=epochs, **options).validate()
-    return price_plan(mlp(), config, model_costs(), cluster, OPS, num_rows=1797)
+    return price_plan(mlp(), config.data, config.train, config.launch, model_costs(), cluster, OPS, num_rows=1797)
 
 
 # Under load: ranks measured unequal (35 and 18 GFLOP/s) and a slow, jittery loopback (1.5 ms, 2.4
@@ -191,11 +191,11 @@ def test_sharded_is_priced_and_the_executors_python_memory_bounds_every_candidat
     limited = replace(cluster, pyspark_memory=f"{int((sharded.memory_bytes + dp.memory_bytes) / 2)}b")
     config = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,
                                    num_workers=2, epochs=100).validate()
-    assert rank_memory_budget(config, limited) == pytest.approx(int((sharded.memory_bytes + dp.memory_bytes) / 2))
+    assert rank_memory_budget(config.launch, limited) == pytest.approx(int((sharded.memory_bytes + dp.memory_bytes) / 2))
     bounded = plan(limited)
     by_name = {c.strategy: c for c in bounded.candidates if c.strategy in ("data_parallel", "sharded")}
     assert not by_name["data_parallel"].feasible and "over the budget" in by_name["data_parallel"].reason
     assert by_name["sharded"].feasible
     chosen = bounded.candidates[bounded.chosen]
-    assert chosen.feasible and chosen.memory_bytes <= rank_memory_budget(config, limited)
-    assert rank_memory_budget(config, replace(cluster, pyspark_memory="512")) == 512 * 2**20  # Spark's MiB
+    assert chosen.feasible and chosen.memory_bytes <= rank_memory_budget(config.launch, limited)
+    assert rank_memory_budget(config.launch, replace(cluster, pyspark_memory="512")) == 512 * 2**20  # Spark's MiB

@@ -51,7 +51,7 @@ def test_hybrid_layout_of_a_token_model_carries_its_input_and_boundaries() -> No
 
 def test_the_planner_prices_a_token_model_and_leaves_ist_out() -> None:
     cfg = config()
-    costs = profile_model(tiny_gpt(), cfg, model_input(FEED, sample()))
+    costs = profile_model(tiny_gpt(), cfg.data, cfg.train, cfg.launch, model_input(FEED, sample()))
     assert costs.input_bytes == 8 * TOKEN_LEN and costs.num_features == 0 and costs.subnet is None
     inf = float("inf")
     cluster = ClusterInfo(master="local-cluster[2,2,1024]", workers=2, executors=("h:1", "h:2"),
@@ -61,7 +61,7 @@ def test_the_planner_prices_a_token_model_and_leaves_ist_out() -> None:
                           threads_per_rank=(1, 1))
     from sparkdl.comm import backend_class
 
-    plan = price_plan(tiny_gpt(), cfg, costs, cluster, backend_class("torch").ops, num_rows=2048)
+    plan = price_plan(tiny_gpt(), cfg.data, cfg.train, cfg.launch, costs, cluster, backend_class("torch").ops, num_rows=2048)
     by_strategy = {c.strategy: c for c in plan.candidates}
     assert not by_strategy["ist"].feasible and "input_cols" in by_strategy["ist"].reason
     assert by_strategy["data_parallel"].feasible and math.isfinite(by_strategy["data_parallel"].predicted_step_s)
