@@ -98,6 +98,11 @@ def spark_of(df: Any = None) -> Any:
     return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
 
 
+def with_plan(config: RunConfig, resolved: ResolvedPlan) -> RunConfig:
+    """The run's final configuration: the resolved plan's train section in place of the user's."""
+    return replace(config, train=resolved.train) if resolved.train is not None else config
+
+
 def validate(df: Any, model: Any, config: RunConfig, plan: ResolvedPlan | str | None) -> FitRequest:
     """Stage 1: options, the model, a kept plan, the DataFrame's columns, the slots and preflight."""
     from sparkdl.data.feed import check_columns
@@ -137,7 +142,7 @@ def plan_fit(request: FitRequest, data: FitData) -> FitPlan:
     """Stage 3: the resolved plan (kept, named, or the planner's under "auto") and the TrainSpec."""
     resolved = resolve(data.module, request.config, data.prepared.layout, request.spark, data.prepared.num_rows,
                        plan=request.kept, sample=data.sample)
-    config = resolved.config or request.config
+    config = with_plan(request.config, resolved)
     return FitPlan(resolved, config, train_spec(request.model, config, data.prepared, resolved))
 
 
@@ -307,7 +312,7 @@ def resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], co
     from sparkdl.data.prepare import prepare_run
     from sparkdl.driver.elastic import kept_batch
 
-    trained = resolved.config or config
+    trained = with_plan(config, resolved)
     accumulate = trained.train.accumulate_steps
     global_batch = config.data.batch_size * config.launch.num_workers * accumulate
     low, high = worker_range(config.launch)
@@ -317,7 +322,7 @@ def resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], co
                                 "data": {"batch_size": kept_batch(global_batch, accumulate, workers)}}).validate()
         prepared = prepare_run(df, sized.data, sized.train, sized.launch, validation_df)
         again = resolve(probed[0], sized, prepared.layout, spark_of(df), prepared.num_rows, sample=probed[1])
-        return prepared.launch_df(), train_spec(model, again.config or sized, prepared, again, run_id=run_id)
+        return prepared.launch_df(), train_spec(model, with_plan(sized, again), prepared, again, run_id=run_id)
     return resize
 
 

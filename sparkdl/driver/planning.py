@@ -166,7 +166,7 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
     strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None, inputs=inputs)
     if auto is not None:
         params.update(auto.as_params())
-    return ResolvedPlan.build(config, strategy_layout, params, auto)
+    return ResolvedPlan.build(config.train, config.launch.num_workers, strategy_layout, params, auto)
 
 
 def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout, inputs: Any = None) -> ResolvedPlan:
@@ -199,7 +199,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
 
         use_batch_statistics(module)  # the driver's copy must match the trained state's keys
     params = {**plan.as_params(), "plan.reused": "true"}
-    return ResolvedPlan.build(config, plan.layout, params, plan.auto)
+    return ResolvedPlan.build(config.train, config.launch.num_workers, plan.layout, params, plan.auto)
 
 
 _REPLAN = "plan again for this model and data (sparkdl.plan), or drop plan= / plan_from_run="

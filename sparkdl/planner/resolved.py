@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
-from sparkdl.config import RunConfig
+from sparkdl.config import TrainConfig
 from sparkdl.errors import ConfigError
 from sparkdl.model.layouts import HybridLayout, IstLayout, StrategyLayout
 from sparkdl.planner.plan import Candidate, Plan
@@ -35,19 +35,18 @@ class ResolvedPlan:
     layout: StrategyLayout = None  # HybridLayout / IstLayout, None for data parallel
     params: tuple[tuple[str, str], ...] = ()  # MLflow params describing the layout and the planner's choice
     auto: Plan | None = None  # the planner's priced candidates (strategy="auto"), else None
-    # The run's final configuration (the user's, with `options` merged in); not part of the value a
-    # user keeps: a kept plan is applied to the configuration of the run that reuses it.
-    config: RunConfig | None = field(default=None, compare=False, repr=False)
+    # The run's final train section (the user's, with `options` merged in; the plan changes no other
+    # section); not part of the value a user keeps: a kept plan is applied to the run that reuses it.
+    train: TrainConfig | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def build(cls, config: RunConfig, layout: StrategyLayout, params: Mapping[str, str],
+    def build(cls, train: TrainConfig, world: int, layout: StrategyLayout, params: Mapping[str, str],
               auto: Plan | None = None) -> "ResolvedPlan":
-        train = config.train
         strategy = "diloco" if train.strategy == "data_parallel" and train.sync == "diloco" else train.strategy
         strategy = "islands" if strategy == "diloco" and train.islands else strategy
         settings = tuple((name, getattr(train, name)) for name in LAYOUT_OPTIONS)
-        return cls(strategy=strategy, settings=settings, world=config.launch.num_workers, layout=layout,
-                   params=tuple(sorted((str(k), str(v)) for k, v in params.items())), auto=auto, config=config)
+        return cls(strategy=strategy, settings=settings, world=world, layout=layout,
+                   params=tuple(sorted((str(k), str(v)) for k, v in params.items())), auto=auto, train=train)
 
     # -- what sparkdl.plan users read (the planner's Plan reads the same) ----------------------------
     @property

@@ -694,7 +694,6 @@ def run_config_takers(source: str) -> list[str]:
 # each is to take its sections; the list may only shrink. data/ and tracking/ take sections already.
 STILL_TAKE_RUN_CONFIG = frozenset({
     "sparkdl.driver.checks", "sparkdl.driver.planning",
-    "sparkdl.planner.resolved",
     "sparkdl.wire.spec",
 })
 TAKE_SECTIONS = ("sparkdl.data", "sparkdl.tracking", "sparkdl.model", "sparkdl.storage", "sparkdl.strategies",

@@ -45,7 +45,7 @@ def auto_plan() -> Plan:
 def hybrid_resolved() -> ResolvedPlan:
     cfg = config(strategy="hybrid", stages=2, microbatches=4)
     layout, params = plan_strategy(mlp(), cfg, FEED)
-    return ResolvedPlan.build(cfg, layout, params, auto_plan())
+    return ResolvedPlan.build(cfg.train, cfg.launch.num_workers, layout, params, auto_plan())
 
 
 def test_json_round_trip_keeps_the_layout_and_the_candidates() -> None:
@@ -67,10 +67,11 @@ def test_json_round_trip_keeps_the_layout_and_the_candidates() -> None:
 def test_ist_and_data_parallel_plans_round_trip() -> None:
     cfg = config(strategy="ist")
     layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg, FEED)
-    ist = ResolvedPlan.build(cfg, layout, params)
+    ist = ResolvedPlan.build(cfg.train, cfg.launch.num_workers, layout, params)
     assert isinstance(ist.layout, IstLayout)
     assert ResolvedPlan.from_json(ist.to_json()) == ist
-    diloco = ResolvedPlan.build(config(strategy="data_parallel", sync="diloco", sync_every=7), None, {})
+    diloco_config = config(strategy="data_parallel", sync="diloco", sync_every=7)
+    diloco = ResolvedPlan.build(diloco_config.train, diloco_config.launch.num_workers, None, {})
     assert diloco.strategy == "diloco" and diloco.candidates == () and diloco.choice is None
     assert ResolvedPlan.from_json(diloco.to_json()) == diloco
 
@@ -84,8 +85,8 @@ def test_what_is_not_a_plan_is_a_config_error(text: str) -> None:
 def test_a_kept_plan_is_reused_without_planning() -> None:
     kept = ResolvedPlan.from_json(hybrid_resolved().to_json())
     reused = reuse(kept, mlp(), config(), FEED)  # the user's strategy is "auto": the plan decides
-    assert reused.layout == kept.layout and reused.config is not None
-    assert reused.config.train.strategy == "hybrid" and reused.config.train.stages == 2
+    assert reused.layout == kept.layout and reused.train is not None
+    assert reused.train.strategy == "hybrid" and reused.train.stages == 2
     assert reused.as_params()["plan.reused"] == "true" and reused.auto == kept.auto
 
 
@@ -109,7 +110,7 @@ def test_a_kept_plan_for_another_model_or_input_is_refused() -> None:
         reuse(kept, mlp(), config(), wider)
     cfg = config(strategy="ist")
     ist_layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg, FEED)
-    ist = ResolvedPlan.build(cfg, ist_layout, params)
+    ist = ResolvedPlan.build(cfg.train, cfg.launch.num_workers, ist_layout, params)
     with pytest.raises(ConfigError, match="hidden widths \\[64\\]"):
         reuse(ist, nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)), config(), FEED)
 
