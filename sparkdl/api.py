@@ -36,7 +36,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     from sparkdl.data.prepare import prepare_run
 
     config = RunConfig.from_kwargs(base=config, **options).validate()
-    check_weighted_loss(config)
+    check_weighted_loss(config.data, config.train)
     data = config.data
     check_columns(df, input_columns(config) + ([data.label_col] if data.label_col else []))
     preflight(spark_of(df), config.launch.num_workers, config.launch.gpus_per_worker)
@@ -76,7 +76,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     if df is not None:
         prepared = prepare_run(df, config.data, config.train, config.launch, custom_loop=True)
         if prepared.num_rows < num_workers:
-            check_enough_rows(config, prepared.num_rows)
+            check_enough_rows(config.data, config.launch, prepared.num_rows)
         job_df, layout, source, packed = prepared.launch_df(), prepared.layout, prepared.source, prepared.packed is not None
         # Counted up front (free for a kept partitioning or direct reads), so that ctx.batches(0)
         # streams while the partition arrives, as the built-in loop's epoch 1 does.
@@ -87,7 +87,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn, source=source,
                      row_counts=row_counts, rows=rows, packed_rows=packed)
     check_picklable(spec)
-    check_backend(config)
+    check_backend(config.train, config.launch)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),
     # but no MLflow run: what it trains and logs is its own business.
     result, _ = tracked_submit(spark, job_df, spec)

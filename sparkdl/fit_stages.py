@@ -109,7 +109,7 @@ def validate(df: Any, model: Any, config: RunConfig, plan: ResolvedPlan | str | 
     from sparkdl.driver.job import ensure_training_slots
 
     config.validate()
-    check_weighted_loss(config)
+    check_weighted_loss(config.data, config.train)
     callbacks = tuple(resolve_callbacks(config.train.callbacks))
     model = the_model(model, config)
     kept = kept_plan(plan, config)
@@ -131,10 +131,10 @@ def prepare_data(df: Any, validation_df: Any, request: FitRequest, phases: Phase
     prepared = prepare_run(df, config.data, config.train, config.launch, validation_df)
     phases.mark("prepare")
     module, out_width, sample, out_shape = probe(request.model, config, prepared)
-    prepared = drop_labels_beyond_the_model(config, prepared, out_width)
-    check_output_width(config, out_width, prepared.layout.num_classes, label_shape(prepared.layout))
-    check_enough_rows(config, prepared.num_rows)
-    check_training_options(config, request.spark, prepared, out_shape or (out_width,))
+    prepared = drop_labels_beyond_the_model(config.data, config.train, config.launch, prepared, out_width)
+    check_output_width(config.data, config.train, out_width, prepared.layout.num_classes, label_shape(prepared.layout))
+    check_enough_rows(config.data, config.launch, prepared.num_rows)
+    check_training_options(config.train, config.launch, request.spark, prepared, out_shape or (out_width,))
     return FitData(prepared, module, out_width, sample, out_shape)
 
 
@@ -218,8 +218,8 @@ def probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, 
     feature width (no batch, shape ()), or (input_cols) a few real rows through the executors'
     conversion and transform_fn."""
     if prepared.layout.tensor_inputs:
-        return probe_tensor_model(model, config, prepared.layout, prepared.sample)
-    module, out_width = probe_model(model, config, prepared.layout.num_features)
+        return probe_tensor_model(model, config.data, config.train, prepared.layout, prepared.sample)
+    module, out_width = probe_model(model, config.data, config.train, prepared.layout.num_features)
     return module, out_width, None, ()
 
 
@@ -331,7 +331,8 @@ def start_tracking(config: RunConfig, df: Any, prepared: Any, resolved: Resolved
 
     t = config.tracking
     tracker = RunTracker(t.tracking, t.tracking_uri, t.experiment, t.run_name)
-    tracker.start(params={**run_params(config.flat(), config.data, config.launch.num_workers, df, prepared), **resolved.as_params()}, tags={"sparkdl.run_id": run_id})
+    tracker.start(params={**run_params(config.flat(), config.data, config.launch.num_workers, df, prepared),
+                  **resolved.as_params()}, tags={"sparkdl.run_id": run_id})
     tracker.log_text(resolved.explain(), "plan.txt")  # the planner's table under "auto", then the layout
     tracker.log_text(resolved.to_json(), "plan.json")  # the same plan as a value: TorchEstimator(plan_from_run=...)
     return tracker

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from sparkdl.config import RunConfig
+from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.spark.session import facts, is_connect, warn_once
 
@@ -48,19 +48,19 @@ def driver_copy(model: Any, seed: int) -> tuple[Any, Callable[[Any], Any]]:
     return factories.build(seed, device="meta"), by_layer
 
 
-def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, int]:
+def probe_model(model: Any, data: DataConfig, train: TrainConfig, num_features: int) -> tuple[Any, int]:
     """Build the model on the driver and run one zero batch through it, so a wrong model or input
     width fails here in seconds instead of on every executor."""
     import torch
 
-    module, forward = driver_copy(model, config.train.seed)
+    module, forward = driver_copy(model, train.seed)
     try:
         out = forward(torch.zeros(2, num_features))
     except ModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
         raise ModelError(f"the model cannot take a batch of {num_features} features "
-                         f"(from feature_cols {list(config.data.feature_cols)}): {type(exc).__name__}: {exc}",
+                         f"(from feature_cols {list(data.feature_cols)}): {type(exc).__name__}: {exc}",
                          hint="make the first layer's input width match the number of feature values") from None
     if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != 2:
         raise ModelError("the model must return one tensor with the batch as its first dimension",
@@ -68,7 +68,7 @@ def probe_model(model: Any, config: RunConfig, num_features: int) -> tuple[Any, 
     return module, int(out[0].numel())
 
 
-def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any
+def probe_tensor_model(model: Any, data: DataConfig, train: TrainConfig, layout: Any, sample: Any
                        ) -> tuple[Any, int, Any, tuple[int, ...]]:
     """input_cols runs: build the model and run a few real prepared rows through the executors' own
     conversion (and transform_fn) and the model, and the loss on its output: a wrong model, shape,
@@ -79,10 +79,10 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any
     from sparkdl.data.assemble import sample_batch
     from sparkdl.model.objectives import loss_function
 
-    data = config.data
+
     batch = sample_batch(sample, layout, data.transform_fn, frozenset(data.input_dtypes or {}))
     inputs, label, weight = batch
-    module, forward = driver_copy(model, config.train.seed)
+    module, forward = driver_copy(model, train.seed)
     described = ", ".join(f"{c.source}: {_shape_text(inputs[c.key] if layout.keyword_inputs else inputs[i])}"
                           for i, c in enumerate(layout.inputs))
     try:
@@ -100,14 +100,14 @@ def probe_tensor_model(model: Any, config: RunConfig, layout: Any, sample: Any
         raise ModelError("the model must return one tensor with the batch as its first dimension",
                          hint="return logits/values of shape (batch, outputs) or (batch, positions, classes)")
     per_position = label is not None and out.dim() == label.dim() + 1 and out.dim() > 2
-    if per_position and config.train.loss == "cross_entropy" and tuple(out.shape[:-1]) != tuple(label.shape):
+    if per_position and train.loss == "cross_entropy" and tuple(out.shape[:-1]) != tuple(label.shape):
         raise ModelError(f"the model returns {_shape_text(out)} for per-position labels {_shape_text(label)}: "
                          "cross_entropy here takes the class dimension last", hint="return (batch, positions, "
                                                                                    "classes), e.g. logits.transpose(1, -1)")
     width = int(out.shape[-1]) if per_position else int(out[0].numel())
-    beyond = config.train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
+    beyond = train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
     if label is not None and not beyond:  # classes beyond the outputs: check_output_width says so better
-        _check_loss_on_sample(config, out, label, weight, loss_function(config.train))
+        _check_loss_on_sample(data, train, out, label, weight, loss_function(train))
     return module, width, batch, tuple(out.shape[1:])
 
 
@@ -115,49 +115,50 @@ def _shape_text(tensor: Any) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')} {list(tensor.shape)}"
 
 
-def _check_loss_on_sample(config: RunConfig, out: Any, label: Any, weight: Any, loss_fn: Any) -> None:
+def _check_loss_on_sample(data: DataConfig, train: TrainConfig, out: Any, label: Any, weight: Any,
+                          loss_fn: Any) -> None:
     from sparkdl.strategies.inputs import loss_and_weight_sum
 
-    loss = config.train.loss
+    loss = train.loss
     try:
         loss_and_weight_sum(loss_fn, out.float() if out.is_floating_point() else out, label, weight)
     except Exception as exc:  # noqa: BLE001 - the loss cannot compare these shapes
         name = loss if isinstance(loss, str) else getattr(loss, "__name__", "the loss")
         raise ModelError(f"loss {name!r} cannot compare the model's output ({_shape_text(out)}) with label column "
-                         f"{config.data.label_col!r} ({_shape_text(label)}): {type(exc).__name__}: "
+                         f"{data.label_col!r} ({_shape_text(label)}): {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}",
                          hint="cross_entropy takes (B, C) logits with (B,) labels or (B, T, C) with (B, T); mse "
                               "takes outputs shaped like the labels") from None
 
 
-def check_weighted_loss(config: RunConfig) -> None:
+def check_weighted_loss(data: DataConfig, train: TrainConfig) -> None:
     """weight_col with a callable loss: the callable must take the weights (weight=)."""
     from sparkdl.strategies.inputs import takes_weight
 
-    loss = config.train.loss
-    if config.data.weight_col is not None and callable(loss) and not takes_weight(loss):
-        raise ConfigError(f"data.weight_col={config.data.weight_col!r} needs a loss that uses the weights, but the "
+    loss = train.loss
+    if data.weight_col is not None and callable(loss) and not takes_weight(loss):
+        raise ConfigError(f"data.weight_col={data.weight_col!r} needs a loss that uses the weights, but the "
                           "loss callable takes no weight= argument",
                           hint="add a weight=None keyword to the loss, or use a built-in loss")
 
 
-def check_strategy_inputs(config: RunConfig, layout: Any) -> None:
+def check_strategy_inputs(train: TrainConfig, layout: Any) -> None:
     """IST deals the neurons of an MLP on one feature vector: nothing else (planner/candidates.py
     marks it infeasible under "auto")."""
-    if config.train.strategy == "ist" and layout is not None and layout.weight_column:
+    if train.strategy == "ist" and layout is not None and layout.weight_column:
         raise ConfigError("strategy='ist' trains without per-row weights (its subnets average plain losses)",
                           hint="drop weight_col, or use strategy='data_parallel' or 'hybrid'")
-    if config.train.strategy == "ist" and layout is not None and layout.tensor_inputs:
+    if train.strategy == "ist" and layout is not None and layout.tensor_inputs:
         raise ConfigError("strategy='ist' trains MLPs on one float feature vector (feature_cols); input_cols "
                           "runs cannot use it", hint="use strategy='data_parallel' (or sync='diloco'), 'hybrid' or "
                                                      "'auto'")
 
 
-def check_output_width(config: RunConfig, out_width: int, num_classes: int | None,
+def check_output_width(data: DataConfig, train: TrainConfig, out_width: int, num_classes: int | None,
                        label_shape: tuple[int, ...] = ()) -> None:
     """The model's output must fit the built-in loss, or every executor fails on its first step.
     (Array labels: the loss already ran on the probe batch; only the class count is left.)"""
-    loss = config.train.loss
+    loss = train.loss
     if label_shape and loss != "cross_entropy":
         return
     if loss == "cross_entropy":
@@ -165,17 +166,18 @@ def check_output_width(config: RunConfig, out_width: int, num_classes: int | Non
         if out_width < need:
             where = "per position" if label_shape else "per row"
             raise ModelError(f"loss 'cross_entropy' needs one logit per class: label column "
-                             f"{config.data.label_col!r} holds {num_classes} classes but the model outputs "
+                             f"{data.label_col!r} holds {num_classes} classes but the model outputs "
                              f"{out_width} value(s) {where}",
                              hint=f"make the last layer output {need}, or use loss='bce_with_logits' "
                                   "with one output for two classes")
     elif loss in ("mse", "bce_with_logits") and out_width != 1:
         raise ModelError(f"loss {loss!r} compares one output per row with the scalar label column "
-                         f"{config.data.label_col!r}, but the model outputs {out_width} values per row",
+                         f"{data.label_col!r}, but the model outputs {out_width} values per row",
                          hint="make the last layer output 1, or pass a callable loss")
 
 
-def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: int) -> Any:
+def drop_labels_beyond_the_model(data: DataConfig, train: TrainConfig, launch: LaunchConfig, prepared: Any,
+                                 out_width: int) -> Any:
     """on_invalid="skip" with cross-entropy: class indices the model has no logit for are invalid
     labels too; those rows are dropped (one more counting job), others still raise."""
     from dataclasses import replace
@@ -186,7 +188,7 @@ def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: in
     from sparkdl.errors import EmptyDataError
 
     classes = prepared.layout.num_classes
-    if config.data.on_invalid != "skip" or config.train.loss != "cross_entropy" or not classes \
+    if data.on_invalid != "skip" or train.loss != "cross_entropy" or not classes \
             or classes <= out_width or out_width < 2:
         return prepared
     label = prepared.layout.label
@@ -196,35 +198,35 @@ def drop_labels_beyond_the_model(config: RunConfig, prepared: Any, out_width: in
     rows = kept.filter(F.col(split) == 0).count() if split else kept.count()
     dropped = prepared.num_rows - rows
     if rows == 0:
-        raise EmptyDataError(f"every label of {config.data.label_col!r} is a class index >= the model's "
+        raise EmptyDataError(f"every label of {data.label_col!r} is a class index >= the model's "
                              f"{out_width} outputs", hint=f"make the last layer output {classes}")
     _log.warning("sparkdl: on_invalid='skip' dropped %d rows whose label is a class index >= the model's %d "
                  "outputs", dropped, out_width)
     from sparkdl.data.shards import balanced
 
-    shuffled, counted_from = balanced(kept, config.launch.num_workers)
+    shuffled, counted_from = balanced(kept, launch.num_workers)
     return prepared.with_rows(shuffled, counted_from=counted_from, num_rows=rows,
                               dropped_rows=prepared.dropped_rows + dropped,
                               layout=replace(prepared.layout, num_classes=out_width))
 
 
-def check_enough_rows(config: RunConfig, num_rows: int) -> None:
+def check_enough_rows(data: DataConfig, launch: LaunchConfig, num_rows: int) -> None:
     """Every rank gets rows and at least one step, as the workers will count them (epoch_plan over
     the round-robin shares prepare() gives)."""
     from sparkdl.data.epochs import epoch_plan, expected_row_counts
 
-    workers, batch = config.launch.num_workers, config.data.batch_size
+    workers, batch = launch.num_workers, data.batch_size
     if num_rows < workers:
         raise ConfigError(f"the DataFrame has {num_rows} row(s), fewer than num_workers={workers}: "
                           "some workers would get no data", hint=f"use num_workers <= {num_rows}")
     shards = expected_row_counts(num_rows, workers)
-    if epoch_plan(shards, config.data).steps == 0:
+    if epoch_plan(shards, data).steps == 0:
         raise ConfigError(f"drop_last=True with batch_size={batch} drops everything: each of the {workers} "
                           f"workers gets at most {max(shards)} rows",
                           hint="lower batch_size or set drop_last=False")
 
 
-def check_backend(config: RunConfig) -> None:
+def check_backend(train: TrainConfig, launch: LaunchConfig) -> None:
     """A missing backend, or one lacking an operation the strategy needs, fails here, not on every
     executor after the data was shipped."""
     from sparkdl.comm import backend_class
@@ -232,31 +234,31 @@ def check_backend(config: RunConfig) -> None:
     from sparkdl.strategies import strategy_class
 
     # "auto" is resolved to a concrete strategy before this check in fit; a custom loop has none.
-    requires = strategy_class(config.train.strategy).requires if config.train.strategy != "auto" else frozenset()
-    missing = requires - backend_class(config.launch.backend).ops
+    requires = strategy_class(train.strategy).requires if train.strategy != "auto" else frozenset()
+    missing = requires - backend_class(launch.backend).ops
     if missing:
-        raise ConfigError(f"train.strategy={config.train.strategy!r} needs {', '.join(sorted(missing))}, which "
-                          f"launch.backend={config.launch.backend!r} does not provide",
+        raise ConfigError(f"train.strategy={train.strategy!r} needs {', '.join(sorted(missing))}, which "
+                          f"launch.backend={launch.backend!r} does not provide",
                           hint="use backend='torch' (torch.distributed has point-to-point and subgroups)")
-    train = config.train
-    if train.sync == "diloco" and train.fragment_sync_delay and SUBGROUP not in backend_class(config.launch.backend).ops:
+    train = train
+    if train.sync == "diloco" and train.fragment_sync_delay and SUBGROUP not in backend_class(launch.backend).ops:
         raise ConfigError(f"train.fragment_sync_delay={train.fragment_sync_delay} overlaps each fragment's sync "
                           "with training on a second process group, which launch.backend="
-                          f"{config.launch.backend!r} cannot make",
+                          f"{launch.backend!r} cannot make",
                           hint="use backend='torch', or fragment_sync_delay=0 (fragments still sync at staggered "
                                "steps)")
-    if train.sync == "diloco" and train.islands and SUBGROUP not in backend_class(config.launch.backend).ops:
+    if train.sync == "diloco" and train.islands and SUBGROUP not in backend_class(launch.backend).ops:
         raise ConfigError(f"train.islands needs a process group per island, which launch.backend="
-                          f"{config.launch.backend!r} cannot make", hint="use backend='torch', or islands=0")
-    if config.launch.backend == "horovod":
+                          f"{launch.backend!r} cannot make", hint="use backend='torch', or islands=0")
+    if launch.backend == "horovod":
         from sparkdl.comm.horovod import import_horovod
 
         import_horovod()
 
 
-def check_fragments(module: Any, config: RunConfig) -> None:
+def check_fragments(module: Any, train: TrainConfig) -> None:
     """Streaming DiLoCo deals top-level layers out to fragments: each fragment needs one."""
-    train = config.train
+    train = train
     if train.sync != "diloco" or train.fragments == 1:
         return
     from sparkdl.strategies.diloco import layer_groups
@@ -329,18 +331,19 @@ def check_inference_batch_size(batch_size: int) -> None:
                            hint="setInferenceBatchSize(1024)")
 
 
-def check_training_options(config: RunConfig, spark: Any, prepared: Any, out_shape: tuple[int, ...]) -> None:
+def check_training_options(train: TrainConfig, launch: LaunchConfig, spark: Any, prepared: Any,
+                           out_shape: tuple[int, ...]) -> None:
     """Before any job: early stopping watches a name the epoch records will hold, fp16 has GPUs
     to run on, and every train.metrics entry can be computed on this model's outputs (tried on
     zero outputs of the probed shape with labels of the run's kind)."""
     from sparkdl.config.training import check_monitored, early_stopping_options, metric_name
 
-    train = config.train
+    train = train
     early = early_stopping_options(train.early_stopping)
     if early is not None:
         check_monitored(early["metric"], [metric_name(m) for m in train.metrics], prepared.num_validation_rows > 0,
                         prepared.layout.label_dtype == "int64")
-    if train.precision == "16" and not config.launch.gpus_per_worker \
+    if train.precision == "16" and not launch.gpus_per_worker \
             and not float(facts(spark).conf("spark.task.resource.gpu.amount", "0") or 0):
         raise ConfigError("train.precision='16' needs CUDA GPUs, but the training tasks get none "
                           "(launch.gpus_per_worker=0, no spark.task.resource.gpu.amount)",
@@ -349,10 +352,10 @@ def check_training_options(config: RunConfig, spark: Any, prepared: Any, out_sha
         raise ConfigError(f"train.metrics {list(metric_name(m) for m in train.metrics)} are computed on validation "
                           "rows, but this fit has none", hint="set validation_fraction (e.g. 0.2) or pass validation_df")
     if train.metrics:
-        _check_metrics_on_outputs(config, prepared.layout, out_shape)
+        _check_metrics_on_outputs(train, prepared.layout, out_shape)
 
 
-def _check_metrics_on_outputs(config: RunConfig, layout: Any, out_shape: tuple[int, ...]) -> None:
+def _check_metrics_on_outputs(train: TrainConfig, layout: Any, out_shape: tuple[int, ...]) -> None:
     import torch
 
     from sparkdl.model.metrics import GatheredMetric, build_metrics
@@ -361,7 +364,7 @@ def _check_metrics_on_outputs(config: RunConfig, layout: Any, out_shape: tuple[i
     classes = layout.label_dtype == "int64"
     output = torch.zeros((2, *out_shape))
     label = torch.zeros((2, *label_shape), dtype=torch.int64 if classes else torch.float32)
-    for metric in build_metrics(config.train.metrics):
+    for metric in build_metrics(train.metrics):
         try:
             if isinstance(metric, GatheredMetric):
                 metric.collect(output, label)

@@ -159,9 +159,9 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
             config = config.merged({"train": {"islands": 0}})  # the planner chose a layout without them
     elif isinstance(config.train.islands, int) and config.train.islands and config.train.sync == "diloco":
         config = find_declared_islands(spark, config)
-    check_strategy_inputs(config, layout)
-    check_backend(config)
-    check_fragments(module, config)
+    check_strategy_inputs(config.train, layout)
+    check_backend(config.train, config.launch)
+    check_fragments(module, config.train)
     links = auto.executor_links if auto is not None else measured_links(spark, config)
     strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None, inputs=inputs)
     if auto is not None:
@@ -183,9 +183,9 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
         raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
                           hint=f"leave strategy unset (or 'auto') when passing a plan, or {_REPLAN}")
     config = config.merged({"train": dict(plan.settings)}).validate()
-    check_strategy_inputs(config, layout)
-    check_backend(config)
-    check_fragments(module, config)
+    check_strategy_inputs(config.train, layout)
+    check_backend(config.train, config.launch)
+    check_fragments(module, config.train)
     inputs = inputs if inputs is not None else model_input(layout)
     mismatch = _layout_mismatch(plan, module, config, layout, inputs)
     if mismatch:

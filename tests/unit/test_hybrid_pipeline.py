@@ -163,7 +163,8 @@ def test_horovod_has_no_send_recv_for_hybrid() -> None:
     from sparkdl.api import check_backend
 
     with pytest.raises(ConfigError, match="needs send_recv, subgroup.*backend='horovod'"):
-        check_backend(config(backend="horovod"))
+        horovod = config(backend="horovod")
+        check_backend(horovod.train, horovod.launch)
 
 
 def test_plan_balances_and_fills_the_layout() -> None:

@@ -123,6 +123,7 @@ def test_islands_options_are_checked() -> None:
         config(strategy="ist", islands=2)
     from sparkdl.driver.checks import check_backend
 
+    horovod = RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", islands=2,
+                                    backend="horovod")
     with pytest.raises(ConfigError, match="train.islands needs a process group per island.*'horovod'"):
-        check_backend(RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", islands=2,
-                                            backend="horovod"))
+        check_backend(horovod.train, horovod.launch)

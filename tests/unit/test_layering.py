@@ -693,7 +693,7 @@ def run_config_takers(source: str) -> list[str]:
 # Below the entry points, modules that still take the whole RunConfig (issue 41's stages, what is left):
 # each is to take its sections; the list may only shrink. data/ and tracking/ take sections already.
 STILL_TAKE_RUN_CONFIG = frozenset({
-    "sparkdl.driver.checks", "sparkdl.driver.planning",
+    "sparkdl.driver.planning",
     "sparkdl.wire.spec",
 })
 TAKE_SECTIONS = ("sparkdl.data", "sparkdl.tracking", "sparkdl.model", "sparkdl.storage", "sparkdl.strategies",

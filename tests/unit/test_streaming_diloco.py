@@ -231,8 +231,9 @@ def test_streaming_options_are_checked() -> None:
         config(sync="diloco", sync_dtype="int2")
     from sparkdl.driver.checks import check_backend, check_fragments
 
+    horovod = RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", sync_every=4,
+                                    fragment_sync_delay=1, backend="horovod")
     with pytest.raises(ConfigError, match="fragment_sync_delay=1 overlaps .* launch.backend='horovod' cannot"):
-        check_backend(RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco",
-                                            sync_every=4, fragment_sync_delay=1, backend="horovod"))
+        check_backend(horovod.train, horovod.launch)
     with pytest.raises(ConfigError, match="fragments=5, but the model has 4 top-level layer"):
-        check_fragments(mlp(), RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", sync_every=10, fragments=5))
+        check_fragments(mlp(), RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", sync_every=10, fragments=5).train)
