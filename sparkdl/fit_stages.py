@@ -114,7 +114,7 @@ def validate(df: Any, model: Any, config: RunConfig, plan: ResolvedPlan | str | 
     model = the_model(model, config)
     kept = kept_plan(plan, config)
     if kept is not None:
-        check_kept_world(kept, config)
+        check_kept_world(kept, config.launch)
     check_columns(df, input_columns(config) + [label_col(config)])
     spark = spark_of(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.config import RunConfig
+from sparkdl.config import DataConfig, LaunchConfig, RunConfig, TrackingConfig, TrainConfig
 
 if TYPE_CHECKING:
     from sparkdl.data.layout import FeedLayout
@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from sparkdl.planner.resolved import ResolvedPlan
 
 
-def worker_threads(config: RunConfig, cluster: Any = None) -> int:
+def worker_threads(launch: LaunchConfig, cluster: Any = None) -> int:
     """torch threads a training rank gets: what the calibration's ranks reported they ran with (the
     probe runs under the same launch.threads_per_worker, so executor/worker.py's own rule applies to
     it), else the configured count, else one."""
     if cluster is not None and cluster.threads_per_rank:
         return min(cluster.threads_per_rank)
-    return config.launch.threads_per_worker or 1
+    return launch.threads_per_worker or 1
 
 
 def settle_without_planner(config: RunConfig) -> RunConfig:
@@ -51,7 +51,8 @@ def find_declared_islands(spark: Any, config: RunConfig) -> RunConfig:
     return config.merged({"train": {"islands": found.islands}})
 
 
-def make_plan(module: Any, config: RunConfig, num_features: Any, spark: Any, num_rows: int | None = None,
+def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, tracking: TrackingConfig,
+              num_features: Any, spark: Any, num_rows: int | None = None,
               fallback: bool = False) -> Any:
     """Profile the model, measure (or recall) the cluster, price every layout, choose one.
 
@@ -69,13 +70,13 @@ def make_plan(module: Any, config: RunConfig, num_features: Any, spark: Any, num
     from sparkdl.planner.candidates import price_plan, profile_model
     from sparkdl.planner.plan import NoFeasibleLayout
 
-    launch = config.launch
+    launch = launch
     cluster = calibrate(spark, launch.num_workers, launch.threads_per_worker)
     ops = backend_class(launch.backend).ops
     try:
-        threads = worker_threads(config, cluster)
-        costs = profile_model(module, config.data, config.train, config.launch, num_features, threads)
-        result = price_plan(module, config.data, config.train, config.launch, costs, cluster, ops, num_rows)
+        threads = worker_threads(launch, cluster)
+        costs = profile_model(module, data, train, launch, num_features, threads)
+        result = price_plan(module, data, train, launch, costs, cluster, ops, num_rows)
     except NoFeasibleLayout as exc:
         raise ResourceError(f"the planner found no layout that fits: {exc}",
                             hint="raise launch.max_memory_per_rank, add workers, or lower batch_size") from None
@@ -92,14 +93,15 @@ def make_plan(module: Any, config: RunConfig, num_features: Any, spark: Any, num
         logging.getLogger("sparkdl").warning(message)
         return None
     if result.hinge and cluster.probes == 1:
-        result = _decide_again(spark, module, config, costs, cluster, ops, num_rows, result)
+        result = _decide_again(spark, module, data, train, launch, costs, cluster, ops, num_rows, result)
     logging.getLogger("sparkdl").info("%s", result.explain())
-    if config.tracking.progress:
+    if tracking.progress:
         print(result.explain(), flush=True)
     return result
 
 
-def _decide_again(spark: Any, module: Any, config: RunConfig, costs: Any, cluster: Any, ops: frozenset[str],
+def _decide_again(spark: Any, module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: Any,
+                  cluster: Any, ops: frozenset[str],
                   num_rows: int | None, first: Any) -> Any:
     """The calibration's ends disagreed: measure once more and decide on the best of both. The
     first plan stands (exact, with its hinge explained) when the second probe fails: a second
@@ -109,22 +111,22 @@ def _decide_again(spark: Any, module: Any, config: RunConfig, costs: Any, cluste
     from sparkdl.planner.candidates import price_plan
 
     try:
-        cluster = remeasure(spark, cluster, config.launch.threads_per_worker)
-        return price_plan(module, config.data, config.train, config.launch, costs, cluster, ops, num_rows)
+        cluster = remeasure(spark, cluster, launch.threads_per_worker)
+        return price_plan(module, data, train, launch, costs, cluster, ops, num_rows)
     except Exception as exc:  # noqa: BLE001 - any failure of the second probe keeps the first plan
         logging.getLogger("sparkdl").warning("sparkdl: measuring the cluster again failed (%s: %s); keeping the "
                                              "first plan", type(exc).__name__, str(exc).splitlines()[0][:200])
         return first
 
 
-def measured_links(spark: Any, config: RunConfig) -> tuple[tuple[str, str, float, float], ...]:
+def measured_links(spark: Any, train: TrainConfig, launch: LaunchConfig) -> tuple[tuple[str, str, float, float], ...]:
     """For an explicitly hybrid run: links between executors from an earlier calibration of this
     cluster, if one is cached (no probe is started for it); otherwise none (the default grid)."""
-    if config.train.strategy != "hybrid" or config.launch.emulate_network:
+    if train.strategy != "hybrid" or launch.emulate_network:
         return ()
     from sparkdl.planner.cluster import cached
 
-    cluster = cached(session_facts(spark, config.launch.num_workers))
+    cluster = cached(session_facts(spark, launch.num_workers))
     return cluster.executor_links() if cluster is not None else ()
 
 
@@ -153,7 +155,8 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
     config = settle_without_planner(config)
     auto = None
     if config.train.strategy == "auto":
-        auto = make_plan(module, config, inputs, spark, num_rows, fallback=fallback)
+        auto = make_plan(module, config.data, config.train, config.launch, config.tracking, inputs, spark,
+                         num_rows, fallback=fallback)
         config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
         if (auto is None or auto.strategy != "islands") and config.train.islands:
             config = config.merged({"train": {"islands": 0}})  # the planner chose a layout without them
@@ -162,8 +165,10 @@ def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_
     check_strategy_inputs(config.train, layout)
     check_backend(config.train, config.launch)
     check_fragments(module, config.train)
-    links = auto.executor_links if auto is not None else measured_links(spark, config)
-    strategy_layout, params = plan_strategy(module, config, layout, links, priced=auto is not None, inputs=inputs)
+    links = auto.executor_links if auto is not None else measured_links(spark, config.train, config.launch)
+    strategy_layout, params = plan_strategy(module, config.data, config.train, config.launch, layout, links,
+                                            priced=auto is not None,
+                                            inputs=inputs)
     if auto is not None:
         params.update(auto.as_params())
     return ResolvedPlan.build(config.train, config.launch.num_workers, strategy_layout, params, auto)
@@ -177,7 +182,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     from sparkdl.errors import ConfigError
     from sparkdl.planner.resolved import ResolvedPlan
 
-    check_kept_world(plan, config)
+    check_kept_world(plan, config.launch)
     named, kept = config.train.strategy, dict(plan.settings).get("strategy")
     if named not in ("auto", kept):
         raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
@@ -187,7 +192,7 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     check_backend(config.train, config.launch)
     check_fragments(module, config.train)
     inputs = inputs if inputs is not None else model_input(layout)
-    mismatch = _layout_mismatch(plan, module, config, layout, inputs)
+    mismatch = _layout_mismatch(plan, module, config.data, config.train, config.launch, layout, inputs)
     if mismatch:
         raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=_REPLAN)
     if plan.strategy in ("data_parallel", "diloco", "islands") or (plan.strategy == "ist" and plan.auto is None):
@@ -205,42 +210,44 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
 _REPLAN = "plan again for this model and data (sparkdl.plan), or drop plan= / plan_from_run="
 
 
-def check_kept_world(plan: ResolvedPlan, config: RunConfig) -> None:
+def check_kept_world(plan: ResolvedPlan, launch: LaunchConfig) -> None:
     """A kept plan is for the world it was made for (cheap: checked before any Spark job)."""
     from sparkdl.errors import ConfigError
 
-    if plan.world != config.launch.num_workers:
+    if plan.world != launch.num_workers:
         raise ConfigError(f"plan= was made for {plan.world} workers, but launch.num_workers="
-                          f"{config.launch.num_workers}", hint=f"pass num_workers={plan.world}, or {_REPLAN}")
+                          f"{launch.num_workers}", hint=f"pass num_workers={plan.world}, or {_REPLAN}")
 
 
-def _stage_mismatch(kept: Any, module: Any, config: RunConfig, inputs: Any) -> str:
+def _stage_mismatch(kept: Any, module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+                    inputs: Any) -> str:
     """What crosses the kept cuts must be what this model sends there (the receive buffers are
     sized from the layout), and every stage must still fit the memory budget; one-row dry run."""
     from sparkdl.config import parse_bytes
     from sparkdl.planner.profile import profile_sequential
     from sparkdl.planner.stages import stage_memory
 
-    profile = profile_sequential(module, inputs, rows=1, precision=config.train.precision)
+    profile = profile_sequential(module, inputs, rows=1, precision=train.precision)
     for boundary, cut in enumerate(kept.cuts[1:-1]):
         layer = profile.layers[cut - 1]
         want = (tuple(kept.boundary_shapes[boundary]), kept.boundary_dtypes[boundary])
         if (tuple(layer.out_shape), layer.out_dtype) != want:
             return (f"after layer {cut - 1} its stages exchange {want[1]} rows of shape {list(want[0])}, this "
                     f"model's layer {cut - 1} outputs {layer.out_dtype} of shape {list(layer.out_shape)}")
-    if config.launch.max_memory_per_rank is None:
+    if launch.max_memory_per_rank is None:
         return ""
-    budget = parse_bytes(config.launch.max_memory_per_rank, "launch.max_memory_per_rank")
+    budget = parse_bytes(launch.max_memory_per_rank, "launch.max_memory_per_rank")
     for stage in range(kept.stages):
-        need = stage_memory(profile, config.train, config.data.batch_size, kept.cuts[stage], kept.cuts[stage + 1],
+        need = stage_memory(profile, train, data.batch_size, kept.cuts[stage], kept.cuts[stage + 1],
                             stage, kept.stages, kept.microbatches, kept.schedule).total
         if need > budget:
             return (f"its stage {stage} needs about {need / 2**20:.1f} MiB per rank at batch_size "
-                    f"{config.data.batch_size}, over launch.max_memory_per_rank={config.launch.max_memory_per_rank!r}")
+                    f"{data.batch_size}, over launch.max_memory_per_rank={launch.max_memory_per_rank!r}")
     return ""
 
 
-def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout, inputs: Any) -> str:
+def _layout_mismatch(plan: ResolvedPlan, module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+                     layout: FeedLayout, inputs: Any) -> str:
     """What about this run the kept layout was not made for ("" when it fits)."""
     from torch import nn
 
@@ -259,14 +266,14 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
                     f"data has {inputs.dtype} of shape {list(inputs.shape)}")
         if (layout.label_dtype or "float32") != kept.label_dtype:
             return f"it was planned for {kept.label_dtype} labels, this run has {layout.label_dtype}"
-        if kept.microbatches > kept.stages * config.data.batch_size:
+        if kept.microbatches > kept.stages * data.batch_size:
             return (f"its {kept.microbatches} micro-batches exceed {kept.stages} stages x batch_size "
-                    f"{config.data.batch_size} rows")
-        return _stage_mismatch(kept, module, config, inputs)
+                    f"{data.batch_size} rows")
+        return _stage_mismatch(kept, module, data, train, launch, inputs)
     elif isinstance(kept, IstLayout):
         from sparkdl.strategies.ist import ist_layout
 
-        fresh = ist_layout(module, config.launch.num_workers, kept.sync_every, kept.scale, kept.seed)
+        fresh = ist_layout(module, launch.num_workers, kept.sync_every, kept.scale, kept.seed)
         if (fresh.linears, fresh.norms, fresh.widths) != (kept.linears, kept.norms, kept.widths):
             return f"its IST layers (hidden widths {list(kept.widths)}) differ from the model's {list(fresh.widths)}"
     elif plan.strategy in ("hybrid", "ist"):
@@ -274,7 +281,7 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, config: RunConfig, layout:
     return ""
 
 
-def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
+def plan_strategy(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, layout: Any, links: Any = (),
                   priced: bool = False, inputs: Any = None) -> tuple[StrategyLayout, dict[str, str]]:
     """The strategy's driver-side layout (None for data parallel) and the MLflow params describing
     it; configurations that cannot run (stage counts, micro-batches, memory budget) raise here.
@@ -284,34 +291,34 @@ def plan_strategy(module: Any, config: RunConfig, layout: Any, links: Any = (),
     from sparkdl.planner.stages import check_data_parallel_memory, check_sharded_memory, describe, plan_hybrid
 
     inputs = inputs if inputs is not None else model_input(layout)
-    if config.train.strategy == "hybrid":
-        hybrid, profile, memory = plan_hybrid(module, config.data, config.train, config.launch, inputs,
+    if train.strategy == "hybrid":
+        hybrid, profile, memory = plan_hybrid(module, data, train, launch, inputs,
                                               layout.label_dtype or "float32", links)
         return hybrid, describe(hybrid, profile, memory)
-    if config.train.strategy == "sharded":
+    if train.strategy == "sharded":
         from torch import nn
 
-        estimate = check_sharded_memory(module, config.data, config.train, config.launch, inputs)
+        estimate = check_sharded_memory(module, data, train, launch, inputs)
         layers = len(module) if isinstance(module, nn.Sequential) and len(module) else 1
-        params = {"sharded.ranks": str(config.launch.num_workers), "sharded.layers": str(layers)}
+        params = {"sharded.ranks": str(launch.num_workers), "sharded.layers": str(layers)}
         if estimate is not None:
             params["sharded.memory_per_rank_bytes"] = str(estimate.total)
         return None, params
-    if not (priced and config.train.strategy == "ist"):
-        check_data_parallel_memory(module, config.data, config.train, config.launch, inputs)
-    if config.train.strategy == "ist":
-        return plan_ist(module, config)
+    if not (priced and train.strategy == "ist"):
+        check_data_parallel_memory(module, data, train, launch, inputs)
+    if train.strategy == "ist":
+        return plan_ist(module, train, launch)
     return None, {}
 
 
-def plan_ist(module: Any, config: RunConfig) -> tuple[Any, dict[str, str]]:
+def plan_ist(module: Any, train: TrainConfig, launch: LaunchConfig) -> tuple[Any, dict[str, str]]:
     import logging
     import warnings
 
     from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers, use_batch_statistics
 
-    train = config.train
-    layout = ist_layout(module, config.launch.num_workers, train.ist_sync_every, train.ist_scale, train.seed)
+    train = train
+    layout = ist_layout(module, launch.num_workers, train.ist_sync_every, train.ist_scale, train.seed)
     narrow = narrow_layers(layout)
     if narrow:
         message = (f"sparkdl: IST deals each hidden layer's neurons over {layout.world} workers; "

@@ -690,8 +690,10 @@ def run_config_takers(source: str) -> list[str]:
     return found
 
 
-# Below the entry points, modules that still take the whole RunConfig (issue 41's stages, what is left):
-# each is to take its sections; the list may only shrink. data/ and tracking/ take sections already.
+# Below the entry points, modules that still take the whole RunConfig (issue 41's stages, what is left;
+# the list may only shrink): driver.planning's resolve / reuse / settle_without_planner /
+# find_declared_islands merge the plan's train options into a validated RunConfig, and wire.spec's
+# TrainSpec carries the executors' whole view (WorkerContext.config is public, for custom loops).
 STILL_TAKE_RUN_CONFIG = frozenset({
     "sparkdl.driver.planning",
     "sparkdl.wire.spec",

@@ -119,16 +119,17 @@ def test_run_steps_count_as_the_workers_do(rows: int, workers: int, batch: int, 
     shards = expected_row_counts(rows, workers)
     assert run_steps(cfg.data, cfg.train, cfg.launch, rows) == epochs * steps_per_epoch(list(shards), batch, drop_last)
     if rows == 1797 and not drop_last:
-        assert run_steps(cfg.data, cfg.train, cfg.launch, rows) == 15  # 899 rows on the larger shard: 14 full steps and a last one
+        assert run_steps(cfg.data, cfg.train, cfg.launch,
+                         rows) == 15  # 899 rows on the larger shard: 14 full steps and a last one
 
 
 def test_worker_threads_come_from_the_calibration() -> None:
     from sparkdl.driver.planning import worker_threads
 
     info = cl.cluster_from_probe(facts(), {**probe(), "threads": [3, 2]}, 1.0)
-    assert worker_threads(config(), info) == 2
-    assert worker_threads(config(threads_per_worker=4), None) == 4
-    assert worker_threads(config(), None) == 1
+    assert worker_threads(config().launch, info) == 2
+    assert worker_threads(config(threads_per_worker=4).launch, None) == 4
+    assert worker_threads(config().launch, None) == 1
 
 
 # -- planning composes: facts -> cache -> probe -> ClusterInfo -> plan (Spark and the probe faked) --
@@ -155,10 +156,10 @@ def test_planning_measures_once_more_when_the_ends_disagree(monkeypatch: pytest.
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     cfg = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,
                                 num_workers=2, epochs=100, progress=False).validate()
-    plan = planning.make_plan(model, cfg, 64, spark=None, num_rows=1797)
+    plan = planning.make_plan(model, cfg.data, cfg.train, cfg.launch, cfg.tracking, 64, spark=None, num_rows=1797)
     assert len(calls) == 2  # the ends disagreed: measured once more, decided on the best of both
     assert plan.strategy in ("data_parallel", "hybrid") and plan.hinge and "kept exact" in plan.choice.reason
     assert any("best of 2 probes" in note for note in plan.notes)
-    again = planning.make_plan(model, cfg, 64, spark=None, num_rows=1797)
+    again = planning.make_plan(model, cfg.data, cfg.train, cfg.launch, cfg.tracking, 64, spark=None, num_rows=1797)
     assert len(calls) == 2 and again.strategy == plan.strategy  # the merged calibration is cached
     assert planning.calibrate(None, 2, threads_per_worker=1).threads_option == 1 and len(calls) == 3

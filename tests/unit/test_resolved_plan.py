@@ -44,7 +44,7 @@ def auto_plan() -> Plan:
 
 def hybrid_resolved() -> ResolvedPlan:
     cfg = config(strategy="hybrid", stages=2, microbatches=4)
-    layout, params = plan_strategy(mlp(), cfg, FEED)
+    layout, params = plan_strategy(mlp(), cfg.data, cfg.train, cfg.launch, FEED)
     return ResolvedPlan.build(cfg.train, cfg.launch.num_workers, layout, params, auto_plan())
 
 
@@ -66,7 +66,8 @@ def test_json_round_trip_keeps_the_layout_and_the_candidates() -> None:
 @pytest.mark.filterwarnings("ignore:sparkdl. IST deals")
 def test_ist_and_data_parallel_plans_round_trip() -> None:
     cfg = config(strategy="ist")
-    layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg, FEED)
+    layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg.data,
+                                   cfg.train, cfg.launch, FEED)
     ist = ResolvedPlan.build(cfg.train, cfg.launch.num_workers, layout, params)
     assert isinstance(ist.layout, IstLayout)
     assert ResolvedPlan.from_json(ist.to_json()) == ist
@@ -109,7 +110,8 @@ def test_a_kept_plan_for_another_model_or_input_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"planned for float32 inputs of shape \[8\] per row, this data has float32 of shape \[9\]"):
         reuse(kept, mlp(), config(), wider)
     cfg = config(strategy="ist")
-    ist_layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg, FEED)
+    ist_layout, params = plan_strategy(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)), cfg.data,
+                                       cfg.train, cfg.launch, FEED)
     ist = ResolvedPlan.build(cfg.train, cfg.launch.num_workers, ist_layout, params)
     with pytest.raises(ConfigError, match="hidden widths \\[64\\]"):
         reuse(ist, nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)), config(), FEED)

@@ -42,7 +42,8 @@ def test_profiles_run_on_tiled_sample_rows_and_see_the_blocks_shapes() -> None:
 
 
 def test_hybrid_layout_of_a_token_model_carries_its_input_and_boundaries() -> None:
-    layout, params = plan_strategy(tiny_gpt(), config(strategy="hybrid", stages=2), FEED,
+    hybrid = config(strategy="hybrid", stages=2)
+    layout, params = plan_strategy(tiny_gpt(), hybrid.data, hybrid.train, hybrid.launch, FEED,
                                    inputs=model_input(FEED, sample()))
     assert layout.input_shape == (TOKEN_LEN,) and layout.input_dtype == "int64"
     assert layout.label_shape == (TOKEN_LEN,)
@@ -81,7 +82,8 @@ class Bilinear(torch.nn.Module):
 def test_random_rows_for_feature_vectors_as_before() -> None:
     assert ModelInput.of(8).rows(3).shape == (3, 8) and ModelInput.of((2, 4)).shape == (2, 4)
     # two inputs reach the first layer of the first stage; the layout keeps their structure
+    hybrid = config(strategy="hybrid", stages=2)
     layout, _ = plan_strategy(torch.nn.Sequential(Bilinear(), torch.nn.Linear(2, 2)),
-                              config(strategy="hybrid", stages=2), FEED,
+                              hybrid.data, hybrid.train, hybrid.launch, FEED,
                               inputs=ModelInput.from_sample((torch.zeros(2, 4), torch.zeros(2, 4)), torch.zeros(2)))
     assert layout.input_specs == (("", (4,), "float32"), ("", (4,), "float32"))
