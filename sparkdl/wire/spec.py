@@ -6,13 +6,23 @@ over driver state), so what a task ran with can be read off one object.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.data.parquet_shards import ParquetShards
-from sparkdl.wire.model_transfer import ModelSink
 from sparkdl.model.layouts import StrategyLayout
+from sparkdl.wire.frames import ChannelAddress
+from sparkdl.wire.model_transfer import ModelSink
+
+if TYPE_CHECKING:
+    import torch
+
+    from sparkdl.executor.context import WorkerContext
+
+# What a user passes as the model: a module (copied), a zero-argument factory, or one factory per
+# top-level layer (model/layer_factories.py); torch types are named as strings: this module imports no torch.
+ModelSpec = Union["torch.nn.Module", Callable[[], "torch.nn.Module"], Sequence[Callable[[], "torch.nn.Module"]], None]
 
 
 @dataclass(frozen=True)
@@ -20,9 +30,9 @@ class TrainSpec:
     run_id: str
     config: RunConfig  # final: the resolved plan's strategy options merged in
     layout: FeedLayout | None  # how the prepared Arrow batches are laid out; None without a DataFrame
-    model: Any = None  # an nn.Module or a zero-argument callable returning one
-    train_fn: Callable[[Any], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
-    channel: Any = None  # ChannelAddress of the driver channel, or None (no progress, no tracking)
+    model: ModelSpec = None  # the built-in loop's model; None with a custom train_fn
+    train_fn: Callable[["WorkerContext"], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
+    channel: ChannelAddress | None = None  # the driver channel, or None (no progress, no tracking)
     strategy_layout: StrategyLayout = None  # HybridLayout / IstLayout from the resolved plan; None: data parallel
     driver_callbacks: bool = False  # train.callbacks run on the driver: rank 0 waits for their verdict every epoch
     rows: int = 0  # training + validation rows over all ranks, as the driver counted them (0: not counted)
