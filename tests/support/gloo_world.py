@@ -7,12 +7,14 @@ process) comes back in rank order.
 from __future__ import annotations
 
 import multiprocessing
-import socket
+import time
 import traceback
 from typing import Any, Callable
 
+PORT_WAIT_S = 60.0
 
-def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any,
+
+def _rank_main(rank: int, world: int, port: Any, fn: Callable[..., Any], args: tuple, queue: Any,
                executors: tuple[str, ...] = ()) -> None:
     import torch
 
@@ -20,9 +22,17 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
     from sparkdl.comm.torch_dist import TorchDistCommunicator
 
     torch.set_num_threads(1)
+    # Rank 0 listens on a port the OS assigns and shares it (as under Spark): a port picked free
+    # beforehand could be taken by another process before gloo binds it (EADDRINUSE under load).
+    listening = None
+    if rank == 0:
+        port.value, listening = TorchDistCommunicator.listen(60)
+    deadline = time.monotonic() + PORT_WAIT_S
+    while port.value == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     info = WorldInfo(rank=rank, size=world, local_rank=rank, local_size=world, hosts=("localhost",) * world,
-                     master_addr="127.0.0.1", master_port=port, executors=executors)
-    comm = TorchDistCommunicator(info, 60)
+                     master_addr="127.0.0.1", master_port=int(port.value), executors=executors)
+    comm = TorchDistCommunicator(info, 60, listening=listening)
     try:
         queue.put((rank, fn(comm, *args), None))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -34,10 +44,8 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
 def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
               executors: tuple[str, ...] = ()) -> list[Any]:
     """`executors`: each rank's executor address in its WorldInfo (what islands are declared by)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
+    port = ctx.Value("i", 0)  # rank 0's store port, once it listens
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue, executors)) for r in range(world)]
     for proc in procs:
