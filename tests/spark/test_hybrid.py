@@ -133,11 +133,11 @@ def test_a_list_of_stage_modules_is_a_model(rows_df) -> None:  # type: ignore[no
     ({"stages": 2, "num_workers": 2, "backend": "horovod"}, ConfigError, "does not provide"),
 ])
 def test_bad_hybrid_configurations_fail_before_any_job(rows_df, monkeypatch, options, error, match) -> None:  # type: ignore[no-untyped-def]
-    import sparkdl.api
+    import sparkdl.fit_stages
 
     def no_job(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("a training job was submitted for a configuration that cannot run")
 
-    monkeypatch.setattr(sparkdl.api, "tracked_submit", no_job)
+    monkeypatch.setattr(sparkdl.fit_stages, "tracked_submit", no_job)
     with pytest.raises(error, match=match):
         fit(rows_df, strategy="hybrid", **options)

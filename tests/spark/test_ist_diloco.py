@@ -61,18 +61,18 @@ def test_diloco_trains_with_a_fraction_of_the_bytes(digits, data_parallel) -> No
 
 
 def test_ist_rejects_a_model_it_cannot_partition(digits, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import sparkdl.api
+    import sparkdl.fit_stages
 
-    monkeypatch.setattr(sparkdl.api, "tracked_submit", lambda *a, **k: pytest.fail("a job was submitted"))
+    monkeypatch.setattr(sparkdl.fit_stages, "tracked_submit", lambda *a, **k: pytest.fail("a job was submitted"))
     with pytest.raises(ModelError, match=r"layer 1 \(LayerNorm\) cannot be partitioned by IST"):
         fit(digits[0], strategy="ist",
             model=lambda: nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10)))
 
 
 def test_ist_warns_about_narrow_layers(digits, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import sparkdl.api
+    import sparkdl.fit_stages
 
-    monkeypatch.setattr(sparkdl.api, "tracked_submit", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(sparkdl.fit_stages, "tracked_submit", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
     with pytest.warns(UserWarning, match=r"hidden layer 0 \(64 neurons\) are narrower than 256 x 2"):
         with pytest.raises(RuntimeError, match="stop"):
             fit(digits[0], strategy="ist", model=lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
