@@ -30,6 +30,7 @@ BUCKET = "sparkdl-tests"
 CREDENTIALS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 START_TIMEOUT_S = 60.0
+PORT_RETRIES = 3  # moto exits on a port lost to another process: try another
 
 
 class S3Server:
@@ -56,12 +57,21 @@ class S3Server:
         return fs, BUCKET
 
     def start(self) -> "S3Server":
-        self.port = _free_port()
-        log = open(self.root / "moto.log", "ab")  # noqa: SIM115 - the child holds it open
-        self._process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        self._wait_ready()
+        for attempt in range(PORT_RETRIES):
+            # moto takes a port number only: one the OS said was free may be taken before moto binds
+            # it (another suite, a parallel job); then it exits saying so, and another port is tried.
+            self.port = _free_port()
+            log = open(self.root / "moto.log", "ab")  # noqa: SIM115 - the child holds it open
+            self._process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                              str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL)
+            log.close()
+            try:
+                self._wait_ready()
+                break
+            except RuntimeError as exc:
+                if "address already in use" not in str(exc).lower() or attempt == PORT_RETRIES - 1:
+                    raise
         import pyarrow.fs as pafs
 
         fs, _ = pafs.FileSystem.from_uri(self.uri("x") + "&allow_bucket_creation=true")
