@@ -8,9 +8,12 @@ model read from the ranks' parts and logged).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sparkdl.config import RunConfig
+from sparkdl.data.layout import FeedLayout
+from sparkdl.data.parquet_shards import ParquetShards
 from sparkdl.driver.attempts import tracked_submit
 from sparkdl.driver.checks import (before_training, check_backend, check_enough_rows, check_gpus_per_task,
                                    check_inference_batch_size, check_picklable, check_weighted_loss, preflight)
@@ -22,6 +25,7 @@ from sparkdl.fit_stages import (FitResult, collect, input_columns, kept_plan, la
 from sparkdl.planner.resolved import ResolvedPlan
 from sparkdl.spark.session import facts
 from sparkdl.tracking.phases import Phases
+from sparkdl.wire.spec import TrainSpec
 
 __all__ = ["fit", "run", "plan", "predict", "FitResult", "kept_plan", "output_kind", "check_backend"]
 
@@ -62,36 +66,63 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
 
 
 def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
-    """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value."""
-    from sparkdl.data.epochs import check_shards
-    from sparkdl.data.prepare import prepare_run
-    from sparkdl.driver.job import ensure_training_slots, new_run_id
-    from sparkdl.wire.spec import TrainSpec
+    """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value.
+
+    Stages: validate (options, slots, preflight) -> prepare data (the rows dealt to ranks, counted) ->
+    the TrainSpec -> launch and collect (rank 0's return value)."""
+    from sparkdl.driver.job import ensure_training_slots
 
     config = _run_config(train_fn, df, num_workers, options)
     spark = spark_of(df)
     ensure_training_slots(spark, num_workers, config.launch)
     before_training(spark, config, num_workers)
-    job_df, layout, source, row_counts, rows, packed = spark.range(0, num_workers, 1, num_workers), None, None, (), 0, False
-    if df is not None:
-        prepared = prepare_run(df, config.data, config.train, config.launch, custom_loop=True)
-        if prepared.num_rows < num_workers:
-            check_enough_rows(config.data, config.launch, prepared.num_rows)
-        job_df, layout, source, packed = prepared.launch_df(), prepared.layout, prepared.source, prepared.packed is not None
-        # Counted up front (free for a kept partitioning or direct reads), so that ctx.batches(0)
-        # streams while the partition arrives, as the built-in loop's epoch 1 does.
-        row_counts = prepared.training_shards(num_workers)
-        check_shards(row_counts, config.data)
-        rows = prepared.num_rows + prepared.num_validation_rows
-    ship_by_value(train_fn, config.data.transform_fn)
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=layout, train_fn=train_fn, source=source,
-                     row_counts=row_counts, rows=rows, packed_rows=packed)
-    check_picklable(spec)
-    check_backend(config.train, config.launch)
+    feed = _run_feed(spark, df, config)
+    spec = _run_spec(train_fn, config, feed)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),
     # but no MLflow run: what it trains and logs is its own business.
-    result, _ = tracked_submit(spark, job_df, spec)
+    result, _ = tracked_submit(spark, feed.job_df, spec)
     return result
+
+
+@dataclass(frozen=True)
+class RunFeed:
+    """sparkdl.run's data stage: the job's input and what the ranks learn of their rows."""
+
+    job_df: Any  # the barrier job's DataFrame (one placeholder row per rank without a DataFrame)
+    layout: FeedLayout | None = None
+    source: ParquetShards | None = None
+    row_counts: tuple[int, ...] = ()
+    rows: int = 0
+    packed: bool = False
+
+
+def _run_feed(spark: Any, df: Any, config: RunConfig) -> RunFeed:
+    from sparkdl.data.epochs import check_shards
+    from sparkdl.data.prepare import prepare_run
+
+    workers = config.launch.num_workers
+    if df is None:
+        return RunFeed(spark.range(0, workers, 1, workers))
+    prepared = prepare_run(df, config.data, config.train, config.launch, custom_loop=True)
+    if prepared.num_rows < workers:
+        check_enough_rows(config.data, config.launch, prepared.num_rows)
+    # Counted up front (free for a kept partitioning or direct reads), so that ctx.batches(0)
+    # streams while the partition arrives, as the built-in loop's epoch 1 does.
+    row_counts = prepared.training_shards(workers)
+    check_shards(row_counts, config.data)
+    return RunFeed(prepared.launch_df(), prepared.layout, prepared.source, tuple(row_counts),
+                   prepared.num_rows + prepared.num_validation_rows, prepared.packed is not None)
+
+
+def _run_spec(train_fn: Callable[[Any], Any], config: RunConfig, feed: RunFeed) -> TrainSpec:
+    from sparkdl.driver.job import new_run_id
+
+    ship_by_value(train_fn, config.data.transform_fn)
+    spec = TrainSpec(run_id=new_run_id(), config=config, layout=feed.layout, train_fn=train_fn, source=feed.source,
+                     row_counts=feed.row_counts, rows=feed.rows, packed_rows=feed.packed)
+    check_picklable(spec)
+    check_backend(config.train, config.launch)
+    return spec
 
 
 def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any]) -> RunConfig:
