@@ -277,9 +277,8 @@ def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo
     resume = find_resume(store, comm, reshaper_for(spec.config)) if store is not None else None
     started_with = resume.progress.get("batch_shares") if resume is not None else None
     config = spec.config
-    shares = agreed_shares(config.train, config.data.batch_size, config.launch.emulate_speed, comm, world.rank,
-                           world.size, row_counts, started_with)
-    return store, resume, shares
+    return store, resume, agreed_shares(config.train, config.data.batch_size, config.launch.emulate_speed, comm,
+                                        world.rank, world.size, row_counts, started_with)
 
 
 def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
