@@ -8,8 +8,8 @@ model read from the ranks' parts and logged).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
@@ -26,6 +26,9 @@ from sparkdl.planner.resolved import ResolvedPlan
 from sparkdl.spark.session import facts
 from sparkdl.tracking.phases import Phases
 from sparkdl.wire.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 __all__ = ["fit", "run", "plan", "predict", "FitResult", "kept_plan", "output_kind", "check_backend"]
 
@@ -46,7 +49,8 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
     preflight(spark_of(df), config.launch.num_workers, config.launch.gpus_per_worker)
     prepared = prepare_run(df, config.data, config.train, config.launch)
     module, _, sample, _ = probe(model, config, prepared)
-    return resolve(module, config.merged({"tracking": {"progress": False}}), prepared.layout, spark_of(df),
+    quiet = replace(config.tracking, progress=False)
+    return resolve(module, config.data, config.train, config.launch, quiet, prepared.layout, spark_of(df),
                    prepared.num_rows, fallback=False, sample=sample)
 
 
@@ -75,7 +79,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
     config = _run_config(train_fn, df, num_workers, options)
     spark = spark_of(df)
     ensure_training_slots(spark, num_workers, config.launch)
-    before_training(spark, config, num_workers)
+    before_training(spark, config.train, config.launch, num_workers)
     feed = _run_feed(spark, df, config)
     spec = _run_spec(train_fn, config, feed)
     # A custom loop gets the driver channel too (rank 0's output, the failing rank's own error),
@@ -88,7 +92,7 @@ def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **
 class RunFeed:
     """sparkdl.run's data stage: the job's input and what the ranks learn of their rows."""
 
-    job_df: Any  # the barrier job's DataFrame (one placeholder row per rank without a DataFrame)
+    job_df: DataFrame  # the barrier job's DataFrame (one placeholder row per rank without a DataFrame)
     layout: FeedLayout | None = None
     source: ParquetShards | None = None
     row_counts: tuple[int, ...] = ()
@@ -118,7 +122,8 @@ def _run_spec(train_fn: Callable[[Any], Any], config: RunConfig, feed: RunFeed) 
     from sparkdl.driver.job import new_run_id
 
     ship_by_value(train_fn, config.data.transform_fn)
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=feed.layout, train_fn=train_fn, source=feed.source,
+    spec = TrainSpec(run_id=new_run_id(), data=config.data, train=config.train, launch=config.launch,
+                     tracking=config.tracking, layout=feed.layout, train_fn=train_fn, source=feed.source,
                      row_counts=feed.row_counts, rows=feed.rows, packed_rows=feed.packed)
     check_picklable(spec)
     check_backend(config.train, config.launch)

@@ -34,6 +34,12 @@ from sparkdl.wire.stopping import stop_tags
 
 if TYPE_CHECKING:
     import torch
+    from pyspark.sql import DataFrame, SparkSession
+
+    from sparkdl.data.assemble import SampleBatch
+    from sparkdl.driver.callbacks import Callback
+    from sparkdl.tracking.mlflow_run import RunTracker
+    from sparkdl.wire.spec import ModelSpec
 
 _log = logging.getLogger("sparkdl")
 
@@ -55,10 +61,10 @@ class FitRequest:
     """validate's record: the options checked, the model resolved, the slots there."""
 
     config: RunConfig
-    model: Any  # an nn.Module, a zero-argument callable or a list of layer factories
-    callbacks: tuple[Any, ...]  # train.callbacks resolved to callables (driver only: never shipped)
+    model: ModelSpec  # an nn.Module, a zero-argument callable or a list of layer factories
+    callbacks: tuple[Callback, ...]  # train.callbacks resolved to callables (driver only: never shipped)
     kept: ResolvedPlan | None  # the plan to train with instead of planning (plan= / plan_from_run / plan_file)
-    spark: Any  # the SparkSession (classic or Connect)
+    spark: SparkSession  # classic or Connect
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class FitData:
     prepared: PreparedData
     module: "torch.nn.Module"  # the driver's (meta) copy, probed
     out_width: int  # the output width the loss sees
-    sample: Any  # the probe batch (input_cols) or None
+    sample: SampleBatch | None  # the probe batch (input_cols) or None
     out_shape: tuple[int, ...]  # the per-row output shape ((), for a flat output)
 
 
@@ -85,7 +91,7 @@ class FitPlan:
 class FitRun:
     """launch's record: what the barrier job(s) returned, and the MLflow run they were tracked in."""
 
-    tracker: Any  # tracking.mlflow_run.RunTracker
+    tracker: RunTracker
     parts: ModelParts
     history: list[dict[str, Any]]
 
@@ -103,7 +109,7 @@ def with_plan(config: RunConfig, resolved: ResolvedPlan) -> RunConfig:
     return replace(config, train=resolved.train) if resolved.train is not None else config
 
 
-def validate(df: Any, model: Any, config: RunConfig, plan: ResolvedPlan | str | None) -> FitRequest:
+def validate(df: DataFrame, model: ModelSpec, config: RunConfig, plan: ResolvedPlan | str | None) -> FitRequest:
     """Stage 1: options, the model, a kept plan, the DataFrame's columns, the slots and preflight."""
     from sparkdl.data.feed import check_columns
     from sparkdl.driver.job import ensure_training_slots
@@ -118,11 +124,11 @@ def validate(df: Any, model: Any, config: RunConfig, plan: ResolvedPlan | str | 
     check_columns(df, input_columns(config) + [label_col(config)])
     spark = spark_of(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
-    before_training(spark, config, config.launch.num_workers)
+    before_training(spark, config.train, config.launch, config.launch.num_workers)
     return FitRequest(config, model, callbacks, kept, spark)
 
 
-def prepare_data(df: Any, validation_df: Any, request: FitRequest, phases: Phases) -> FitData:
+def prepare_data(df: DataFrame, validation_df: DataFrame | None, request: FitRequest, phases: Phases) -> FitData:
     """Stage 2: the data stage (one stats job, shards), the model probed on real rows, and every
     check that needs both."""
     from sparkdl.data.prepare import prepare_run
@@ -140,13 +146,14 @@ def prepare_data(df: Any, validation_df: Any, request: FitRequest, phases: Phase
 
 def plan_fit(request: FitRequest, data: FitData) -> FitPlan:
     """Stage 3: the resolved plan (kept, named, or the planner's under "auto") and the TrainSpec."""
-    resolved = resolve(data.module, request.config, data.prepared.layout, request.spark, data.prepared.num_rows,
-                       plan=request.kept, sample=data.sample)
+    config = request.config
+    resolved = resolve(data.module, config.data, config.train, config.launch, config.tracking, data.prepared.layout,
+                       request.spark, data.prepared.num_rows, plan=request.kept, sample=data.sample)
     config = with_plan(request.config, resolved)
     return FitPlan(resolved, config, train_spec(request.model, config, data.prepared, resolved))
 
 
-def launch(df: Any, validation_df: Any, request: FitRequest, data: FitData, planned: FitPlan,
+def launch(df: DataFrame, validation_df: DataFrame | None, request: FitRequest, data: FitData, planned: FitPlan,
            phases: Phases) -> FitRun:
     """Stage 4: the MLflow run, then the barrier job (resubmitted, resized when elastic)."""
     config, spec = planned.config, planned.spec
@@ -159,7 +166,7 @@ def launch(df: Any, validation_df: Any, request: FitRequest, data: FitData, plan
     return FitRun(tracker, parts, history)
 
 
-def collect(df: Any, request: FitRequest, data: FitData, planned: FitPlan, ran: FitRun, phases: Phases) -> FitResult:
+def collect(df: DataFrame, request: FitRequest, data: FitData, planned: FitPlan, ran: FitRun, phases: Phases) -> FitResult:
     """Stage 5: the trained model read from the ranks' parts, logged to MLflow, the run finished."""
     config, prepared, tracker = planned.config, data.prepared, ran.tracker
     log_prediction(tracker, planned.resolved, ran.history)
@@ -293,10 +300,11 @@ def train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedP
     train = config.train
     ship_by_value(model, train.loss, train.optimizer, config.data.transform_fn, train.lr_schedule, *train.metrics)
     # Callbacks run on the driver (a notebook's plots): the executors only learn that there are some.
-    shipped = replace(config, train=replace(train, callbacks=()))
     # An elastic run that may grow asks the driver at every epoch end, as callbacks do.
     asks = bool(train.callbacks) or config.launch.grow_workers
-    spec = TrainSpec(run_id=run_id or train.resume_run or new_run_id(), config=shipped, layout=layout, model=model,
+    spec = TrainSpec(run_id=run_id or train.resume_run or new_run_id(), data=config.data,
+                     train=replace(train, callbacks=()), launch=config.launch, tracking=config.tracking,
+                     layout=layout, model=model,
                      strategy_layout=resolved.layout, driver_callbacks=asks, rows=rows,
                      row_counts=row_counts, source=prepared.source, packed_rows=prepared.packed is not None)
     check_picklable(spec)
@@ -321,7 +329,8 @@ def resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], co
         sized = trained.merged({"launch": {"num_workers": workers, "min_workers": low, "max_workers": high},
                                 "data": {"batch_size": kept_batch(global_batch, accumulate, workers)}}).validate()
         prepared = prepare_run(df, sized.data, sized.train, sized.launch, validation_df)
-        again = resolve(probed[0], sized, prepared.layout, spark_of(df), prepared.num_rows, sample=probed[1])
+        again = resolve(probed[0], sized.data, sized.train, sized.launch, sized.tracking, prepared.layout,
+                        spark_of(df), prepared.num_rows, sample=probed[1])
         return prepared.launch_df(), train_spec(model, with_plan(sized, again), prepared, again, run_id=run_id)
     return resize
 

@@ -9,9 +9,9 @@ elastic.py (spot-safe runs). May import: sparkdl.errors only. Imported by everyt
 from __future__ import annotations
 
 from sparkdl.config.sections import (BACKENDS, LOSSES, OPTIMIZERS, STRATEGIES, DataConfig, InputConfig, LaunchConfig,
-                                     ModelConfig, OutputConfig, RunConfig, TrackingConfig, TrainConfig, option_owners,
-                                     parse_bytes, parse_literal, suggest)
+                                     ModelConfig, OutputConfig, RunConfig, TrackingConfig, TrainConfig, merged_section,
+                                     option_owners, parse_bytes, parse_literal, suggest, train_with)
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
-           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest",
+           "ModelConfig", "RunConfig", "merged_section", "train_with", "option_owners", "parse_bytes", "parse_literal", "suggest",
            "BACKENDS", "LOSSES", "OPTIMIZERS", "STRATEGIES"]

@@ -61,9 +61,8 @@ def check_resume_run(train: Any) -> None:
                           "is not set", hint="set checkpoint_dir to the directory the earlier fit wrote under")
 
 
-def check_elastic(config: Any) -> None:
+def check_elastic(launch: Any, train: Any) -> None:
     """An elastic run resumes from checkpoints on every host, with a strategy whose state re-shards."""
-    launch, train = config.launch, config.train
     check_resume_run(train)
     if not is_elastic(launch):
         if launch.grow_workers:

@@ -14,16 +14,18 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config.values import (check_feature_spec, check_input_spec, check_types, choice, coerce, parse_bytes,
+from sparkdl.config.values import (check_feature_spec, check_input_spec, check_types, choice, parse_bytes,
                                    parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config.training import (DELIVERY_MODES, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
-                                     check_spool, check_training_essentials)
+                                     check_training_essentials)
 from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
-from sparkdl.config.elastic import check_elastic, check_worker_range
+from sparkdl.config.elastic import check_worker_range
+from sparkdl.config.merging import check_across_sections, merged_section, train_with  # noqa: F401 - public here
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
-           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
+           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest", "merged_section",
+           "check_across_sections", "train_with"]
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -296,18 +298,7 @@ class RunConfig:
             part = getattr(self, section)
             check_types(section, part)
             part.validate()
-        stages, workers = self.train.stages, self.launch.num_workers
-        hybrid = self.train.implied_strategy == "hybrid"
-        if hybrid and stages and workers % stages:
-            divisors = [k for k in range(2, workers + 1) if workers % k == 0]
-            raise ConfigError(f"train.stages={stages} does not divide launch.num_workers={workers}: hybrid runs "
-                              "stages x replicas ranks",
-                              hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
-        check_spool(self.data.spool, self.train)
-        check_elastic(self)
-        if hybrid and workers < 2:
-            raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
-                              hint="raise num_workers, or use strategy='data_parallel'")
+        check_across_sections(self.data, self.train, self.launch)
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -341,15 +332,7 @@ class RunConfig:
         for section, values in nested.items():
             if section not in sections:
                 raise ConfigError(f"unknown config section {section!r}", hint=suggest(section, sections))
-            if not isinstance(values, Mapping):
-                raise ConfigError(f"config section {section!r} must be a table of options, got {values!r}")
-            part = getattr(config, section)
-            names = [f.name for f in fields(part)]
-            for name in values:
-                if name not in names:
-                    raise ConfigError(f"unknown option {section}.{name}", hint=suggest(name, names))
-            coerced = {k: coerce(part, k, v) for k, v in values.items()}
-            config = replace(config, **{section: replace(part, **coerced)})
+            config = replace(config, **{section: merged_section(section, getattr(config, section), values)})
         return config
 
     @classmethod

@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional, Union
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,10 @@ from sparkdl.data.layout import BINARY, FIXED, TEXT, FeedLayout, TensorColumn
 from sparkdl.errors import ModelError
 
 Assemble = Callable[[Arrays], Any]
+# One batch as the model sees it: (inputs, label, weight); inputs one tensor, a tuple, or a dict (input_cols
+# given as a dict); label and weight None where the run has none.
+SampleBatch = tuple[Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]], Optional[torch.Tensor],
+                    Optional[torch.Tensor]]
 _NUMPY_DTYPES = {"bfloat16": "float32", "float16": "float16"}  # numpy has no bfloat16: converted in torch
 
 
@@ -194,7 +198,7 @@ def prefetched(batches: Iterator[Any], depth: int) -> Iterator[Any]:
 
 
 def sample_batch(table: pa.Table, layout: FeedLayout, transform_fn: Callable[[dict], dict] | None,
-                 explicit_dtypes: frozenset[str] = frozenset()) -> tuple[Any, Any, Any]:
+                 explicit_dtypes: frozenset[str] = frozenset()) -> SampleBatch:
     """The probe batch of the driver: a few prepared rows through the workers' own conversion."""
     from sparkdl.data.arrow_rows import incoming_arrays
 

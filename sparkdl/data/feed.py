@@ -28,7 +28,10 @@ from sparkdl.errors import (
 from sparkdl.spark.session import facts
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from sparkdl.config import DataConfig, TrainConfig
+    from sparkdl.data.parquet_shards import ParquetShards
 
 _log = logging.getLogger("sparkdl")
 
@@ -40,11 +43,11 @@ class PreparedData:
     num_rows: int  # training rows
     num_validation_rows: int = 0
     dropped_rows: int = 0  # invalid rows dropped under on_invalid="skip"
-    sample: Any = None  # input_cols runs: the first prepared rows (a pyarrow Table) to probe the model with
+    sample: "pa.Table | None" = None  # input_cols runs: the first prepared rows, to probe the model with
     shard_rows: tuple[int, ...] | None = None  # training rows per rank when already counted (a kept partitioning)
-    counted_from: Any = None  # data.shards.balanced's keyed input: counts the shards without the shuffle
-    # A plain Parquet scan the ranks read themselves (data/parquet_source.py): a ParquetShards, or None.
-    source: Any = None
+    counted_from: DataFrame | None = None  # data.shards.balanced's keyed input: counts the shards without the shuffle
+    # A plain Parquet scan the ranks read themselves (data/parquet_source.py), or None.
+    source: "ParquetShards | None" = None
     # The same rows as `df` with every feature as its own float column (scalar features only, the
     # partitioning kept, nothing added): what packed delivery packs (data/packed_delivery.py).
     flat: DataFrame | None = None

@@ -51,17 +51,16 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
     from sparkdl.driver.job import submit
     from sparkdl.driver.monitor import RunMonitor
 
-    config = spec.config
     resizing = Resizing(spark, resize, tracker, spec, job_df) if resize is not None else None
-    monitor = RunMonitor(tracker, progress=config.tracking.progress, callbacks=callbacks,
+    monitor = RunMonitor(tracker, progress=spec.tracking.progress, callbacks=callbacks,
                          regroup=resizing.regroup if resizing is not None else None)
-    attempts = max_attempts(spark, config.train.checkpoint_dir)
+    attempts = max_attempts(spark, spec.train.checkpoint_dir)
     from sparkdl.spark import jvm
 
     jvm.drain_events(spark)  # only this job's events explain its failure
     cut_off: dict[int, str] = {}  # of the last failed attempt
     try:
-        with open_channel(spark, config.launch.channel, monitor.on_message) as channel:
+        with open_channel(spark, spec.launch.channel, monitor.on_message) as channel:
             try:
                 attempt = 0
                 while True:
@@ -81,10 +80,10 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                         if attempt >= attempts or not (lost_slots or retryable(monitor.errors) or cut_off):
                             raise TrainingError(failure.message, hint=failure.hint) if lost_slots else failure
                         named = failure if lost_slots else name_the_failure(
-                            monitor.errors, spec.world_size, config.launch.timeout_s, failure, monitor.rank_hosts,
+                            monitor.errors, spec.world_size, spec.launch.timeout_s, failure, monitor.rank_hosts,
                             cut_off)
                         _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(named).splitlines()[0]}); "
-                             f"retrying, every rank resumes from the latest checkpoint in {config.train.checkpoint_dir}")
+                             f"retrying, every rank resumes from the latest checkpoint in {spec.train.checkpoint_dir}")
                         monitor.errors.clear()  # reported above; an error of the resize is its own
                         if resizing is not None:
                             try:
@@ -93,7 +92,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                                 below.final = True  # its own words: late rank reports must not rename it
                                 raise
                         elif cut_off:
-                            wait_for_hosts(cut_off, config.launch.timeout_s)
+                            wait_for_hosts(cut_off, spec.launch.timeout_s)
                         continue
                     if resizing is not None and history and history[-1].get(REGROUP_KEY):
                         job_df, spec = resizing.grow(spec, monitor.rank_hosts)
@@ -106,7 +105,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                 tracker.log_text(monitor.failure_report(), "failure.txt")
                 tracker.finish("FAILED")
                 named = exc if final else name_the_failure(
-                    monitor.errors, spec.world_size, config.launch.timeout_s, exc, monitor.rank_hosts, cut_off)
+                    monitor.errors, spec.world_size, spec.launch.timeout_s, exc, monitor.rank_hosts, cut_off)
                 named.events = exc.events
                 raise named from None
             except BaseException:

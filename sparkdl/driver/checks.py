@@ -290,25 +290,26 @@ def preflight(spark: Any, workers: int, gpus_per_worker: int = 0) -> None:
         raise ConfigError("; ".join(p["message"] for p in problems), hint="; ".join(p["fix"] for p in problems))
 
 
-def before_training(spark: Any, config: Any, workers: int) -> None:
+def before_training(spark: Any, train: TrainConfig, launch: LaunchConfig, workers: int) -> None:
     """The cluster checks of a training job: preflight, and the run's directories shared between
     the driver and the executors' hosts (sparkdl/storage/shared_paths.py)."""
     from sparkdl.storage.shared_paths import check_run_dirs
 
-    preflight(spark, workers, config.launch.gpus_per_worker)
-    check_run_dirs(spark, config, workers)
+    preflight(spark, workers, launch.gpus_per_worker)
+    check_run_dirs(spark, train, launch, workers)
 
 
 def check_picklable(spec: Any) -> None:
     """Everything in the TrainSpec must reach the executors; say which part cannot, before the job."""
     from sparkdl.wire.codec import dumps_any
 
-    for name in ("model", "train_fn", "config"):
+    for name in ("model", "train_fn", "data", "train"):
         value = getattr(spec, name)
         try:
             dumps_any(value)
         except Exception as exc:  # noqa: BLE001 - pickling raises many types
-            what = {"model": "the model", "train_fn": "train_fn", "config": "the loss or optimizer"}[name]
+            what = {"model": "the model", "train_fn": "train_fn", "data": "transform_fn",
+                    "train": "the loss, optimizer, lr schedule or a metric"}[name]
             raise ModelError(f"{what} cannot be sent to the executors: {type(exc).__name__}: {exc}",
                              hint="it (or something it refers to, e.g. a SparkSession, DataFrame, lock or "
                                   "open file) must be picklable; create such objects inside the function") from None

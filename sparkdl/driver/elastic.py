@@ -116,7 +116,7 @@ class Resizing:
     def __init__(self, spark: Any, resize: Callable[[int, MembershipChange], tuple[Any, Any]], tracker: Any,
                  spec: Any, job_df: Any) -> None:
         self.spark, self.resize, self.tracker = spark, resize, tracker
-        self.launch, self.epochs = spec.config.launch, spec.config.train.epochs
+        self.launch, self.epochs = spec.launch, spec.train.epochs
         self.job_df = job_df
         self.changes: list[MembershipChange] = []
         self.workers = spec.world_size
@@ -172,7 +172,7 @@ class Resizing:
     def _change(self, spec: Any, workers: int, reason: str, left: list[str], joined: list[str]) -> tuple[Any, Any]:
         probe = MembershipChange(time.time(), spec.world_size, workers, tuple(left), tuple(joined), reason, 0, 0)
         self.job_df, resized = self.resize(workers, probe)
-        data, train = resized.config.data, resized.config.train
+        data, train = resized.data, resized.train
         change = MembershipChange(probe.time, spec.world_size, workers, tuple(left), tuple(joined), reason,
                                   data.batch_size, data.batch_size * workers * train.accumulate_steps)
         self.changes.append(change)

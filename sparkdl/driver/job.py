@@ -106,7 +106,7 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
 
     from sparkdl.driver.parts import open_sink, gather_parts
 
-    profile = ensure_training_slots(spark, spec.world_size, spec.config.launch)
+    profile = ensure_training_slots(spark, spec.world_size, spec.launch)
     with ExitStack() as cleanup:
         sink = open_sink(spark, spec, cleanup) if spec.train_fn is None else None
         spec = replace(spec, model_sink=sink.sink if sink is not None else None)

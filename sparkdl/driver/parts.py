@@ -63,7 +63,7 @@ def open_sink(spark: Any, spec: Any, cleanup: ExitStack) -> OpenSink:
 
     from sparkdl.spark.session import is_local_master
 
-    launch, checkpoint_dir = spec.config.launch, spec.config.train.checkpoint_dir
+    launch, checkpoint_dir = spec.launch, spec.train.checkpoint_dir
     cluster = not is_local_master(facts(spark).master())
     check_transfer(launch, checkpoint_dir, cluster)
     mode = transfer_mode(launch, checkpoint_dir, cluster)

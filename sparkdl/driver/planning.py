@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.config import DataConfig, LaunchConfig, RunConfig, TrackingConfig, TrainConfig
+from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig, merged_section, train_with
 
 if TYPE_CHECKING:
     from sparkdl.data.layout import FeedLayout
@@ -23,32 +23,31 @@ def worker_threads(launch: LaunchConfig, cluster: Any = None) -> int:
     return launch.threads_per_worker or 1
 
 
-def settle_without_planner(config: RunConfig) -> RunConfig:
+def settle_without_planner(train: TrainConfig, launch: LaunchConfig) -> TrainConfig:
     """Under strategy="auto", the concrete strategy when there is nothing to plan: options only one
     strategy has (sync="diloco", stages, microbatches) name it, and one worker is data parallel."""
-    train = config.train
     if train.strategy != "auto":
-        return config
+        return train
     implied = train.implied_strategy
-    if implied == "auto" and config.launch.num_workers == 1:
+    if implied == "auto" and launch.num_workers == 1:
         implied = "data_parallel"
-    return config if implied == "auto" else config.merged({"train": {"strategy": implied}})
+    return train if implied == "auto" else merged_section("train", train, {"strategy": implied})
 
 
-def find_declared_islands(spark: Any, config: RunConfig) -> RunConfig:
+def find_declared_islands(spark: Any, train: TrainConfig, launch: LaunchConfig) -> TrainConfig:
     """train.islands=K: the K islands the measured links form (planner/islands.py), as host groups."""
     from sparkdl.errors import ConfigError
     from sparkdl.planner.islands import find_islands, host_of
 
-    count = config.train.islands
-    cluster = calibrate(spark, config.launch.num_workers, config.launch.threads_per_worker)
+    count = train.islands
+    cluster = calibrate(spark, launch.num_workers, launch.threads_per_worker)
     hosts = [host_of(e) for e in cluster.rank_executors]
     found = find_islands(hosts, cluster.latency_s, cluster.bandwidth_Bps, count) if hosts else None
     if found is None:
-        raise ConfigError(f"train.islands={count}, but the {config.launch.num_workers} workers run on "
+        raise ConfigError(f"train.islands={count}, but the {launch.num_workers} workers run on "
                           f"{len(set(hosts))} host(s): an island is one host or more",
                           hint="use fewer islands, or name them: islands=[['h1', 'h2'], ['h3', 'h4']]")
-    return config.merged({"train": {"islands": found.islands}})
+    return merged_section("train", train, {"islands": found.islands})
 
 
 def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, tracking: TrackingConfig,
@@ -70,7 +69,6 @@ def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchC
     from sparkdl.planner.candidates import price_plan, profile_model
     from sparkdl.planner.plan import NoFeasibleLayout
 
-    launch = launch
     cluster = calibrate(spark, launch.num_workers, launch.threads_per_worker)
     ops = backend_class(launch.backend).ops
     try:
@@ -140,41 +138,42 @@ def model_input(layout: FeedLayout, sample: Any = None) -> Any:
     return ModelInput.from_sample(sample[0], sample[1])
 
 
-def resolve(module: Any, config: RunConfig, layout: FeedLayout, spark: Any, num_rows: int | None = None, *,
-            plan: ResolvedPlan | None = None, fallback: bool = True, sample: Any = None) -> ResolvedPlan:
+def resolve(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, tracking: TrackingConfig,
+            layout: FeedLayout, spark: Any, num_rows: int | None = None, *, plan: ResolvedPlan | None = None,
+            fallback: bool = True, sample: Any = None) -> ResolvedPlan:
     """The one resolved plan of a run: a kept `plan` checked against this model and data, or the
     named strategy's layout, or (strategy="auto") the planner's choice and then its layout. Every
-    configuration that cannot run raises here, before any job. `fallback`: see make_plan;
-    `sample`: the probe batch of an input_cols run (see model_input)."""
+    configuration that cannot run raises here, before any job. The plan carries the train section
+    the run trains with (`ResolvedPlan.train`). `fallback`: see make_plan; `sample`: the probe batch
+    of an input_cols run (see model_input)."""
     from sparkdl.driver.checks import check_backend, check_fragments, check_strategy_inputs
     from sparkdl.planner.resolved import ResolvedPlan
 
     inputs = model_input(layout, sample)
     if plan is not None:
-        return reuse(plan, module, config, layout, inputs)
-    config = settle_without_planner(config)
+        return reuse(plan, module, data, train, launch, layout, inputs)
+    train = settle_without_planner(train, launch)
     auto = None
-    if config.train.strategy == "auto":
-        auto = make_plan(module, config.data, config.train, config.launch, config.tracking, inputs, spark,
-                         num_rows, fallback=fallback)
-        config = config.merged({"train": auto.options if auto is not None else {"strategy": "data_parallel"}})
-        if (auto is None or auto.strategy != "islands") and config.train.islands:
-            config = config.merged({"train": {"islands": 0}})  # the planner chose a layout without them
-    elif isinstance(config.train.islands, int) and config.train.islands and config.train.sync == "diloco":
-        config = find_declared_islands(spark, config)
-    check_strategy_inputs(config.train, layout)
-    check_backend(config.train, config.launch)
-    check_fragments(module, config.train)
-    links = auto.executor_links if auto is not None else measured_links(spark, config.train, config.launch)
-    strategy_layout, params = plan_strategy(module, config.data, config.train, config.launch, layout, links,
-                                            priced=auto is not None,
+    if train.strategy == "auto":
+        auto = make_plan(module, data, train, launch, tracking, inputs, spark, num_rows, fallback=fallback)
+        train = merged_section("train", train, auto.options if auto is not None else {"strategy": "data_parallel"})
+        if (auto is None or auto.strategy != "islands") and train.islands:
+            train = merged_section("train", train, {"islands": 0})  # the planner chose a layout without them
+    elif isinstance(train.islands, int) and train.islands and train.sync == "diloco":
+        train = find_declared_islands(spark, train, launch)
+    check_strategy_inputs(train, layout)
+    check_backend(train, launch)
+    check_fragments(module, train)
+    links = auto.executor_links if auto is not None else measured_links(spark, train, launch)
+    strategy_layout, params = plan_strategy(module, data, train, launch, layout, links, priced=auto is not None,
                                             inputs=inputs)
     if auto is not None:
         params.update(auto.as_params())
-    return ResolvedPlan.build(config.train, config.launch.num_workers, strategy_layout, params, auto)
+    return ResolvedPlan.build(train, launch.num_workers, strategy_layout, params, auto)
 
 
-def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout, inputs: Any = None) -> ResolvedPlan:
+def reuse(plan: ResolvedPlan, module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+          layout: FeedLayout, inputs: Any = None) -> ResolvedPlan:
     """A kept plan (sparkdl.plan's value, plan.json of an earlier run) applied to this run: its layout
     options replace the run's, and its layout must fit this model, input and world, else a
     ConfigError naming `plan` says what differs. Nothing is planned or measured again."""
@@ -182,29 +181,29 @@ def reuse(plan: ResolvedPlan, module: Any, config: RunConfig, layout: FeedLayout
     from sparkdl.errors import ConfigError
     from sparkdl.planner.resolved import ResolvedPlan
 
-    check_kept_world(plan, config.launch)
-    named, kept = config.train.strategy, dict(plan.settings).get("strategy")
+    check_kept_world(plan, launch)
+    named, kept = train.strategy, dict(plan.settings).get("strategy")
     if named not in ("auto", kept):
         raise ConfigError(f"train.strategy={named!r} contradicts plan=, which trains with {kept!r}",
                           hint=f"leave strategy unset (or 'auto') when passing a plan, or {_REPLAN}")
-    config = config.merged({"train": dict(plan.settings)}).validate()
-    check_strategy_inputs(config.train, layout)
-    check_backend(config.train, config.launch)
-    check_fragments(module, config.train)
+    train = train_with(data, train, launch, dict(plan.settings))
+    check_strategy_inputs(train, layout)
+    check_backend(train, launch)
+    check_fragments(module, train)
     inputs = inputs if inputs is not None else model_input(layout)
-    mismatch = _layout_mismatch(plan, module, config.data, config.train, config.launch, layout, inputs)
+    mismatch = _layout_mismatch(plan, module, data, train, launch, layout, inputs)
     if mismatch:
         raise ConfigError(f"plan= does not fit this run: {mismatch}", hint=_REPLAN)
     if plan.strategy in ("data_parallel", "diloco", "islands") or (plan.strategy == "ist" and plan.auto is None):
         from sparkdl.planner.stages import check_data_parallel_memory
 
-        check_data_parallel_memory(module, config.data, config.train, config.launch, inputs)
-    if plan.strategy == "ist" and config.train.ist_scale == "batchnorm":
+        check_data_parallel_memory(module, data, train, launch, inputs)
+    if plan.strategy == "ist" and train.ist_scale == "batchnorm":
         from sparkdl.strategies.ist import use_batch_statistics
 
         use_batch_statistics(module)  # the driver's copy must match the trained state's keys
     params = {**plan.as_params(), "plan.reused": "true"}
-    return ResolvedPlan.build(config.train, config.launch.num_workers, plan.layout, params, plan.auto)
+    return ResolvedPlan.build(train, launch.num_workers, plan.layout, params, plan.auto)
 
 
 _REPLAN = "plan again for this model and data (sparkdl.plan), or drop plan= / plan_from_run="
@@ -317,7 +316,6 @@ def plan_ist(module: Any, train: TrainConfig, launch: LaunchConfig) -> tuple[Any
 
     from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers, use_batch_statistics
 
-    train = train
     layout = ist_layout(module, launch.num_workers, train.ist_sync_every, train.ist_scale, train.seed)
     narrow = narrow_layers(layout)
     if narrow:

@@ -32,18 +32,15 @@ MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 << 10, 16 << 20
 def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[str, Any]:
     """Run `probe` on `workers` ranks (a barrier job over `workers` one-row partitions) and return
     rank 0's result, the dict `probe` documents."""
-    from sparkdl.config import RunConfig
+    from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig
     from sparkdl.driver.attempts import tracked_submit
     from sparkdl.driver.job import new_run_id
     from sparkdl.wire.spec import TrainSpec
 
-    options: dict[str, Any] = {"progress": False, "backend": "torch"}
-    if threads_per_worker:
-        options["threads_per_worker"] = threads_per_worker
-    config = RunConfig.from_kwargs(num_workers=workers, **options)
-    config.train.validate()  # no DataFrame: the data section does not apply
-    config.launch.validate()
-    spec = TrainSpec(run_id=new_run_id(), config=config, layout=None, train_fn=probe)
+    launch = LaunchConfig(num_workers=workers, backend="torch", threads_per_worker=threads_per_worker or None)
+    launch.validate()  # no DataFrame: the data section does not apply
+    spec = TrainSpec(run_id=new_run_id(), data=DataConfig(), train=TrainConfig(), launch=launch,
+                     tracking=TrackingConfig(progress=False), layout=None, train_fn=probe)
     # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
     result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec)
     return result

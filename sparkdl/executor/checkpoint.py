@@ -31,10 +31,13 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sparkdl.storage import files as storage
 from sparkdl.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 FORMAT = 1  # the manifest's format version
@@ -181,7 +184,7 @@ class Resume:
     position: Position
     progress: dict[str, Any]  # this rank's running sums, rank 0's history, the batch shares
     strategy_state: dict[str, Any]
-    rng: Any  # torch's CPU generator state
+    rng: "torch.Tensor"  # torch's CPU generator state (torch.get_rng_state())
     written_by: int = 0  # another world size that wrote it (executor/reshape.py); 0: this one
 
     def apply(self, strategy: Any) -> None:
@@ -193,7 +196,7 @@ class Resume:
 
 def open_store(spec: Any, rank: int) -> CheckpointStore | None:
     """This rank's checkpoint store for the run, or None when the run keeps no checkpoints."""
-    train = spec.config.train
+    train = spec.train
     if not train.checkpoint_dir:
         return None
     return CheckpointStore(train.checkpoint_dir, spec.run_id, rank, train.keep_checkpoints)

@@ -87,8 +87,10 @@ class WorkerContext:
         return self.comm.device
 
     @property
-    def config(self) -> Any:
-        return self.spec.config
+    def config(self) -> TrainSpec:
+        """The run's options as a rank sees them: `ctx.config.data`, `.train`, `.launch`, `.tracking`
+        (the sections a rank needs; input/output/model stay on the driver)."""
+        return self.spec
 
     @property
     def num_rows(self) -> int:
@@ -98,7 +100,7 @@ class WorkerContext:
     @cached_property
     def epoch(self) -> EpochPlan:
         """Steps and batch sizes of every epoch, the same on every rank."""
-        return epoch_plan(self.row_counts, self.spec.config.data, self.batch_shares)
+        return epoch_plan(self.row_counts, self.spec.data, self.batch_shares)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -114,7 +116,7 @@ class WorkerContext:
         `assemble.transform_seconds` sums the time spent in transform_fn on this rank."""
         from sparkdl.data.assemble import assembler
 
-        data = self.spec.config.data
+        data = self.spec.data
         return assembler(self.spec.layout, data.transform_fn, frozenset(data.input_dtypes or {}))
 
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[tuple[Any, ...]]:
@@ -130,9 +132,9 @@ class WorkerContext:
                               hint="pass df= to sparkdl.run")
         from sparkdl.data.assemble import prefetched
 
-        data = self.spec.config.data
+        data = self.spec.data
         batches = self.spool.epoch_batches(epoch, self.epoch, rank=self.rank, shuffle=data.shuffle,
-                                           seed=self.spec.config.train.seed, assemble=self.assemble, start=start)
+                                           seed=self.spec.train.seed, assemble=self.assemble, start=start)
         return prefetched(batches, data.prefetch_batches) if data.transform_fn is not None else batches
 
     def validation_batches(self, batch_size: int = 1024) -> Iterator[tuple[Any, ...]]:

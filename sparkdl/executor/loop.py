@@ -47,18 +47,18 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
           ) -> tuple[dict[str, torch.Tensor] | None, History]:
     """`store`: the run's checkpoint store (None: no checkpoints); `resume`: what it held when this
     attempt started (both read by executor/worker.py before the context was built)."""
-    config = ctx.spec.config
+    spec = ctx.spec
     reset_cuda_peak(ctx.comm.device)
     mark_model_start()
-    torch.manual_seed(config.train.seed)
+    torch.manual_seed(spec.train.seed)
     strategy = build_strategy(ctx)
-    loss_fn = loss_function(config.train)
-    strategy.setup(build_model(ctx.spec.model, config.train.seed, strategy.layers_to_build(),
+    loss_fn = loss_function(spec.train)
+    strategy.setup(build_model(ctx.spec.model, spec.train.seed, strategy.layers_to_build(),
                                lazy=strategy.builds_layer_by_layer),
-                   lambda params: build_optimizer(config.train, params),
+                   lambda params: build_optimizer(spec.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
-    checkpoints = RunCheckpoints(store, ctx.comm, strategy, config.train.checkpoint_every,
-                                 config.launch.timeout_s) if store else None
+    checkpoints = RunCheckpoints(store, ctx.comm, strategy, spec.train.checkpoint_every,
+                                 spec.launch.timeout_s) if store else None
     try:
         history, stopper = _train_epochs(ctx, strategy, loss_fn, resume, checkpoints)
         if checkpoints is not None:
@@ -75,13 +75,13 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
                   checkpoints: RunCheckpoints | None) -> tuple[History, "_Stopper"]:
     """Every epoch from the resumed position on, each ending in its agreed record; stops early on
     the epoch verdict (the same on every rank)."""
-    config = ctx.spec.config
+    spec = ctx.spec
     start, progress, history = _resume(ctx, strategy, resume)
-    stopper = _Stopper.of(config.train, progress if resume is not None else {})
+    stopper = _Stopper.of(spec.train, progress if resume is not None else {})
     metrics = run_metrics(ctx)
     _report_start(ctx)
     global_step = start.global_step
-    for epoch in range(start.epoch, config.train.epochs):
+    for epoch in range(start.epoch, spec.train.epochs):
         resuming = resume is not None and epoch == start.epoch
         bytes_before, started = ctx.comm.bytes_sent, time.perf_counter()
         totals = _EpochTotals(torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0,
@@ -90,7 +90,7 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
                               start.step if resuming else 0, global_step, ctx.transform_seconds)
         run_epoch(ctx, strategy, epoch, totals, checkpoints, history, stopper)
         global_step = totals.global_step
-        last = epoch == config.train.epochs - 1
+        last = epoch == spec.train.epochs - 1
         if last:
             strategy.finish()
         strategy.end_epoch()
@@ -171,20 +171,20 @@ class _Stopper:
 
 def build_strategy(ctx: WorkerContext) -> Strategy:
     """The configured strategy with its layout placed on the executors this job's ranks got."""
-    config = ctx.spec.config
-    speeds = config.launch.emulate_speed
+    spec = ctx.spec
+    speeds = spec.launch.emulate_speed
     if speeds and ctx.rank == 0:
         print(f"sparkdl: EMULATED compute speeds {list(speeds)} (launch.emulate_speed); data-parallel "
               "steps are stretched, timings are not this cluster's", flush=True)
     from sparkdl.executor.balance import loss_weight
 
-    total_steps = config.train.epochs * optimizer_steps(ctx.steps_per_epoch, config.train.accumulate_steps)
-    strategy = strategy_class(config.train.strategy)(
-        ctx.comm, ctx.spec.strategy_layout, config.train,
+    total_steps = spec.train.epochs * optimizer_steps(ctx.steps_per_epoch, spec.train.accumulate_steps)
+    strategy = strategy_class(spec.train.strategy)(
+        ctx.comm, ctx.spec.strategy_layout, spec.train,
         loss_weight=loss_weight(ctx.batch_shares, ctx.rank) if ctx.batch_shares else 1.0,
         compute_speed=float(speeds[ctx.rank]) if speeds else 1.0,
-        schedule=functools.partial(build_scheduler, config.train, total_steps=total_steps,
-                                   steps_per_epoch=optimizer_steps(ctx.steps_per_epoch, config.train.accumulate_steps)))
+        schedule=functools.partial(build_scheduler, spec.train, total_steps=total_steps,
+                                   steps_per_epoch=optimizer_steps(ctx.steps_per_epoch, spec.train.accumulate_steps)))
     note = strategy.place(tuple(ctx.world.executors))
     if note and ctx.rank == 0:
         print(note, flush=True)
@@ -208,7 +208,7 @@ def _resume(ctx: WorkerContext, strategy: Strategy, resume: Resume | None
 def _report_start(ctx: WorkerContext) -> None:
     if ctx.reporter is None:
         return
-    ctx.reporter.start(epochs=ctx.spec.config.train.epochs, steps_per_epoch=ctx.steps_per_epoch,
+    ctx.reporter.start(epochs=ctx.spec.train.epochs, steps_per_epoch=ctx.steps_per_epoch,
                        world_size=ctx.world_size, rows=sum(ctx.row_counts), hosts=sorted(set(ctx.world.hosts)),
                        rank_hosts=list(ctx.world.hosts), device=str(ctx.comm.device), gpus=list(ctx.world.gpus))
 
@@ -220,7 +220,7 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
     checkpointing as due. A checkpoint falls due at a step but is taken at the end of its
     accumulation window (accumulated gradients are not saved)."""
     device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
-    accumulate, save_due = ctx.spec.config.train.accumulate_steps, False
+    accumulate, save_due = ctx.spec.train.accumulate_steps, False
     fetch_started = time.perf_counter()
     for inputs, labels, weights in _triples(ctx, ctx.batches(epoch, start=totals.step)):
         step_started = time.perf_counter()
@@ -256,7 +256,7 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
     over the positions that count in the *global* batch (a mean of per-rank means is not), and a
     batch with none left gives 0, not NaN."""
     layout = ctx.spec.layout
-    if layout is not None and layout.label_ignores and ctx.spec.config.train.loss == "cross_entropy":
+    if layout is not None and layout.label_ignores and ctx.spec.train.loss == "cross_entropy":
         return ((inputs, labels, torch.ones(labels.shape[0]) if weights is None else weights)
                 for inputs, labels, weights in batches)
     if layout is not None and (layout.tensor_inputs or layout.weight_column):
@@ -295,7 +295,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
                  **peak_memory(ctx.comm.device), **totals.checkpoint)
     if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
         local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
-    if ctx.spec.config.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
+    if ctx.spec.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     for name, values in _gather_metrics(ctx, local).items():
         if name == "bytes_sent":

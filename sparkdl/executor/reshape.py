@@ -17,20 +17,21 @@ from typing import Any, Callable
 
 import torch
 
+from sparkdl.config import LaunchConfig, TrainConfig
 from sparkdl.errors import CheckpointError
 from sparkdl.executor.checkpoint import CheckpointStore, Position, Resume, StepRecord
 
 KEPT_PROGRESS = ("history", "early_stopping")
 
 
-def reshaper_for(config: Any) -> Callable[[CheckpointStore, StepRecord, int, Any], Resume] | None:
+def reshaper_for(train: TrainConfig, launch: LaunchConfig) -> Callable[[CheckpointStore, StepRecord, int, Any], Resume] | None:
     """find_resume's `reshape` for a run that may change size, or that continues another fit's
     checkpoints (train.resume_run) on another number of workers; None: same size only."""
     from sparkdl.config.elastic import is_elastic
 
-    if not is_elastic(config.launch) and not config.train.resume_run:
+    if not is_elastic(launch) and not train.resume_run:
         return None
-    return reshaper(config.train)
+    return reshaper(train)
 
 
 def reshaper(train: Any) -> Callable[[CheckpointStore, StepRecord, int, Any], Resume]:

@@ -52,7 +52,7 @@ class MetricSums:
 
 
 def run_metrics(ctx: WorkerContext) -> tuple[Metric, ...]:
-    return build_metrics(ctx.spec.config.train.metrics)
+    return build_metrics(ctx.spec.train.metrics)
 
 
 def validate(ctx: WorkerContext, strategy: Any, loss_fn: Any, metrics: Sequence[Metric],

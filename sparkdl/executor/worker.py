@@ -73,7 +73,7 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
                 # Spark reports the first task failure it hears of; let the rank that failed first
                 # (whose error made this collective break) be heard before this echo of it. A
                 # timeout has no such first rank (a stalled peer says nothing): fail at once.
-                time.sleep(spec.config.launch.peer_failure_delay_s)
+                time.sleep(spec.launch.peer_failure_delay_s)
             raise RuntimeError(failure_text(rank, detail, traceback.format_exc())) from None
         finally:
             if client is not None:
@@ -120,7 +120,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         spool, validation = _take_input(spec, context, batches, streaming, stack, clock)
         spooled_seconds = time.perf_counter() - task_started
         clock.lap("spool")
-        launch = spec.config.launch
+        launch = spec.launch
         world, listening, gathering = _rendezvous(spec, context, client)
         clock.lap("rendezvous")
         _limit_threads(spec, world, stack)
@@ -135,7 +135,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         row_counts = spec.row_counts if streaming else \
             tuple(int(n) for n in comm.allgather_object(spool.num_rows if spool is not None else 0))
         if spool is not None:
-            check_shards(row_counts, spec.config.data)  # same verdict on every rank: nobody waits in a collective
+            check_shards(row_counts, spec.data)  # same verdict on every rank: nobody waits in a collective
         store, resume, shares = _agree_before_training(spec, comm, world, row_counts)
         clock.lap("agreement")
         from sparkdl.executor.reporter import Reporter
@@ -143,7 +143,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         ctx = WorkerContext(world=world, comm=comm, spec=spec, row_counts=row_counts, spool=spool,
                             validation=validation, spooled_first_seconds=0.0 if streaming else spooled_seconds,
                             task_started=task_started, batch_shares=shares, clock=clock,
-                            reporter=Reporter(client, world.rank, spec.config.tracking.log_every))
+                            reporter=Reporter(client, world.rank, spec.tracking.log_every))
         history, payload, part = _train(ctx, context, gathering, resume, store)
         clock.lap("training")
         if streaming:
@@ -213,7 +213,7 @@ def _import_what_training_imports(spec: TrainSpec) -> None:
     import sparkdl.executor.loop  # noqa: F401
     from sparkdl.strategies import strategy_class
 
-    strategy_class(spec.config.train.strategy)
+    strategy_class(spec.train.strategy)
 
 
 def _read_own_rows(spec: TrainSpec, rank: int, placeholder: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -249,7 +249,7 @@ def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, 
     from sparkdl import comm as comm_registry
     from sparkdl.executor.rendezvous import rendezvous, rendezvous_through_driver
 
-    launch = spec.config.launch
+    launch = spec.launch
     backend = comm_registry.backend_class(launch.backend)
     listening = backend.listen(launch.timeout_s) if backend.listens and context.partitionId() == 0 else None
     port = listening[0] if listening else 0
@@ -274,15 +274,14 @@ def _agree_before_training(spec: TrainSpec, comm: Communicator, world: WorldInfo
     from sparkdl.executor.reshape import reshaper_for
 
     store = open_store(spec, world.rank)
-    resume = find_resume(store, comm, reshaper_for(spec.config)) if store is not None else None
+    resume = find_resume(store, comm, reshaper_for(spec.train, spec.launch)) if store is not None else None
     started_with = resume.progress.get("batch_shares") if resume is not None else None
-    config = spec.config
-    return store, resume, agreed_shares(config.train, config.data.batch_size, config.launch.emulate_speed, comm,
+    return store, resume, agreed_shares(spec.train, spec.data.batch_size, spec.launch.emulate_speed, comm,
                                         world.rank, world.size, row_counts, started_with)
 
 
 def _maybe_emulate(spec: TrainSpec, comm: Communicator) -> Communicator:
-    options = spec.config.launch.emulate_network
+    options = spec.launch.emulate_network
     if not options:
         return comm
     from sparkdl.comm.emulated import EmulatedNetwork, network_from_options
@@ -321,8 +320,8 @@ def _stream_input(spec: TrainSpec, rank: int, batches: Iterable[pa.RecordBatch],
     from sparkdl.data.streaming_spool import StreamingSpool
     from sparkdl.data.arrow_rows import spool_columns
 
-    data = spec.config.data
-    one_pass = spec.train_fn is None and spool_mode(data.spool, spec.config.train) == "none"
+    data = spec.data
+    one_pass = spec.train_fn is None and spool_mode(data.spool, spec.train) == "none"
     expected = spec.row_counts[rank]
     # Under spool="none" a shard smaller than epoch 1's steps need wraps around copies of its first rows.
     plan = epoch_plan(spec.row_counts, data)
@@ -342,7 +341,7 @@ def _spool_writer(spec: TrainSpec, clock: Any) -> Any:
     from sparkdl.data.batches import Spool
     from sparkdl.data.spool_space import spool_bytes
 
-    directory = spec.config.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+    directory = spec.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
     expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
     return lambda batches, check=True: Spool.write(batches, spec.layout, directory,
                                                    expected_bytes=expected if check else 0, clock=clock)
@@ -396,7 +395,7 @@ def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
 def _limit_threads(spec: TrainSpec, world: WorldInfo, stack: ExitStack) -> None:
     import torch
 
-    threads = rank_threads(spec.config.launch.threads_per_worker, os.cpu_count(), world.local_size)
+    threads = rank_threads(spec.launch.threads_per_worker, os.cpu_count(), world.local_size)
     # Python workers are reused by later tasks (inference too): give them back what they had.
     stack.callback(torch.set_num_threads, torch.get_num_threads())
     torch.set_num_threads(threads)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
 
 from sparkdl.errors import ModelError
 from sparkdl.model.layer_factories import real_layers
+
+# What a model is called on: one tensor, a tuple of tensors (several inputs) or a dict of them (input_cols as a dict).
+ModelInputs = Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,8 @@ class ModelInput:
 
     shape: tuple[int, ...] = ()  # per row, of a single input tensor (() for several inputs)
     dtype: str = "float32"
-    sample: Any = None  # a few rows of real inputs: a tensor, a tuple or a dict of tensors
-    label: Any = None  # their labels, or None
+    sample: "ModelInputs | None" = None  # a few rows of real inputs
+    label: "torch.Tensor | None" = None  # their labels, or None
     label_shape: tuple[int, ...] = ()
 
     @classmethod

@@ -17,9 +17,12 @@ import re
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from sparkdl.errors import SparkdlError
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 WRITE_PIECE_BYTES = 8 << 20
 _SCHEME = re.compile(r"^[A-Za-z][\w+.-]+:")  # two letters or more: C:\\ is a Windows drive, not a scheme  # one write() to a stream: bounded so no second copy of a large payload forms
@@ -29,7 +32,7 @@ _SCHEME = re.compile(r"^[A-Za-z][\w+.-]+:")  # two letters or more: C:\\ is a Wi
 class Location:
     """A resolved path: the pyarrow filesystem, the path on it, and whether it is this host's disk."""
 
-    fs: Any  # pyarrow.fs.FileSystem
+    fs: "pafs.FileSystem"
     path: str
     local: bool
 

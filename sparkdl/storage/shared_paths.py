@@ -109,13 +109,14 @@ def _rank_markers(spark: Any, probe: str, ranks: int) -> list[tuple[int, str, st
     return [(int(r), str(h), str(w)) for r, h, w in rdd.collect()]
 
 
-def shared_dirs_of(config: Any) -> list[tuple[str, str | None]]:
-    """(option, path) of the run's directories the ranks and the driver must share."""
-    return [("train.checkpoint_dir", config.train.checkpoint_dir), ("launch.run_dir", config.launch.run_dir)]
+def shared_dirs_of(train: Any, launch: Any) -> list[tuple[str, str | None]]:
+    """(option, path) of the run's directories the ranks and the driver must share (config.TrainConfig
+    and LaunchConfig: storage/ does not import config)."""
+    return [("train.checkpoint_dir", train.checkpoint_dir), ("launch.run_dir", launch.run_dir)]
 
 
-def check_run_dirs(spark: Any, config: Any, ranks: int) -> None:
-    for option, path in shared_dirs_of(config):
+def check_run_dirs(spark: Any, train: Any, launch: Any, ranks: int) -> None:
+    for option, path in shared_dirs_of(train, launch):
         check_shared(spark, path, ranks, option)
 
 

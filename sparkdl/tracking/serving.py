@@ -8,7 +8,7 @@ No pyspark and no mlflow at import: executors and scoring servers load it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -16,12 +16,15 @@ import pyarrow as pa
 from sparkdl.data.arrow_rows import slice_rows
 from sparkdl.data.layout import BINARY, FIXED, RAGGED, TEXT, FeedLayout
 
+if TYPE_CHECKING:
+    import torch
+
 PROBABILITIES = "probabilities"
 
 
 @dataclass
 class ServedModel:
-    module: Any  # torch.nn.Module, in eval mode
+    module: "torch.nn.Module | None"  # in eval mode; None in a saved skeleton (the weights travel apart)
     layout: FeedLayout
     output_kind: str
     transform_fn: Callable[[dict], dict] | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
-from sparkdl.config import RunConfig
+from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.data.parquet_shards import ParquetShards
 from sparkdl.model.layouts import StrategyLayout
@@ -28,7 +28,11 @@ ModelSpec = Union["torch.nn.Module", Callable[[], "torch.nn.Module"], Sequence[C
 @dataclass(frozen=True)
 class TrainSpec:
     run_id: str
-    config: RunConfig  # final: the resolved plan's strategy options merged in
+    # The config sections a rank reads (never the whole RunConfig: input/output/model stay on the driver).
+    data: DataConfig
+    train: TrainConfig  # final: the resolved plan's strategy options merged in; callbacks stay on the driver
+    launch: LaunchConfig
+    tracking: TrackingConfig
     layout: FeedLayout | None  # how the prepared Arrow batches are laid out; None without a DataFrame
     model: ModelSpec = None  # the built-in loop's model; None with a custom train_fn
     train_fn: Callable[["WorkerContext"], Any] | None = None  # custom loop of sparkdl.run; None => built-in strategy
@@ -47,4 +51,4 @@ class TrainSpec:
 
     @property
     def world_size(self) -> int:
-        return self.config.launch.num_workers
+        return self.launch.num_workers

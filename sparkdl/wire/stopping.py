@@ -79,7 +79,7 @@ def epoch_verdict(ctx: Any, record: dict[str, Any], early_reason: str | None) ->
         if ctx.spec.driver_callbacks and ctx.reporter is not None:
             # Peers wait in the agreement below, whose collective times out after launch.timeout_s:
             # give up on the driver first (and train on) rather than break the job.
-            wait = 0.8 * ctx.spec.config.launch.timeout_s
+            wait = 0.8 * ctx.spec.launch.timeout_s
             reply = ctx.reporter.ask_epoch(record, wait)
             if reply is None:
                 print(f"sparkdl: WARNING the driver's callbacks gave no verdict on epoch {record.get('epoch')} within "

@@ -30,7 +30,8 @@ def context(config: RunConfig, row_counts: tuple[int, ...], shares: tuple[int, .
             spool: Any = None) -> WorkerContext:
     world = WorldInfo(rank=rank, size=len(row_counts), local_rank=rank, local_size=len(row_counts),
                       hosts=("h",) * len(row_counts), master_addr="127.0.0.1", master_port=1)
-    spec = TrainSpec(run_id="r", config=config, layout=LAYOUT)
+    spec = TrainSpec(run_id="r", data=config.data, train=config.train, launch=config.launch,
+                     tracking=config.tracking, layout=LAYOUT)
     return WorkerContext(world=world, comm=_NoComm(), spec=spec, row_counts=row_counts, batch_shares=shares,
                          spool=spool)  # type: ignore[arg-type]
 

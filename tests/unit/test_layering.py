@@ -690,14 +690,9 @@ def run_config_takers(source: str) -> list[str]:
     return found
 
 
-# Below the entry points, modules that still take the whole RunConfig (issue 41's stages, what is left;
-# the list may only shrink): driver.planning's resolve / reuse / settle_without_planner /
-# find_declared_islands merge the plan's train options into a validated RunConfig, and wire.spec's
-# TrainSpec carries the executors' whole view (WorkerContext.config is public, for custom loops).
-STILL_TAKE_RUN_CONFIG = frozenset({
-    "sparkdl.driver.planning",
-    "sparkdl.wire.spec",
-})
+# Below the entry points, modules that still take the whole RunConfig (the list may only shrink; it is
+# empty since the planning stage works on sections and the TrainSpec carries the four a rank reads).
+STILL_TAKE_RUN_CONFIG: frozenset[str] = frozenset()
 TAKE_SECTIONS = ("sparkdl.data", "sparkdl.tracking", "sparkdl.model", "sparkdl.storage", "sparkdl.strategies",
                  "sparkdl.comm", "sparkdl.spark")
 

@@ -161,11 +161,9 @@ def test_the_manifest_keeps_each_steps_world_size() -> None:
 
 def test_changes_are_recorded_on_the_first_epoch_after_them() -> None:
     class Spec:
-        world_size = 3
-
-        class config:  # noqa: N801 - a stand-in for RunConfig's sections
-            launch = RunConfig.from_kwargs(feature_cols=["a"], num_workers=3, min_workers=2, checkpoint_dir="/x").launch
-            train = TrainConfig(epochs=4)
+        world_size = 3  # a stand-in for the TrainSpec's sections
+        launch = RunConfig.from_kwargs(feature_cols=["a"], num_workers=3, min_workers=2, checkpoint_dir="/x").launch
+        train = TrainConfig(epochs=4)
 
     resizing = Resizing(None, lambda workers, change: (None, None), None, Spec, None)
     change = MembershipChange(1.0, 3, 2, ("h3",), (), "hosts lost", 6, 12)

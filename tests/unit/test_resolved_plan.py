@@ -13,10 +13,15 @@ from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import ConfigError
 from sparkdl.model.layouts import HybridLayout, IstLayout, default_grid
 from sparkdl.planner.plan import Candidate, Plan
-from sparkdl.driver.planning import plan_strategy, reuse
+from sparkdl.driver.planning import plan_strategy
+from sparkdl.driver.planning import reuse as reuse_sections
 from sparkdl.planner.resolved import ResolvedPlan
 
 FEED = FeedLayout(num_features=8, label_dtype="int64", source_feature_cols=("x",), num_classes=3)
+
+
+def reuse(plan, module, config, layout):  # type: ignore[no-untyped-def]
+    return reuse_sections(plan, module, config.data, config.train, config.launch, layout)
 
 
 def mlp() -> nn.Sequential:
