@@ -670,7 +670,8 @@ def test_the_table_parser_reads_rows_and_the_every_package_row() -> None:
 # --- the whole RunConfig stops at the entry points -------------------------------------------
 
 def run_config_takers(source: str) -> list[str]:
-    """The functions whose parameters, and the classes whose fields, are typed RunConfig."""
+    """The functions whose parameters, and the classes whose fields, are typed RunConfig, and the
+    functions with a parameter named `config` (a RunConfig passed untyped, as `config: Any`)."""
     def is_run_config(annotation: ast.expr | None) -> bool:
         if annotation is None:
             return False
@@ -682,7 +683,7 @@ def run_config_takers(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
-            if any(is_run_config(a.annotation) for a in args):
+            if any(is_run_config(a.annotation) or a.arg == "config" for a in args):
                 found.append(f"{node.name}()")
         elif isinstance(node, ast.ClassDef):
             if any(isinstance(s, ast.AnnAssign) and is_run_config(s.annotation) for s in node.body):
@@ -709,6 +710,7 @@ def test_below_the_entry_points_only_the_listed_modules_take_a_whole_run_config(
 
 
 def test_the_run_config_check_sees_parameters_fields_and_string_annotations() -> None:
-    source = ("def a(config: RunConfig) -> None: ...\ndef b(config: 'RunConfig | None' = None) -> None: ...\n"
-              "def c(data: DataConfig) -> None: ...\nclass S:\n    config: RunConfig\n")
-    assert run_config_takers(source) == ["a()", "b()", "S"]
+    source = ("def a(config: RunConfig) -> None: ...\ndef b(cfg: 'RunConfig | None' = None) -> None: ...\n"
+              "def c(data: DataConfig) -> None: ...\nclass S:\n    config: RunConfig\n"
+              "def d(spark, config: Any) -> None: ...\n")
+    assert run_config_takers(source) == ["a()", "b()", "S", "d()"]
