@@ -11,6 +11,7 @@ subprocesses too (tests/support/connect_client.py, `sparkdl train --remote`).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -23,6 +24,7 @@ from standalone import environment, free_port
 SPARK_SUBMIT = Path(pyspark.__file__).parent / "bin" / "spark-submit"
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 READY_LINE = "Spark Connect server started at"
+BOUND = re.compile(r"Spark Connect server started at:?\s*\S*?:(\d+)")
 
 
 class ConnectServer:
@@ -46,7 +48,13 @@ class ConnectServer:
                                              env=environment(), start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if READY_LINE in self.log.read_text(errors="replace"):
+            text = self.log.read_text(errors="replace")
+            if READY_LINE in text:
+                # Spark binds the next port up when the one asked for was taken meanwhile: read where it is.
+                bound = BOUND.search(text)
+                if bound is not None and int(bound.group(1)) != self.port:
+                    self.port = int(bound.group(1))
+                    self.url = f"sc://127.0.0.1:{self.port}"
                 return self
             if self._process.poll() is not None:
                 break

@@ -5,6 +5,7 @@ applications on this cluster run in subprocesses (spark-submit, or a Python driv
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,12 @@ import pyspark
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 
 
+MASTER_URL = re.compile(r"Starting Spark master at (spark://\S+:(\d+))")
+
+
 def free_port() -> int:
+    """A port the OS says is free now, for a server that takes a number and says where it bound
+    (callers read the bound port back; never rely on this one staying free)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -35,8 +41,8 @@ class StandaloneCluster:
     def __init__(self, workdir: Path, cores: int = 1, memory: str = "1g") -> None:
         self.workdir = workdir
         self.cores, self.memory = cores, memory
-        self.port = free_port()
-        self.url = f"spark://127.0.0.1:{self.port}"
+        self.port = 0  # the master binds a port the OS assigns; start_master reads it from the master's log
+        self.url = ""
         self._processes: list[subprocess.Popen[Any]] = []
 
     def _start(self, name: str, *args: str) -> subprocess.Popen[Any]:
@@ -47,9 +53,14 @@ class StandaloneCluster:
         return process
 
     def start_master(self) -> "StandaloneCluster":
-        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
-                    str(self.port), "--webui-port", str(free_port()))
+        # Port 0 everywhere: the OS assigns them, so no picked port can be taken before it is bound.
+        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", "0",
+                    "--webui-port", "0")
         self._wait_for("master", "I have been elected leader")
+        found = MASTER_URL.search((self.workdir / "master.log").read_text(errors="replace"))
+        if found is None:
+            raise RuntimeError(f"the master logged no URL:\n{(self.workdir / 'master.log').read_text()[-3000:]}")
+        self.url, self.port = found.group(1), int(found.group(2))
         return self
 
     def start_worker(self, index: int) -> None:
@@ -57,7 +68,7 @@ class StandaloneCluster:
         work.mkdir(exist_ok=True)
         self._start(f"worker-{index}", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores",
                     str(self.cores), "--memory", self.memory, "--work-dir", str(work), "--webui-port",
-                    str(free_port()), self.url)
+                    "0", self.url)
         self._wait_for(f"worker-{index}", "Successfully registered with master")
 
     def _wait_for(self, name: str, line: str, timeout_s: float = 90.0) -> None:
