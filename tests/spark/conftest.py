@@ -1,10 +1,13 @@
 """One session-scoped SparkSession for every Spark test: two real executors of two cores each
 (local-cluster; four barrier slots, for hybrid 2 x 2), so
-barrier tasks, rendezvous and result collection cross process boundaries as on a cluster."""
+barrier tasks, rendezvous and result collection cross process boundaries as on a cluster.
+One multi-host bed (`bed`) for every bed module, started by the first that asks for it."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -70,3 +73,21 @@ def calibration_cache(tmp_path_factory) -> Iterator[None]:  # type: ignore[no-un
         os.environ.pop("SPARKDL_CACHE_DIR", None)
     else:
         os.environ["SPARKDL_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def bed():  # type: ignore[no-untyped-def]
+    """The multi-host bed (tests/support/multihost.py): a standalone master, a driver host, a client
+    host and three worker hosts of two cores, shared by test_multihost and test_multihost_elastic
+    (each asks for the cores per host its scenarios need: bed.use_worker_cores). Needs root."""
+    import multihost
+
+    reason = multihost.why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    # Outside /tmp: every emulated host mounts a /tmp of its own; the bed's shared directory is here.
+    root = Path("/var/tmp") / f"sparkdl-bed-{os.getpid()}"
+    shutil.rmtree(root, ignore_errors=True)
+    with multihost.Bed(root, workers=3, worker_cores=2) as started:
+        yield started
+    shutil.rmtree(root, ignore_errors=True)

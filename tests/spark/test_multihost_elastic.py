@@ -3,19 +3,18 @@ worker hosts, one of which is lost for good mid-fit (its Spark Worker and execut
 link cut): data parallel goes on with 2 hosts and ends with the weights of a run that resumed the
 same checkpoint on 2 workers; DiLoCo and sharded end within 2 % of the eval loss of an
 uninterrupted 3-host run; the host comes back and DiLoCo grows to 3 at the next epoch end.
-A bed of its own (a lost host would disturb test_multihost's scenarios). Needs root.
+The session's bed, after test_multihost's scenarios (a lost host would disturb them), with one
+core per worker host. Needs root.
 
 Run alone: `.venv/bin/python -m pytest tests/spark/test_multihost_elastic.py -v` (as root)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -34,29 +33,21 @@ SCENARIOS = ["elastic-data_parallel", "elastic-diloco", "steady-diloco", "elasti
 
 
 @pytest.fixture(scope="module")
-def bed_results() -> Iterator[dict[str, Any]]:
-    root = Path("/var/tmp") / f"sparkdl-bed-elastic-{os.getpid()}"
-    shutil.rmtree(root, ignore_errors=True)
-    try:
-        with multihost.Bed(root, workers=3, worker_cores=1) as bed:
-            out, ask = bed.shared / "results.json", bed.shared / "ask"
-            with Controller(bed, ask) as controller:
-                done = bed.run_on(bed.driver, [sys.executable, str(DRIVER), bed.master_url, str(out),
-                                               ",".join(SCENARIOS), "--shared", str(bed.shared), "--ask", str(ask)],
-                                  timeout=1000)
-            print(done.stderr[-6000:])
-            assert out.exists(), f"the driver wrote no results (rc {done.returncode}):\n{done.stderr[-4000:]}"
-            results = json.loads(out.read_text())
-            results["controller"] = list(controller.log)
-            # What the tests read from the shared directory, before the bed goes.
-            keep = Path(str(root) + "-kept")
-            shutil.rmtree(keep, ignore_errors=True)
-            shutil.copytree(bed.shared, keep, ignore=shutil.ignore_patterns("ask"))
-            results["kept"] = str(keep)
-        yield results
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(Path(str(root) + "-kept"), ignore_errors=True)
+def bed_results(bed: multihost.Bed) -> dict[str, Any]:
+    # One core per worker host: a lost host takes exactly one slot with it (the session's bed,
+    # tests/spark/conftest.py, shared with test_multihost, whose scenarios ran on two per host).
+    bed.use_worker_cores(1)
+    out, ask = bed.shared / "results-elastic.json", bed.shared / "ask-elastic"
+    with Controller(bed, ask) as controller:
+        done = bed.run_on(bed.driver, [sys.executable, str(DRIVER), bed.master_url, str(out),
+                                       ",".join(SCENARIOS), "--shared", str(bed.shared), "--ask", str(ask)],
+                          timeout=1000)
+    print(done.stderr[-6000:])
+    assert out.exists(), f"the driver wrote no results (rc {done.returncode}):\n{done.stderr[-4000:]}"
+    results = json.loads(out.read_text())
+    results["controller"] = list(controller.log)
+    results["kept"] = str(bed.shared)  # the session's bed keeps its shared directory to the end
+    return results
 
 
 def ok(results: dict[str, Any], name: str) -> dict[str, Any]:

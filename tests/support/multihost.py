@@ -268,13 +268,7 @@ class Bed:
                                              self.master.address, "--port", str(MASTER_PORT), "--webui-port",
                                              "8080"], "master")
         wait_for_line(master, "I have been elected leader", 90)
-        for host in self.workers:
-            work = self.root / "hosts" / host.name / "work"
-            work.mkdir(parents=True, exist_ok=True)
-            self.start_on(host, [str(SPARK_CLASS), "org.apache.spark.deploy.worker.Worker", "--cores",
-                                 str(self.worker_cores), "--memory", self.worker_memory, "--work-dir", str(work),
-                                 "--webui-port", "8081", self.master_url], "worker")
-        for started in self._started[1:]:
+        for started in [self._start_worker(host) for host in self.workers]:
             wait_for_line(started, "Successfully registered with master", 90)
 
     def worker_process(self, host: Host) -> Started:
@@ -296,12 +290,33 @@ class Bed:
     def return_host(self, host: Host) -> None:
         """A replacement on the same host: its link mended and a new Worker registered."""
         self.mend(host)
+        wait_for_line(self._start_worker(host), "Successfully registered with master", 90)
+
+    def use_worker_cores(self, cores: int) -> None:
+        """Every worker host's Spark Worker offering `cores` cores: the Workers (and any executors
+        under them) replaced when they offer another count. For modules sharing one bed whose
+        scenarios need different slots per host; no application may be running."""
+        if cores == self.worker_cores:
+            return
+        for host in self.workers:
+            worker = self.worker_process(host)
+            for pid in descendants(worker.process.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            kill_group(worker.process)  # a Worker that stops deregisters: the master forgets it at once
+        self.worker_cores = cores
+        for started in [self._start_worker(host) for host in self.workers]:
+            wait_for_line(started, "Successfully registered with master", 90)
+
+    def _start_worker(self, host: Host) -> Started:
         count = sum(1 for s in self._started if s.host == host and s.log.name.startswith("worker"))
         work = self.root / "hosts" / host.name / "work"
-        started = self.start_on(host, [str(SPARK_CLASS), "org.apache.spark.deploy.worker.Worker", "--cores",
-                                       str(self.worker_cores), "--memory", self.worker_memory, "--work-dir", str(work),
-                                       "--webui-port", "8081", self.master_url], f"worker-{count}")
-        wait_for_line(started, "Successfully registered with master", 90)
+        work.mkdir(parents=True, exist_ok=True)
+        return self.start_on(host, [str(SPARK_CLASS), "org.apache.spark.deploy.worker.Worker", "--cores",
+                                    str(self.worker_cores), "--memory", self.worker_memory, "--work-dir", str(work),
+                                    "--webui-port", "8081", self.master_url], f"worker-{count}" if count else "worker")
 
     def stop(self) -> None:
         # Executor JVMs (and their Python workers) run in sessions of their own under the workers:
