@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ if mode == "stage":  # the same application: 2 executors x 2 GPUs hold only 2 ra
         sparkdl.run(report, num_workers=4, progress=False, gpus_per_worker=2)
     except sparkdl.SparkdlError as exc:
         print("REFUSED " + json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+    exec(open(sys.argv[3]).read())  # scoring in this CPU-default application too (INFERENCE below)
 spark.stop()
 '''
 
@@ -69,8 +71,14 @@ def run_script(directory: Path, source: str, *args: str) -> dict[str, list[Any]]
 
 @pytest.fixture(scope="module")
 def applications(tmp_path_factory) -> dict[str, dict[str, list[Any]]]:  # type: ignore[no-untyped-def]
-    """One application per mode; "stage" also tries a run its GPUs cannot hold."""
-    return {mode: run_script(tmp_path_factory.mktemp(mode), SCRIPT, mode) for mode in ("application", "stage")}
+    """One application per mode, both at once (each mostly waits on JVMs starting); "stage" also
+    tries a run its GPUs cannot hold, and scores (INFERENCE_SCRIPT)."""
+    inference = tmp_path_factory.mktemp("inference") / "inference.py"
+    inference.write_text(INFERENCE_SCRIPT)
+    with ThreadPoolExecutor(2) as pool:
+        runs = {mode: pool.submit(run_script, tmp_path_factory.mktemp(mode), SCRIPT, mode, str(inference))
+                for mode in ("application", "stage")}
+        return {mode: run.result() for mode, run in runs.items()}
 
 
 @pytest.mark.parametrize("mode", ["application", "stage"])
@@ -88,20 +96,13 @@ def test_every_rank_gets_its_own_gpu_address(applications, mode: str) -> None:  
 
 
 
+# Run inside the "stage" application (CPU-default tasks, two executors of two GPU addresses each):
+# one application fewer to start.
 INFERENCE_SCRIPT = '''
-import json, os, sys
-os.environ["PYSPARK_PYTHON"] = sys.executable
 import torch
 from pyspark import TaskContext
-from pyspark.sql import SparkSession
 from sparkdl import TorchModel
 from sparkdl.data.layout import FeedLayout
-discover = sys.argv[1]
-spark = (SparkSession.builder.master("local-cluster[1,2,1024]").config("spark.ui.enabled", "false")
-         .config("spark.executor.memory", "1g")
-         .config("spark.worker.resource.gpu.amount", "2").config("spark.worker.resource.gpu.discoveryScript", discover)
-         .config("spark.executor.resource.gpu.amount", "2")
-         .config("spark.executor.resource.gpu.discoveryScript", discover).getOrCreate())  # CPU-default tasks
 
 
 class WhichGpu(torch.nn.Module):
@@ -124,8 +125,7 @@ for amount in (0.0, 0.5):  # one application, both scoring stages
     if amount:
         model.setInferenceGpus(amount)
     rows = model.transform(df).select("prediction").collect()
-    print("RESULT " + json.dumps([amount, sorted(r.prediction for r in rows)]))
-spark.stop()
+    print("SCORES " + json.dumps([amount, sorted(r.prediction for r in rows)]))
 '''
 
 
@@ -136,9 +136,8 @@ def test_too_few_gpu_slots_are_refused_before_the_job(applications) -> None:  # 
 
 
 @pytest.fixture(scope="module")
-def inference_scores(tmp_path_factory) -> dict[float, list[float]]:  # type: ignore[no-untyped-def]
-    results = run_script(tmp_path_factory.mktemp("inference"), INFERENCE_SCRIPT)["RESULT"]
-    return {amount: scores for amount, scores in results}
+def inference_scores(applications) -> dict[float, list[float]]:  # type: ignore[no-untyped-def]
+    return {amount: scores for amount, scores in applications["stage"]["SCORES"]}
 
 
 @pytest.mark.parametrize("amount", [0.0, 0.5])
