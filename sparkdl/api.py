@@ -28,14 +28,18 @@ from sparkdl.tracking.phases import Phases
 from sparkdl.wire.spec import TrainSpec
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    import torch
+    from pyspark.sql import DataFrame, SparkSession
+
+    from sparkdl.executor.context import WorkerContext
+    from sparkdl.wire.spec import ModelSpec
 
 __all__ = ["fit", "run", "plan", "predict", "FitResult", "kept_plan", "output_kind", "check_backend"]
 
 _log = logging.getLogger("sparkdl")
 
 
-def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -> ResolvedPlan:
+def plan(model: ModelSpec, df: DataFrame, config: RunConfig | None = None, **options: Any) -> ResolvedPlan:
     """The resolved plan a fit with these options would follow, without training: under
     strategy="auto" the planner's `candidates`, `choice` and `explain()`; `strategy`, `options`,
     the typed `layout`. Keep it and pass it to `TorchEstimator(plan=...)` to train with exactly it."""
@@ -54,7 +58,7 @@ def plan(model: Any, df: Any, config: RunConfig | None = None, **options: Any) -
                    prepared.num_rows, fallback=False, sample=sample)
 
 
-def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
+def fit(df: DataFrame, model: ModelSpec, config: RunConfig, validation_df: DataFrame | None = None,
         plan: ResolvedPlan | str | None = None) -> FitResult:
     """Train `model` on `df` with `config` on a barrier job; the stages of sparkdl/fit_stages.py in order."""
     phases = Phases()
@@ -69,7 +73,7 @@ def fit(df: Any, model: Any, config: RunConfig, validation_df: Any = None,
     return collect(df, request, data, planned, ran, phases)
 
 
-def run(train_fn: Callable[[Any], Any], df: Any = None, num_workers: int = 2, **options: Any) -> Any:
+def run(train_fn: Callable[[WorkerContext], Any], df: DataFrame | None = None, num_workers: int = 2, **options: Any) -> Any:
     """Call train_fn(ctx) on every rank of a barrier job; returns rank 0's return value.
 
     Stages: validate (options, slots, preflight) -> prepare data (the rows dealt to ranks, counted) ->
@@ -100,7 +104,7 @@ class RunFeed:
     packed: bool = False
 
 
-def _run_feed(spark: Any, df: Any, config: RunConfig) -> RunFeed:
+def _run_feed(spark: SparkSession, df: DataFrame | None, config: RunConfig) -> RunFeed:
     from sparkdl.data.epochs import check_shards
     from sparkdl.data.prepare import prepare_run
 
@@ -118,7 +122,7 @@ def _run_feed(spark: Any, df: Any, config: RunConfig) -> RunFeed:
                    prepared.num_rows + prepared.num_validation_rows, prepared.packed is not None)
 
 
-def _run_spec(train_fn: Callable[[Any], Any], config: RunConfig, feed: RunFeed) -> TrainSpec:
+def _run_spec(train_fn: Callable[[WorkerContext], Any], config: RunConfig, feed: RunFeed) -> TrainSpec:
     from sparkdl.driver.job import new_run_id
 
     ship_by_value(train_fn, config.data.transform_fn)
@@ -154,7 +158,7 @@ def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any
     return config.merged({"data": {"feature_cols": tuple(features), "label_col": label}}).validate()
 
 
-def predict(df: Any, module: Any, layout: Any, kind: str, prediction_col: str = "prediction",
+def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: str, prediction_col: str = "prediction",
             batch_size: int = 1024, gpus_per_task: float = 0.0, served: Any = None) -> Any:
     """Append `prediction_col` computed on the executors through mapInArrow; every input column kept.
 
