@@ -20,12 +20,11 @@ from sparkdl.config.training import (DELIVERY_MODES, check_outer_sync, SPOOL_MOD
                                      check_training_essentials)
 from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
 from sparkdl.config.elastic import check_worker_range
-from sparkdl.config.merging import check_across_sections, merged_section, train_with  # noqa: F401 - public here
+from sparkdl.config.merging import check_across_sections, merged_section
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
-           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest", "merged_section",
-           "check_across_sections", "train_with"]
+           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")

@@ -27,8 +27,8 @@ from sparkdl.errors import ModelError
 Assemble = Callable[[Arrays], Any]
 # One batch as the model sees it: (inputs, label, weight); inputs one tensor, a tuple, or a dict (input_cols
 # given as a dict); label and weight None where the run has none.
-SampleBatch = tuple[Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]], Optional[torch.Tensor],
-                    Optional[torch.Tensor]]
+ModelInputs = Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
+SampleBatch = tuple[ModelInputs, Optional[torch.Tensor], Optional[torch.Tensor]]
 _NUMPY_DTYPES = {"bfloat16": "float32", "float16": "float16"}  # numpy has no bfloat16: converted in torch
 
 

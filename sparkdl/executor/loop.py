@@ -53,7 +53,7 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
     torch.manual_seed(spec.train.seed)
     strategy = build_strategy(ctx)
     loss_fn = loss_function(spec.train)
-    strategy.setup(build_model(ctx.spec.model, spec.train.seed, strategy.layers_to_build(),
+    strategy.setup(build_model(spec.model, spec.train.seed, strategy.layers_to_build(),
                                lazy=strategy.builds_layer_by_layer),
                    lambda params: build_optimizer(spec.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
@@ -180,7 +180,7 @@ def build_strategy(ctx: WorkerContext) -> Strategy:
 
     total_steps = spec.train.epochs * optimizer_steps(ctx.steps_per_epoch, spec.train.accumulate_steps)
     strategy = strategy_class(spec.train.strategy)(
-        ctx.comm, ctx.spec.strategy_layout, spec.train,
+        ctx.comm, spec.strategy_layout, spec.train,
         loss_weight=loss_weight(ctx.batch_shares, ctx.rank) if ctx.batch_shares else 1.0,
         compute_speed=float(speeds[ctx.rank]) if speeds else 1.0,
         schedule=functools.partial(build_scheduler, spec.train, total_steps=total_steps,

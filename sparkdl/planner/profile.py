@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,8 +18,8 @@ from torch import nn
 from sparkdl.errors import ModelError
 from sparkdl.model.layer_factories import real_layers
 
-# What a model is called on: one tensor, a tuple of tensors (several inputs) or a dict of them (input_cols as a dict).
-ModelInputs = Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
+if TYPE_CHECKING:
+    from sparkdl.data.assemble import ModelInputs  # one tensor, a tuple of them, or a dict (input_cols as a dict)
 
 
 @dataclass(frozen=True)
