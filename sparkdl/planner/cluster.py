@@ -96,16 +96,21 @@ class ClusterInfo:
 
     def executor_links(self) -> tuple[tuple[str, str, float, float], ...]:
         """(executor a, executor b, latency, bandwidth) for every measured pair, keyed by executor
-        address: Spark places a job's ranks on executors anew, so rank indices do not carry over."""
+        address: Spark places a job's ranks on executors anew, so rank indices do not carry over.
+        Latency is each pair's best repeat where it was measured: the hybrid grid's boundaries carry
+        a microbatch's activations (often a few KB), so placement turns on latencies, and load on a
+        shared host adds noise to a pair's median larger than a slow link's transfer time, while it
+        never shortens a repeat. Bandwidth stays the typical (median) one."""
         if len(self.rank_executors) != self.workers:
             return ()
+        latencies = self.best_latency_s if self.has_spread else self.latency_s
         best: dict[tuple[str, str], tuple[float, float]] = {}
         for i in range(self.workers):
             for j in range(self.workers):
                 if i == j:
                     continue
                 a, b = sorted((self.rank_executors[i], self.rank_executors[j]))
-                latency, bandwidth = self.latency_s[i][j], self.bandwidth_Bps[i][j]
+                latency, bandwidth = latencies[i][j], self.bandwidth_Bps[i][j]
                 old = best.get((a, b))
                 best[(a, b)] = (max(latency, old[0]), min(bandwidth, old[1])) if old else (latency, bandwidth)
         return tuple((a, b, lat, bw) for (a, b), (lat, bw) in sorted(best.items()))

@@ -47,13 +47,15 @@ def test_a_cluster_info_from_facts_and_a_probe() -> None:
     assert info.slots == 4 and info.executor_memory == "2g" and info.gpus_per_task == 0.5
     assert info.flops_per_s == (2e10, 1e10) and info.slowest_flops == 1e10
     assert info.worst_link() == (1e-3, 1e8) and info.threads_per_rank == (2, 2) and info.threads_option == 2
-    assert info.rank_executors == ("h:2", "h:1") and info.executor_links() == (("h:1", "h:2", 1e-3, 1e8),)
+    # placement reads each pair's best latency (load only adds to it) and its typical bandwidth
+    assert info.rank_executors == ("h:2", "h:1") and info.executor_links() == (("h:1", "h:2", 5e-4, 1e8),)
     best = info.optimistic()
     assert best.flops_per_s == (4e10, 2e10) and best.worst_link() == (5e-4, 2e8)
     assert best.collective_latency_s == 5e-4 and best.collective_bandwidth_Bps == 2e8
     # without a measured spread there is one end only
     bare = cl.cluster_from_probe(facts(), {k: v for k, v in probe().items() if not k.endswith("_best")}, 1.0)
     assert not bare.has_spread and bare.optimistic() is bare
+    assert bare.executor_links() == (("h:1", "h:2", 1e-3, 1e8),)
 
 
 def test_the_cache_round_trip(cache_dir: Path) -> None:
