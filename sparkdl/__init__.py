@@ -28,6 +28,10 @@ def __getattr__(name: str) -> Any:
         from sparkdl import api
 
         return getattr(api, name)
+    if name == "HorovodRunner":  # Databricks' sparkdl.HorovodRunner, same import (sparkdl/compat)
+        from sparkdl.compat.horovod_runner import HorovodRunner
+
+        return HorovodRunner
     if name == "ResolvedPlan":
         from sparkdl.planner.resolved import ResolvedPlan
 
@@ -39,4 +43,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sparkdl' has no attribute {name!r}")
 
 
-__all__ = ["RunConfig", "ResolvedPlan", "SparkdlError", "TorchEstimator", "TorchModel", "run", "fit", "plan", "predict", "__version__"]
+__all__ = ["RunConfig", "ResolvedPlan", "SparkdlError", "TorchEstimator", "TorchModel", "HorovodRunner", "run", "fit",
+           "plan", "predict", "__version__"]

@@ -67,6 +67,18 @@ class TrainingError(SparkdlError):
     events: list = []  # noqa: RUF012 - replaced per instance when the driver drains the events
 
 
+class RankFunctionError(TrainingError):
+    """A function or script run through sparkdl.compat failed on a rank: `rank`, the user's
+    exception type name (`exception_type`, e.g. "ValueError" or "mypkg.MyError"), its message and
+    the rank's own traceback (`rank_traceback`), all in the message too."""
+
+    def __init__(self, message: str, hint: str | None = None, *, rank: int = -1, exception_type: str = "",
+                 exception_message: str = "", rank_traceback: str = "") -> None:
+        super().__init__(message, hint)
+        self.rank, self.exception_type, self.exception_message = rank, exception_type, exception_message
+        self.rank_traceback = rank_traceback
+
+
 class CheckpointError(SparkdlError):
     """A checkpoint cannot be written or resumed from (a failed write, an unreadable manifest, a
     resume at another world size than the checkpoint was written by)."""

@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, Communicator, WorldInfo
-from sparkdl.comm.interfaces import interface_of, is_loopback, resolved, spans_hosts
+from sparkdl.comm.horovod_env import horovod_variables, start_rendezvous
+from sparkdl.comm.interfaces import is_loopback, resolved, spans_hosts
 from sparkdl.errors import ConfigError
 
 INSTALL_HINT = "make horovod   (builds horovod 0.28.1 for this torch; see scripts/build_horovod.sh)"
@@ -29,23 +30,6 @@ def import_horovod() -> Any:
         raise ConfigError(f"launch.backend='horovod' needs Horovod, which cannot be imported here ({exc})",
                           hint=f"install it with: {INSTALL_HINT}") from None
     return hvd
-
-
-def slot_plan(hosts: Sequence[str]) -> list[Any]:
-    """Horovod SlotInfo for every rank, rank order kept (Horovod's own assignment would renumber
-    ranks host by host)."""
-    from horovod.runner.common.util.hosts import SlotInfo
-
-    unique = list(dict.fromkeys(hosts))
-    local = {h: [r for r, host in enumerate(hosts) if host == h] for h in unique}
-    plan = []
-    for rank, host in enumerate(hosts):
-        local_rank = local[host].index(rank)
-        # Cross ranks group the hosts that have a slot with this local rank.
-        peers = [h for h in unique if len(local[h]) > local_rank]
-        plan.append(SlotInfo(hostname=host, rank=rank, local_rank=local_rank, cross_rank=peers.index(host),
-                             size=len(hosts), local_size=len(local[host]), cross_size=len(peers)))
-    return plan
 
 
 def check_horovod_can_bind(own_address: str, hosts: "tuple[str, ...]", rank: int) -> None:
@@ -79,28 +63,12 @@ class HorovodCommunicator(Communicator):
         self.hvd = import_horovod()
         check_horovod_can_bind(world.hosts[world.rank], world.hosts, world.rank)
         self._server: Any = None
-        plan = slot_plan(world.hosts)
         port = 0
         if world.rank == 0:
-            from horovod.runner.http.http_server import RendezvousServer
-
-            self._server = RendezvousServer()
-            port = self._server.start()
-            self._server.init(plan)
+            self._server, port = start_rendezvous(world.hosts)
         ports = [json.loads(m) for m in exchange(json.dumps({"rank": world.rank, "port": port}))]
         port = next(m["port"] for m in ports if m["rank"] == 0)
-        slot = plan[world.rank]
-        from horovod.runner.gloo_run import create_slot_env_vars
-
-        env = create_slot_env_vars(slot)
-        env.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": world.master_addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-                    "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                    "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(max(timeout_s, 1)))})
-        own = world.hosts[world.rank]
-        iface = interface_of(own)
-        if iface:
-            env["HOROVOD_GLOO_IFACE"] = iface
-        env.update({k: str(v) for k, v in (user_env or {}).items()})
+        env = horovod_variables(world.hosts, world.rank, world.master_addr, port, timeout_s, user_env)
         self._use_gpu = bool(world.gpus) and torch.cuda.is_available()
         if self._use_gpu:
             from sparkdl.comm.torch_dist import cuda_index

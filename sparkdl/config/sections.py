@@ -227,6 +227,7 @@ class LaunchConfig:
     emulate_speed: tuple | None = None  # relative compute speed per rank, e.g. [1, 0.25] (experiments)
     horovod_env: dict | None = None  # HOROVOD_* settings applied before hvd.init() (backend="horovod")
     channel: str = "auto"  # where executors send progress and metrics back: "auto", "off" or this client's host
+    rank_output: str = "rank0"  # whose stdout/stderr reach the driver's log: "rank0" or "all" (prefixed [rank r])
     # How the ranks' parts of the trained model reach the driver (wire/model_transfer.py):
     # "auto", "channel", "storage" (checkpoint_dir or run_dir) or "rows" (the job's result rows).
     model_transfer: str = "auto"
@@ -267,6 +268,7 @@ class LaunchConfig:
         check_horovod_env(self.horovod_env, self.backend)
         check_channel(self.channel)
         choice("launch.model_transfer", self.model_transfer, ("auto", "channel", "storage", "rows"))
+        choice("launch.rank_output", self.rank_output, ("rank0", "all"))
         if self.model_transfer == "channel" and self.channel == "off":
             raise ConfigError('launch.model_transfer="channel" needs the driver channel, but launch.channel="off"',
                               hint='use model_transfer="storage" (with checkpoint_dir or run_dir) or "auto"')

@@ -241,7 +241,9 @@ def name_the_failure(errors: dict[int, dict[str, Any]], world_size: int, timeout
     line = text.splitlines()[0] if text else ""
     host = f" (on host {message['host']})" if message.get("host") else ""
     # A rank's own SparkdlError knows the fix better than the driver's generic hint.
-    return TrainingError(f"training failed on rank {rank}: {line}{host}", hint=message.get("hint") or exc.hint)
+    named = TrainingError(f"training failed on rank {rank}: {line}{host}", hint=message.get("hint") or exc.hint)
+    named.rank, named.rank_text = rank, text  # the exception line and the rank's traceback (sparkdl.compat)
+    return named
 
 
 def _on_hosts(ranks: list[int], rank_hosts: list[str]) -> str:

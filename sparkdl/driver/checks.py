@@ -315,6 +315,18 @@ def check_picklable(spec: Any) -> None:
                                   "open file) must be picklable; create such objects inside the function") from None
 
 
+def check_picklable_value(value: Any, what: str) -> bytes:
+    """`value` pickled by value for the executors; a ModelError naming `what` when it cannot be."""
+    from sparkdl.wire.codec import dumps_any
+
+    try:
+        return dumps_any(value)
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types
+        raise ModelError(f"{what} cannot be sent to the ranks: {type(exc).__name__}: {exc}",
+                         hint="it (or something it refers to, e.g. a SparkSession, DataFrame, lock or open file) "
+                              "must be picklable; create such objects inside the function") from None
+
+
 def check_gpus_per_task(amount: float) -> None:
     """Spark's rule for task resource amounts: a whole number, or a fraction of one GPU."""
     import math

@@ -40,7 +40,8 @@ def report_error(client: Any, exc: BaseException) -> None:
     if client is None or getattr(exc, "_sparkdl_reported", False):
         return
     detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # A compat rank's child failed: its own traceback, not this task's (executor/child_process.py)
+    trace = getattr(exc, "rank_traceback", "") or "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     import socket
 
     client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc), host=socket.gethostname(),
@@ -61,8 +62,13 @@ def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[
         rank = context.partitionId()
         client = _channel_client(spec, rank)
         try:
-            with _forward_output(client, rank) as output:
-                yield from run_rank(spec, context, batches, client)
+            with _forward_output(client, rank, spec.launch.rank_output) as output:
+                if spec.child is not None:
+                    from sparkdl.executor.child_rank import run_child_rank
+
+                    yield from run_child_rank(spec, context, batches, client)
+                else:
+                    yield from run_rank(spec, context, batches, client)
             if output is not None and (client is None or client.failed):
                 yield output_batch(rank, output)  # the driver saw none of it live
         except Exception as exc:  # noqa: BLE001 - re-raised with the rank named for the driver
@@ -90,12 +96,12 @@ def _channel_client(spec: TrainSpec, rank: int) -> Any:
     return ChannelClient(spec.channel, rank)
 
 
-def _forward_output(client: Any, rank: int) -> Any:
-    """Rank 0's stdout/stderr lines also go to the driver's log (their tail to the job's result
-    when the channel is off or fails)."""
+def _forward_output(client: Any, rank: int, ranks: str) -> Any:
+    """Rank 0's stdout/stderr lines (every rank's with launch.rank_output="all") also go to the
+    driver's log (their tail to the job's result when the channel is off or fails)."""
     from contextlib import nullcontext
 
-    if rank != 0:
+    if rank != 0 and ranks != "all":
         return nullcontext()
     from sparkdl.executor.output import forward_output
 

@@ -88,6 +88,15 @@ def loads_result(parts: ResultParts) -> Any:
     return pickle.loads(payload) if payload else None
 
 
+def loads_every_result(parts: ResultParts, world_size: int) -> list[Any]:
+    """Every rank's return value, in rank order (horovod.spark.run's result)."""
+    chunks: dict[int, list[tuple[int, bytes]]] = {}
+    for rank, seq, chunk in parts.pop("payload", []):
+        chunks.setdefault(rank, []).append((seq, chunk))
+    payloads = [b"".join(c for _, c in sorted(chunks.get(rank, []))) for rank in range(world_size)]
+    return [pickle.loads(p) if p else None for p in payloads]
+
+
 def part_records(parts: ResultParts) -> dict[int, tuple[dict[str, Any], list[bytes]]]:
     """rank -> (where its part of the model went, the chunks of a part that rode in the rows, in
     order); the chunks are taken out of `parts` so they are held once."""

@@ -12,6 +12,7 @@ from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.data.parquet_shards import ParquetShards
 from sparkdl.model.layouts import StrategyLayout
+from sparkdl.wire.child import ChildCall
 from sparkdl.wire.frames import ChannelAddress
 from sparkdl.wire.model_transfer import ModelSink
 
@@ -48,6 +49,9 @@ class TrainSpec:
     packed_rows: bool = False  # the job's rows are blocks of rows packed on the JVM (data/packed_delivery.py)
     # Where each rank sends its part of the trained model (wire/model_transfer.ModelSink); set per attempt.
     model_sink: ModelSink | None = None
+    # sparkdl.compat: every rank runs this function or script in child processes (executor/child_rank.py)
+    # instead of train_fn(ctx) or the built-in loop.
+    child: ChildCall | None = None
 
     @property
     def world_size(self) -> int:
