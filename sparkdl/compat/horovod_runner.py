@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sparkdl.compat.launcher import compat_options, run_on_cluster, run_on_driver
+from sparkdl.compat.launcher import compat_options, pickled_call, run_on_cluster, run_on_driver
 from sparkdl.errors import ConfigError
 from sparkdl.wire.child import ChildCall
 
@@ -51,12 +51,10 @@ def horovod_call(peer: str, fn: Callable[..., Any], args: tuple[Any, ...], kwarg
     """A ChildCall on the Horovod framework, after checking Horovod imports here (the ranks need it too)."""
     import importlib.util
 
-    from sparkdl.driver.checks import check_picklable_value
-
     if importlib.util.find_spec("horovod") is None:
         from sparkdl.comm.horovod import INSTALL_HINT
 
         raise ConfigError(f"{peer} needs Horovod, which is not installed here", hint=f"install it with: {INSTALL_HINT}")
-    function = check_picklable_value((fn, tuple(args), dict(kwargs)), "the function or its arguments")
+    function = pickled_call(fn, args, kwargs, "the function or its arguments")
     return ChildCall(framework="horovod", function=function, use_gpu=True, results=results, name=peer,
                      env=tuple((str(k), str(v)) for k, v in (env or {}).items()))

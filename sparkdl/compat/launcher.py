@@ -47,6 +47,15 @@ def compat_options(peer: str, workers: int, options: Mapping[str, Any]) -> Compa
     return CompatOptions(config.launch, config.tracking, config.train)
 
 
+def pickled_call(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str) -> bytes:
+    """(fn, args, kwargs) pickled by value for the ranks; a clear error naming `what` if it cannot be."""
+    from sparkdl.driver.checks import check_picklable_value
+    from sparkdl.driver.shipping import ship_by_value
+
+    ship_by_value(fn, *args, *kwargs.values())  # a notebook's or script's own module travels by value
+    return check_picklable_value((fn, tuple(args), dict(kwargs)), what)
+
+
 def open_tracker(peer: str, options: CompatOptions, params: Mapping[str, Any], run_id: str) -> RunTracker:
     from sparkdl.tracking.mlflow_run import RunTracker
 
@@ -96,7 +105,7 @@ def run_on_driver(call: ChildCall, processes: int, options: CompatOptions, param
     """The call in `processes` child processes of this driver (one torchrun node); rank 0's return
     value (every rank's with results="all"). Their output is printed here, prefixed [rank r]."""
     from sparkdl.driver.job import new_run_id
-    from sparkdl.executor.child_process import child_env, rank_failure
+    from sparkdl.executor.child_process import child_env, first_failure, rank_failure
     from sparkdl.executor.child_rank import run_children
     from sparkdl.executor.rendezvous import free_port
     from sparkdl.wire.codec import loads_result
@@ -123,16 +132,17 @@ def run_on_driver(call: ChildCall, processes: int, options: CompatOptions, param
                                                    options.launch.timeout_s, options.launch.horovod_env))
             envs.append(child_env(variables, call.use_gpu))
         with tempfile.TemporaryDirectory(prefix="sparkdl-local-") as workdir:
-            outcomes = run_children(call, envs, workdir, list(range(processes)), prefix_always=True)
+            outcomes = run_children(call, envs, workdir, list(range(processes)), prefix_always=True,
+                                    sibling_grace_s=options.launch.peer_failure_delay_s)
     except BaseException:
         tracker.finish("KILLED")
         raise
     finally:
         if server is not None:
             server.stop()
-    failed = [(rank, o.error) for rank, o in enumerate(outcomes) if o.error is not None]
-    if failed:
-        rank, error = failed[0]
+    failed = first_failure(outcomes)
+    if failed is not None:
+        rank, error = failed
         tracker.finish("FAILED")
         raise rank_error(call.name, failure=(rank, rank_failure(rank, error)))
     tracker.finish("FINISHED")

@@ -12,7 +12,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from sparkdl.compat.launcher import compat_options, run_on_cluster, run_on_driver
+from sparkdl.compat.launcher import compat_options, pickled_call, run_on_cluster, run_on_driver
 from sparkdl.errors import ConfigError
 from sparkdl.wire.child import ChildCall
 
@@ -121,10 +121,7 @@ class TorchDistributor:
         if not callable(train_object):
             raise ConfigError(f"{self.name}.run: train_object must be a function or a script path, got "
                               f"{type(train_object).__name__}")
-        from sparkdl.driver.checks import check_picklable_value
-
-        function = check_picklable_value((train_object, tuple(args), dict(kwargs)), "the training function or its "
-                                         "arguments")
+        function = pickled_call(train_object, args, kwargs, "the training function or its arguments")
         return ChildCall(function=function, use_gpu=self.use_gpu, processes_per_task=per_task, name=self.name, **extra)
 
     def _launch(self, call: ChildCall, df: DataFrame | None = None) -> Any:

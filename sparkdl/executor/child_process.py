@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from sparkdl.executor.failures import is_peer_text
 from sparkdl.wire.child import ChildCall
 
 CALL_FILE, RESULT_FILE, ERROR_FILE = "call.pkl", "result.pkl", "error.json"
@@ -77,9 +78,11 @@ def command(call: ChildCall, workdir: str) -> list[str]:
     return [sys.executable, "-u", "-m", "sparkdl.executor.child_main", workdir]
 
 
-def run_child(call: ChildCall, env: dict[str, str], workdir: str, on_line: LineSink) -> ChildOutcome:
+def run_child(call: ChildCall, env: dict[str, str], workdir: str, on_line: LineSink,
+              stop: threading.Event | None = None) -> ChildOutcome:
     """Run the call in a child (its own session, so its DataLoader workers go with it), every line
-    of its stdout/stderr handed to `on_line` as it comes; killed if this process is interrupted."""
+    of its stdout/stderr handed to `on_line` as it comes; killed if this process is interrupted or
+    `stop` is set (a sibling rank failed: this one may wait for it in a collective forever)."""
     if call.function:
         with open(os.path.join(workdir, CALL_FILE), "wb") as f:
             f.write(call.function)
@@ -91,14 +94,41 @@ def run_child(call: ChildCall, env: dict[str, str], workdir: str, on_line: LineS
              threading.Thread(target=_pump, args=(process.stderr, "stderr", on_line, tail), daemon=True)]
     for pump in pumps:
         pump.start()
+    stopped = False
     try:
-        returncode = process.wait()
+        while True:
+            try:
+                returncode = process.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if stop is not None and stop.is_set():
+                    stopped = True
+                    _kill_group(process)
     finally:
         if process.poll() is None:
             _kill_group(process)
         for pump in pumps:
             pump.join(timeout=10)
+    if stopped:
+        return ChildOutcome(returncode, None, {"type": "ChildProcessError", "module": "builtins", "traceback": "",
+                                               "message": "stopped: another rank failed", "echo": "1"})
     return _outcome(call, workdir, returncode, list(tail))
+
+
+def first_failure(outcomes: list[ChildOutcome], ranks: list[int] | None = None) -> tuple[int, dict[str, str]] | None:
+    """(rank, error) of the failure to report: a rank's own error before the echoes of it (a peer's
+    broken collective, a sibling stopped because of it), lowest rank first; None if all succeeded."""
+    ranks = ranks if ranks is not None else list(range(len(outcomes)))
+    failed = [(rank, o.error) for rank, o in zip(ranks, outcomes) if o.error is not None]
+    if not failed:
+        return None
+
+    def echo(error: dict[str, str]) -> bool:
+        text = f"{error.get('type')}: {error.get('message')}"
+        return bool(error.get("echo")) or is_peer_text(text)
+
+    own = [f for f in failed if not echo(f[1])]
+    return (own or failed)[0]
 
 
 def _outcome(call: ChildCall, workdir: str, returncode: int, tail: list[str]) -> ChildOutcome:

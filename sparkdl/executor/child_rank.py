@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from sparkdl.comm.base import WorldInfo
 from sparkdl.errors import SparkdlError
-from sparkdl.executor.child_process import ChildOutcome, child_env, rank_failure, run_child
+from sparkdl.executor.child_process import ChildOutcome, child_env, first_failure, rank_failure, run_child
 from sparkdl.executor.rendezvous import rendezvous
 from sparkdl.wire.child import ChildCall, torchrun_variables
 from sparkdl.wire.codec import result_batches
@@ -57,24 +57,33 @@ def run_child_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBat
 
 
 def run_children(call: ChildCall, envs: list[dict[str, str]], workdir: str, ranks: list[int],
-                 prefix_always: bool = False) -> list[ChildOutcome]:
+                 prefix_always: bool = False, sibling_grace_s: float = 5.0) -> list[ChildOutcome]:
     """Each env's child at once, each in its own subdirectory; output lines to this process's
     streams, prefixed with the global rank when a task runs several (or `prefix_always`: the
-    driver's own children in local mode)."""
+    driver's own children in local mode). Once one fails, the others get `sibling_grace_s` to fail
+    too (their collectives break) and are then stopped: a rank waiting for the failed one in a
+    rendezvous or collective would wait for torch's timeout (30 minutes)."""
     outcomes: list[ChildOutcome | None] = [None] * len(envs)
+    stop = threading.Event()
 
     def one(i: int) -> None:
         directory = os.path.join(workdir, f"rank-{ranks[i]}")
         os.makedirs(directory, exist_ok=True)
         prefix = f"[rank {ranks[i]}] " if len(envs) > 1 or prefix_always else ""
-        outcomes[i] = run_child(call, envs[i], directory,
-                                lambda stream, line: print(prefix + line, file=getattr(sys, stream), flush=True))
+        outcome = run_child(call, envs[i], directory,
+                            lambda stream, line: print(prefix + line, file=getattr(sys, stream), flush=True), stop)
+        outcomes[i] = outcome
+        if outcome.error is not None and not stop.is_set():
+            timer = threading.Timer(sibling_grace_s, stop.set)
+            timer.daemon = True
+            timer.start()
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(envs))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    stop.set()
     return [o if o is not None else ChildOutcome(-1, None, {"type": "RuntimeError", "module": "builtins",
                                                             "message": "the child never ran", "traceback": ""})
             for o in outcomes]
@@ -136,10 +145,9 @@ def _horovod_variables(spec: TrainSpec, world: WorldInfo, context: Any, stack: E
 
 
 def _raise_first_failure(ranks: list[int], outcomes: list[ChildOutcome]) -> None:
-    failed = [(rank, o.error) for rank, o in zip(ranks, outcomes) if o.error is not None]
-    if failed:
-        rank, error = failed[0]
-        raise rank_failure(rank, error)
+    failed = first_failure(outcomes, ranks)
+    if failed is not None:
+        raise rank_failure(*failed)
 
 
 def _local_dir() -> str | None:

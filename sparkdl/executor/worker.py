@@ -15,41 +15,10 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 
 from sparkdl.comm.base import Communicator, WorldInfo
+from sparkdl.executor.failures import is_peer_failure, report_error
 from sparkdl.executor.context import WorkerContext, check_shards, rank_threads
 from sparkdl.wire.spec import TrainSpec
 from sparkdl.wire.codec import dumps_any, failure_text, output_batch, result_batches
-
-_PEER_FAILURE_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                       "gloo/transport", "NCCL communicator was aborted", "Socket Timeout",
-                       "Horovod has been shut down", "HorovodInternalError")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """A collective that broke because another rank died: an echo, not the cause."""
-    import torch.distributed as dist
-
-    peer_types = tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None))
-                       if t is not None)
-    text = f"{type(exc).__name__}: {exc}"
-    return isinstance(exc, peer_types) or any(sign in text for sign in _PEER_FAILURE_SIGNS)
-
-
-def report_error(client: Any, exc: BaseException) -> None:
-    """Tell the driver this rank's error at once, before tearing down the communicator: once a
-    backend shuts down, peers fail fast and Spark may kill this task before it says anything."""
-    if client is None or getattr(exc, "_sparkdl_reported", False):
-        return
-    detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    # A compat rank's child failed: its own traceback, not this task's (executor/child_process.py)
-    trace = getattr(exc, "rank_traceback", "") or "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    import socket
-
-    client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc), host=socket.gethostname(),
-                    hint=getattr(exc, "hint", None))
-    try:
-        exc._sparkdl_reported = True  # type: ignore[attr-defined]
-    except AttributeError:  # some C-level exceptions take no attributes
-        pass
 
 
 def make_task(spec: TrainSpec) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
