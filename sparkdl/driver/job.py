@@ -16,8 +16,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
 from sparkdl.wire.spec import TrainSpec
-from sparkdl.wire.codec import (RESULT_SCHEMA, collect_parts, loads_every_result, loads_history, loads_result, output_lines,
-                                parse_failure)
+from sparkdl.wire.codec import RESULT_SCHEMA, collect_parts, loads_history, loads_result, output_lines, parse_failure
 from sparkdl.executor.worker import make_task
 from sparkdl.spark.session import facts, is_local_master
 
@@ -109,7 +108,7 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
 
     profile = ensure_training_slots(spark, spec.world_size, spec.launch)
     with ExitStack() as cleanup:
-        sink = open_sink(spark, spec, cleanup) if spec.train_fn is None and spec.child is None else None
+        sink = open_sink(spark, spec, cleanup) if spec.train_fn is None else None
         spec = replace(spec, model_sink=sink.sink if sink is not None else None)
         job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
         group = f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} ({spec.world_size} workers)"
@@ -122,8 +121,11 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
             raise training_error(exc) from None
         parts = collect_parts(rows)
         history = loads_history(parts)
-        if spec.child is not None and spec.child.results == "all":
-            result = loads_every_result(parts, spec.world_size * spec.child.processes_per_task)
+        if spec.child is not None:
+            from sparkdl.driver.parts import child_results
+
+            values = child_results(sink, parts, spec.world_size * spec.child.processes_per_task)
+            result = values if spec.child.results == "all" else values[0]
         else:
             result = loads_result(parts) if sink is None else gather_parts(sink, parts)
         return result, history, output_lines(parts)

@@ -127,3 +127,29 @@ def gather_parts(opened: OpenSink, parts: dict[str, Any]) -> ModelParts:
         sizes[rank], via[rank], seconds[rank] = int(record.get("bytes", 0)), str(how), float(record.get("seconds", 0))
     return ModelParts(tuple(files), owned_directory=opened.directory, bytes_by_rank=sizes, via_by_rank=via,
                       seconds_by_rank=seconds, storage_directory=opened.sink.storage_uri)
+
+
+def child_results(opened: OpenSink | None, parts: dict[str, Any], world_size: int) -> list[Any]:
+    """Every rank's return value of a compat run (None where a rank returned none): from the job's
+    rows, or, for a large one, from the tensor file it was sent as (executor/child_rank.result_rows)."""
+    import pickle
+
+    from sparkdl.storage.files import locate, open_input
+    from sparkdl.model.tensor_files import read_tensors
+    from sparkdl.wire.codec import loads_every_result
+
+    sent = {rank for rank, _, _ in parts.get("part", [])}
+    payloads = parts.pop("payload", [])
+    values = loads_every_result({"payload": [p for p in payloads if p[0] not in sent]}, world_size)
+    if not sent:
+        return values
+    if opened is None:
+        raise TrainingError("a rank sent its return value as a file, but no receiver was open")
+    parts["payload"] = [p for p in payloads if p[0] in sent]
+    received = gather_parts(opened, parts)
+    for rank, uri in zip(sorted(sent), received.files):
+        with open_input(locate(uri)) as stream:
+            tensors = dict(read_tensors(stream))
+        values[rank] = pickle.loads(memoryview(tensors["result"].numpy()))
+    received.remove()  # the files were read: nothing of them is kept
+    return values

@@ -61,6 +61,8 @@ def child_env(variables: dict[str, str], use_gpu: bool) -> dict[str, str]:
     """The task's environment, the rank's variables over it, unbuffered output, and the task's
     import path (Spark adds pyspark's zip and --py-files to sys.path, not to PYTHONPATH)."""
     env = dict(os.environ)
+    if "OMP_NUM_THREADS" in env:
+        variables = {k: v for k, v in variables.items() if k != "OMP_NUM_THREADS"}
     env.update(variables)
     env["PYTHONUNBUFFERED"] = "1"
     paths = [p for p in sys.path if p and os.path.exists(p)]

@@ -27,6 +27,8 @@ from sparkdl.wire.child import ChildCall, torchrun_variables
 from sparkdl.wire.codec import result_batches
 from sparkdl.wire.spec import TrainSpec
 
+LARGE_RESULT_BYTES = 32 << 20  # above this a return value leaves the job's rows (result_rows)
+RESULT_TENSOR = "result"
 PARTITION_FILE_VARIABLE = "SPARK_PARTITION_ARROW_DATA_FILE"  # PySpark's own names (pyspark.ml.torch.distributor)
 SCHEMA_FILE_VARIABLE = "SPARK_DATAFRAME_SCHEMA_FILE"
 
@@ -52,8 +54,23 @@ def run_child_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBat
         if call.framework == "horovod":
             context.barrier()  # rank 0's rendezvous server stays up until every rank is done
     for rank, outcome in zip(ranks, outcomes):
-        wanted = rank == 0 or call.results == "all"
-        yield from result_batches(rank, None, (outcome.result or b"") if wanted else None)
+        if rank == 0 or call.results == "all":
+            yield from result_rows(spec, rank, outcome.result or b"")
+
+
+def result_rows(spec: TrainSpec, rank: int, payload: bytes) -> list[pa.RecordBatch]:
+    """A rank's return value: in the job's rows when small; a large one travels as trained models do
+    (wire/model_transfer.py: to the driver's receiver or the run's storage, outside the JVMs, whose
+    result rows are bounded by spark.driver.maxResultSize), as one uint8 tensor named "result"."""
+    sink = spec.model_sink
+    if len(payload) <= LARGE_RESULT_BYTES or sink is None or sink.mode == "rows":
+        return result_batches(rank, None, payload)
+    import torch
+
+    from sparkdl.wire.model_transfer import deliver, record_bytes
+
+    record = deliver(sink, rank, {RESULT_TENSOR: torch.frombuffer(bytearray(payload), dtype=torch.uint8)})
+    return result_batches(rank, None, record.get("payload"), record_bytes(record))
 
 
 def run_children(call: ChildCall, envs: list[dict[str, str]], workdir: str, ranks: list[int],

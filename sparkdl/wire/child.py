@@ -51,5 +51,7 @@ def torchrun_variables(rank: int, world_size: int, local_rank: int, local_world_
               "GROUP_RANK": group_rank, "GROUP_WORLD_SIZE": group_world_size, "NODE_RANK": group_rank,
               "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world_size, "ROLE_NAME": "default",
               "MASTER_ADDR": master_addr, "MASTER_PORT": master_port, "TORCHELASTIC_RUN_ID": run_id,
-              "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0, "OMP_NUM_THREADS": 1}
+              "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}
+    if local_world_size > 1:
+        values["OMP_NUM_THREADS"] = 1  # torchrun's default for several processes per node (a set value wins)
     return {k: str(v) for k, v in values.items()}

@@ -255,3 +255,37 @@ def test_horovod_spark_run_returns_every_ranks_value(spark) -> None:  # type: ig
     from sparkdl.compat import horovod
 
     assert horovod.run(horovod_main, args=(0.5,), num_proc=2, tracking=False) == [(0, 2, 1.5), (1, 2, 1.5)]
+
+
+def returns_a_large_value(megabytes: int) -> dict:
+    import numpy as np
+
+    rank = int(os.environ["RANK"])
+    return {"rank": rank, "data": np.arange(megabytes * (1 << 20) // 8, dtype=np.int64) + rank}
+
+
+def test_a_large_return_value_travels_outside_the_result_rows(spark) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.compat import horovod  # noqa: F401 - the import alone must not need Horovod
+    from sparkdl.executor.child_rank import LARGE_RESULT_BYTES
+
+    megabytes = LARGE_RESULT_BYTES // (1 << 20) + 8
+    result = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, tracking=False).run(
+        returns_a_large_value, megabytes)
+    assert result["rank"] == 0 and result["data"].nbytes == megabytes << 20
+    assert int(result["data"][-1]) == (megabytes << 20) // 8 - 1
+
+
+def prints_its_rank(ctx) -> int:  # type: ignore[no-untyped-def]
+    print(f"custom loop on rank {ctx.rank}")
+    return ctx.rank
+
+
+def test_sparkdl_run_shows_every_ranks_output_when_asked_and_rank_zeros_by_default(spark, capfd) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+
+    assert sparkdl.run(prints_its_rank, num_workers=2, rank_output="all") == 0
+    err = capfd.readouterr().err
+    assert "[rank 0] custom loop on rank 0" in err and "[rank 1] custom loop on rank 1" in err
+    assert sparkdl.run(prints_its_rank, num_workers=2) == 0
+    err = capfd.readouterr().err
+    assert "[rank 0] custom loop on rank 0" in err and "[rank 1]" not in err
