@@ -269,8 +269,9 @@ def test_a_large_return_value_travels_outside_the_result_rows(spark) -> None:  #
     from sparkdl.executor.child_rank import LARGE_RESULT_BYTES
 
     megabytes = LARGE_RESULT_BYTES // (1 << 20) + 8
-    result = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, tracking=False).run(
-        returns_a_large_value, megabytes)
+    # model_transfer="channel": the driver's receiver or an error (no silent fall back to the rows)
+    result = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, tracking=False,
+                              model_transfer="channel").run(returns_a_large_value, megabytes)
     assert result["rank"] == 0 and result["data"].nbytes == megabytes << 20
     assert int(result["data"][-1]) == (megabytes << 20) // 8 - 1
 
