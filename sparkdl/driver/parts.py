@@ -136,6 +136,7 @@ def child_results(opened: OpenSink | None, parts: dict[str, Any], world_size: in
 
     from sparkdl.storage.files import locate, open_input
     from sparkdl.model.tensor_files import read_tensors
+    from sparkdl.wire.child import RESULT_TENSOR
     from sparkdl.wire.codec import loads_every_result
 
     sent = {rank for rank, _, _ in parts.get("part", [])}
@@ -150,6 +151,6 @@ def child_results(opened: OpenSink | None, parts: dict[str, Any], world_size: in
     for rank, uri in zip(sorted(sent), received.files):
         with open_input(locate(uri)) as stream:
             tensors = dict(read_tensors(stream))
-        values[rank] = pickle.loads(memoryview(tensors["result"].numpy()))
+        values[rank] = pickle.loads(memoryview(tensors[RESULT_TENSOR].numpy()))
     received.remove()  # the files were read: nothing of them is kept
     return values

@@ -23,12 +23,11 @@ from sparkdl.comm.base import WorldInfo
 from sparkdl.errors import SparkdlError
 from sparkdl.executor.child_process import ChildOutcome, child_env, first_failure, rank_failure, run_child
 from sparkdl.executor.rendezvous import rendezvous
-from sparkdl.wire.child import ChildCall, torchrun_variables
+from sparkdl.wire.child import RESULT_TENSOR, ChildCall, torchrun_variables
 from sparkdl.wire.codec import result_batches
 from sparkdl.wire.spec import TrainSpec
 
 LARGE_RESULT_BYTES = 32 << 20  # above this a return value leaves the job's rows (result_rows)
-RESULT_TENSOR = "result"
 PARTITION_FILE_VARIABLE = "SPARK_PARTITION_ARROW_DATA_FILE"  # PySpark's own names (pyspark.ml.torch.distributor)
 SCHEMA_FILE_VARIABLE = "SPARK_DATAFRAME_SCHEMA_FILE"
 

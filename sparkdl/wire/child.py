@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RESULT_TENSOR = "result"  # a large return value's name in the tensor file it travels as (executor/child_rank.py)
 FRAMEWORKS = ("torch", "horovod")  # which rank variables the child gets: torchrun's, or Horovod's too
 
 
