@@ -67,8 +67,9 @@ class TrainingError(SparkdlError):
     events: list = []  # noqa: RUF012 - replaced per instance when the driver drains the events
 
 
-class RankFunctionError(TrainingError):
-    """A function or script run through sparkdl.compat failed on a rank: `rank`, the user's
+class RankFunctionError(TrainingError, RuntimeError):
+    """A function or script run through sparkdl.compat failed on a rank (a RuntimeError too, as
+    PySpark's TorchDistributor raises): `rank`, the user's
     exception type name (`exception_type`, e.g. "ValueError" or "mypkg.MyError"), its message and
     the rank's own traceback (`rank_traceback`), all in the message too."""
 
@@ -77,6 +78,14 @@ class RankFunctionError(TrainingError):
         super().__init__(message, hint)
         self.rank, self.exception_type, self.exception_message = rank, exception_type, exception_message
         self.rank_traceback = rank_traceback
+
+
+class CompatValueError(ConfigError, ValueError):
+    """A bad argument of a peer API (sparkdl.compat): also the ValueError the peer raises."""
+
+
+class CompatRuntimeError(ConfigError, RuntimeError):
+    """A cluster that cannot give a peer API what it asks (GPUs): also the RuntimeError PySpark raises."""
 
 
 class CheckpointError(SparkdlError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sparkdl.compat.launcher import compat_options, pickled_call, run_on_cluster, run_on_driver
-from sparkdl.errors import ConfigError
+from sparkdl.errors import CompatValueError, ConfigError
 from sparkdl.wire.child import ChildCall
 
 VERBOSITY = ("all", "log_callback_only")
@@ -20,7 +20,7 @@ class HorovodRunner:
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", **sparkdl_options: Any) -> None:
         if not isinstance(np, int) or isinstance(np, bool) or np == 0:
-            raise ConfigError(f"HorovodRunner: np must be a non-zero integer, got {np!r}",
+            raise CompatValueError(f"HorovodRunner: np must be a non-zero integer, got {np!r}",
                               hint="np=2 runs 2 processes on the cluster's tasks; np=-2 runs 2 on the driver")
         if driver_log_verbosity not in VERBOSITY:
             raise ConfigError(f"HorovodRunner: driver_log_verbosity must be 'all' or 'log_callback_only', got "

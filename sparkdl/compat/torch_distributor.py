@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from sparkdl.compat.launcher import compat_options, pickled_call, run_on_cluster, run_on_driver
-from sparkdl.errors import ConfigError
+from sparkdl.errors import CompatRuntimeError, CompatValueError, ConfigError
 from sparkdl.wire.child import ChildCall
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class TorchDistributor:
     def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True,
                  _ssl_conf: str = TORCH_SSL_CONF, **sparkdl_options: Any) -> None:
         if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes <= 0:
-            raise ConfigError(f"{self.name}: num_processes must be a positive integer, got {num_processes!r}",
+            raise CompatValueError(f"{self.name}: num_processes must be a positive integer, got {num_processes!r}",
                               hint="the number of training processes, e.g. num_processes=2")
         self.spark = active_session()
         self.num_processes, self.local_mode, self.use_gpu, self.ssl_conf = num_processes, local_mode, use_gpu, _ssl_conf
@@ -60,7 +60,7 @@ class TorchDistributor:
         if self.local_mode:
             gpus = int(float(conf("spark.driver.resource.gpu.amount", "0") or 0))
             if gpus < 1:
-                raise ConfigError(f"{self.name}(use_gpu=True, local_mode=True) needs GPUs on the driver, but "
+                raise CompatRuntimeError(f"{self.name}(use_gpu=True, local_mode=True) needs GPUs on the driver, but "
                                   "spark.driver.resource.gpu.amount is not set",
                                   hint="TorchDistributor(..., use_gpu=False) trains on CPUs; or start Spark with "
                                        "spark.driver.resource.gpu.amount and a discovery script")
@@ -68,11 +68,11 @@ class TorchDistributor:
             return self.num_processes
         per_task = int(float(conf("spark.task.resource.gpu.amount", "0") or 0))
         if per_task < 1:
-            raise ConfigError(f"{self.name}(use_gpu=True) needs GPUs in every task, but spark.task.resource.gpu.amount "
+            raise CompatRuntimeError(f"{self.name}(use_gpu=True) needs GPUs in every task, but spark.task.resource.gpu.amount "
                               "is not set", hint="TorchDistributor(..., use_gpu=False) trains on CPUs; or give tasks "
                                                  "GPUs (spark.task.resource.gpu.amount=1, conf/spark/gpu-cluster.conf)")
         if self.num_processes % per_task:
-            raise ConfigError(f"{self.name}: num_processes ({self.num_processes}) must be a multiple of "
+            raise CompatRuntimeError(f"{self.name}: num_processes ({self.num_processes}) must be a multiple of "
                               f"spark.task.resource.gpu.amount ({per_task})",
                               hint=f"num_processes={self.num_processes - self.num_processes % per_task or per_task}")
         return per_task
@@ -88,14 +88,14 @@ class TorchDistributor:
         """As PySpark: rank r gets partition r of `spark_dataframe` (pyspark's
         _get_spark_partition_data_loader, or sparkdl.compat.partition_batches, inside the function)."""
         if self.local_mode:
-            raise ConfigError(f"{self.name}._train_on_dataframe needs local_mode=False: it feeds each Spark "
+            raise CompatValueError(f"{self.name}._train_on_dataframe needs local_mode=False: it feeds each Spark "
                               "task its partition", hint=f"{self.name}(num_processes=..., local_mode=False)")
         if not callable(train_function):
             raise ConfigError(f"{self.name}._train_on_dataframe: train_function must be callable, got "
                               f"{type(train_function).__name__}")
         partitions = self._facts.num_partitions(spark_dataframe)
         if partitions is not None and partitions != self.num_tasks:
-            raise ConfigError(f"{self.name}._train_on_dataframe feeds task r the DataFrame's partition r, but the "
+            raise CompatValueError(f"{self.name}._train_on_dataframe feeds task r the DataFrame's partition r, but the "
                               f"DataFrame has {partitions} partitions for {self.num_tasks} tasks",
                               hint=f"spark_dataframe.repartition({self.num_tasks}) first, or "
                                    f"num_processes={partitions * self.processes_per_task}")

@@ -105,9 +105,9 @@ def test_a_failing_function_raises_the_ranks_own_exception_with_its_traceback(sp
 
 
 def test_bad_options_are_refused_before_anything_runs(spark) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ConfigError, match="num_processes"):
+    with pytest.raises(ValueError, match="num_processes"):  # PySpark's exception types too
         TorchDistributor(num_processes=0)
-    with pytest.raises(ConfigError, match="use_gpu=False"):
+    with pytest.raises(RuntimeError, match="use_gpu=False"):
         TorchDistributor(num_processes=2, local_mode=False)  # use_gpu=True (PySpark's default) on a CPU cluster
     with pytest.raises(ConfigError, match="launch and tracking options only"):
         TorchDistributor(num_processes=2, use_gpu=False, epochs=3)
