@@ -31,6 +31,7 @@ class RunMonitor:
         self._points: list[tuple[dict[str, float], int]] = []
         self._last_flush = time.monotonic()
         self._epochs_seen: set[int] = set()
+        self._named_slow: set[int] = set()  # ranks already named as holding the others back
         self._rendezvous_ports: dict[str, int] = {}  # stage attempt -> rank 0's port
 
     def on_message(self, message: dict[str, Any]) -> None:
@@ -84,6 +85,8 @@ class RunMonitor:
         point = {f"epoch_{k}": record[k] for k in names if k in record}
         point.update({k: record[k] for k in ("time_to_first_step_s", "spool_seconds") if k in record})
         point.update(memory_points(record))
+        point.update(pace_points(record))
+        self._name_slow_ranks(record)
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
         # like the other epoch curves
         validation = {k: v for k, v in record.items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -100,6 +103,21 @@ class RunMonitor:
             if not verdict.get("stop") and self.regroup is not None:
                 verdict = self.regroup(record) or verdict
             reply(verdict)
+
+    def _name_slow_ranks(self, record: dict[str, Any]) -> None:
+        """A rank more than 1.5x slower than the median (executor/pace.py), once per rank and run."""
+        from sparkdl.executor.pace import slow_rank_message
+
+        for entry in record.get("slow_ranks", []):
+            if entry["rank"] in self._named_slow:
+                continue
+            self._named_slow.add(entry["rank"])
+            line = slow_rank_message(entry, float(record.get("wait_fraction", 0.0)))
+            if self._bar is not None:
+                self._bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
+            self.tracker.log_text(line + "\n", f"slow_rank_{entry['rank']}.txt")
 
     def replay(self, history: list[dict[str, Any]], output: list[str], channel: str) -> None:
         """What never arrived live (the executors could not reach `channel`, or there was none), from
@@ -160,6 +178,17 @@ class RunMonitor:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def pace_points(record: dict[str, Any]) -> dict[str, float]:
+    """Each rank's speed and waits, and the share of step time spent waiting, as MLflow metrics."""
+    points: dict[str, float] = {}
+    if "wait_fraction" in record:
+        points["epoch_wait_fraction"] = float(record["wait_fraction"])
+    for name in ("rows_per_compute_s", "compute_seconds", "wait_seconds"):
+        for rank, value in enumerate(record.get(f"{name}_by_rank", [])):
+            points[f"{name}_rank_{rank}"] = float(value)
+    return points
 
 
 def memory_points(record: dict[str, Any]) -> dict[str, float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from sparkdl.executor.checkpoint import CheckpointStore, Position, Resume
 from sparkdl.executor.checkpoint_async import RunCheckpoints
 from sparkdl.executor.context import WorkerContext
 from sparkdl.executor.memory import mark_model_start, peak_memory, reset_cuda_peak
+from sparkdl.executor.pace import pace_figures, slow_ranks, wait_fraction
 from sparkdl.model.objectives import build_model, build_optimizer, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
 from sparkdl.executor.validation import run_metrics, validate
@@ -39,6 +40,7 @@ class _EpochTotals:
     global_step: int
     transform_started: float = 0.0  # ctx.transform_seconds when the epoch began
     data_seconds: float = 0.0  # waiting for the next batch (spool read, assembly, transform_fn not hidden by prefetch)
+    step_seconds: float = 0.0  # in train_step: compute and the strategy's collectives (executor/pace.py)
     first_step_s: float | None = None  # task start to the end of the run's first step (a fresh run's epoch 0)
     checkpoint: dict[str, float] = field(default_factory=dict)  # CheckpointTimings.take() of the epoch
 
@@ -230,6 +232,7 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         weights = None if weights is None else weights.to(device, non_blocking=True)
         micro = accumulation(totals.step, steps, accumulate)
         loss = strategy.train_step(inputs, labels, weights, micro)
+        totals.step_seconds += time.perf_counter() - step_started
         totals.loss_sum += loss.double() * strategy.loss_rows(rows)
         totals.samples += rows
         totals.step += 1
@@ -292,12 +295,17 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
-                 **peak_memory(ctx.comm.device), **totals.checkpoint)
+                 step_seconds=totals.step_seconds, rows=float(totals.samples), **peak_memory(ctx.comm.device),
+                 **totals.checkpoint)
     if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
         local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
     if ctx.spec.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
-    for name, values in _gather_metrics(ctx, local).items():
+    gathered = _gather_metrics(ctx, local)
+    record.update(_pace(gathered, ctx.world.hosts))
+    for name, values in gathered.items():
+        if name in ("step_seconds", "rows"):
+            continue  # in the pace figures
         if name == "bytes_sent":
             record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
         elif name in SLOWEST_RANK:  # the slowest rank holds every rank back
@@ -307,6 +315,20 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
         if name in PER_RANK:
             record[f"{name}_by_rank"] = [int(v) for v in values]
     return record
+
+
+def _pace(gathered: dict[str, list[float]], hosts: Sequence[str]) -> dict[str, Any]:
+    """Each rank's compute time, waits and speed, and the ranks that hold the others back (named
+    where the strategy measures its collective waits: `comm_wait_s`)."""
+    if "comm_wait_s" not in gathered:
+        return {}
+    steps, waits = gathered["step_seconds"], gathered["comm_wait_s"]
+    figures: dict[str, Any] = pace_figures(steps, waits, gathered["rows"])
+    figures["wait_fraction"] = wait_fraction(steps, waits)
+    slow = slow_ranks(figures["rows_per_compute_s_by_rank"], hosts)
+    if slow:
+        figures["slow_ranks"] = slow
+    return figures
 
 
 def _progress(ctx: WorkerContext, strategy: Strategy, history: History, loss_sum: float, samples: int,

@@ -1,0 +1,21 @@
+"""A slow executor for local-cluster tests, outside the library's hot path: a loss that sleeps on one
+rank (the Spark task's partition id) before computing cross entropy. On the driver (the probe) it
+never sleeps."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class SlowOnRank:
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context is not None and context.partitionId() == self.rank:
+            time.sleep(self.seconds)
+        return torch.nn.functional.cross_entropy(outputs, labels)

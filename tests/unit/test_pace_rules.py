@@ -1,0 +1,37 @@
+"""executor/pace.py: each rank's compute time, speed and waits, and the ranks named as slow."""
+from __future__ import annotations
+
+import pytest
+
+from sparkdl.driver.monitor import pace_points
+from sparkdl.executor.pace import pace_figures, slow_rank_message, slow_ranks, wait_fraction
+
+
+def test_compute_is_step_time_less_the_collective_waits() -> None:
+    figures = pace_figures([10.0, 10.0, 10.0], [7.0, 6.5, 0.5], [300, 300, 300])
+    assert figures["compute_seconds_by_rank"] == [3.0, 3.5, 9.5]
+    assert figures["rows_per_compute_s_by_rank"] == pytest.approx([100.0, 300 / 3.5, 300 / 9.5])
+    assert pace_figures([1.0], [2.0], [5])["compute_seconds_by_rank"] == [0.0]  # clock skew never goes below 0
+    assert pace_figures([1.0], [1.0], [5])["rows_per_compute_s_by_rank"] == [0.0]
+    assert wait_fraction([10.0, 10.0, 10.0], [7.0, 6.5, 0.5]) == pytest.approx(14 / 30)
+    assert wait_fraction([0.0], [0.0]) == 0.0
+
+
+def test_a_rank_more_than_one_and_a_half_times_slower_than_the_median_is_named_with_its_host() -> None:
+    hosts = ["h0", "h1", "h2", "h3"]
+    assert slow_ranks([100.0, 100.0, 100.0, 34.0], hosts) == [{"rank": 3, "host": "h3", "slower": 100 / 34.0}]
+    assert slow_ranks([100.0, 100.0, 100.0, 70.0], hosts) == []  # 1.43x: within the bound
+    assert [e["rank"] for e in slow_ranks([100.0, 20.0, 100.0, 40.0], hosts)] == [1, 3]  # slowest first
+    assert slow_ranks([100.0], hosts[:1]) == [] and slow_ranks([0.0, 5.0], hosts[:2]) == []
+    message = slow_rank_message({"rank": 2, "host": "10.0.0.3", "slower": 2.94}, 0.41)
+    assert message == ("sparkdl: rank 2 on host 10.0.0.3 computes 2.9x slower than the median; 41% of step time "
+                       "is spent waiting for it")
+
+
+def test_the_pace_reaches_mlflow_as_metrics() -> None:
+    points = pace_points({"wait_fraction": 0.25, "rows_per_compute_s_by_rank": [10.0, 5.0],
+                          "compute_seconds_by_rank": [1.0, 2.0], "wait_seconds_by_rank": [1.0, 0.0]})
+    assert points == {"epoch_wait_fraction": 0.25, "rows_per_compute_s_rank_0": 10.0, "rows_per_compute_s_rank_1": 5.0,
+                      "compute_seconds_rank_0": 1.0, "compute_seconds_rank_1": 2.0, "wait_seconds_rank_0": 1.0,
+                      "wait_seconds_rank_1": 0.0}
+    assert pace_points({"loss": 1.0}) == {}
