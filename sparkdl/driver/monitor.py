@@ -32,6 +32,7 @@ class RunMonitor:
         self._last_flush = time.monotonic()
         self._epochs_seen: set[int] = set()
         self._named_slow: set[int] = set()  # ranks already named as holding the others back
+        self._wait_fraction: float | None = None  # the last epoch's share of step time spent waiting (progress bar)
         self._rendezvous_ports: dict[str, int] = {}  # stage attempt -> rank 0's port
 
     def on_message(self, message: dict[str, Any]) -> None:
@@ -67,8 +68,9 @@ class RunMonitor:
         metrics = message.get("metrics", {})
         if self._bar is not None:
             self._bar.update(max(step - self._last_step, 0))
+            waiting = {"waiting": f"{self._wait_fraction:.0%}"} if self._wait_fraction is not None else {}
             self._bar.set_postfix(epoch=int(metrics.get("epoch", 0)) + 1, loss=f"{metrics.get('loss', 0.0):.4f}",
-                                  samples_s=f"{metrics.get('samples_per_sec', 0.0):.0f}", refresh=False)
+                                  samples_s=f"{metrics.get('samples_per_sec', 0.0):.0f}", **waiting, refresh=False)
         self._last_step = max(step, self._last_step)
         if message.get("log"):
             # One MLflow write every few seconds, not per point: each write is a transaction on the
@@ -87,6 +89,8 @@ class RunMonitor:
         point.update(memory_points(record))
         point.update(pace_points(record))
         self._name_slow_ranks(record)
+        if "wait_fraction" in record:
+            self._wait_fraction = float(record["wait_fraction"])
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
         # like the other epoch curves
         validation = {k: v for k, v in record.items() if k.startswith("val_") and isinstance(v, (int, float))}
