@@ -6,9 +6,11 @@ the bytes their rank sends from tensor sizes, so every strategy reports exact tr
 from __future__ import annotations
 
 import abc
+import functools
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +23,37 @@ BARRIER = "barrier"
 SUBGROUP = "subgroup"
 # Streaming DiLoCo's communication thread charges bytes while the training thread does too.
 _CHARGE_LOCK = threading.Lock()
+# Seconds each thread spent blocked in collectives (the training thread's: its waits; a background
+# sync thread's own time is not the training thread's wait). Outermost calls only: a collective built
+# on another (reduce_scatter on allreduce, a subgroup, the network emulator) counts once.
+_BLOCKED = threading.local()
+TIMED_COLLECTIVES = ("allreduce", "broadcast", "allgather", "barrier", "reduce_scatter", "allgather_into",
+                     "allgather_object", "recv")
+
+
+def blocked_seconds() -> float:
+    """Seconds this thread has spent inside collectives of any Communicator so far."""
+    return float(getattr(_BLOCKED, "seconds", 0.0))
+
+
+def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(method, "_sparkdl_timed", False):
+        return method
+
+    @functools.wraps(method)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_BLOCKED, "depth", 0):
+            return method(self, *args, **kwargs)
+        _BLOCKED.depth = 1
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _BLOCKED.depth = 0
+            _BLOCKED.seconds = blocked_seconds() + time.perf_counter() - started
+
+    timed._sparkdl_timed = True  # type: ignore[attr-defined]
+    return timed
 
 
 class Work(Protocol):
@@ -55,6 +88,13 @@ class Communicator(abc.ABC):
     ops: frozenset[str] = frozenset()
 
     listens: bool = False  # listen() opens something: rank 0 can announce its port before anyone connects
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every backend's collectives are timed (blocked_seconds), whatever the backend."""
+        super().__init_subclass__(**kwargs)
+        for name in TIMED_COLLECTIVES:
+            if name in cls.__dict__ and not getattr(cls.__dict__[name], "__isabstractmethod__", False):
+                setattr(cls, name, _timed(cls.__dict__[name]))
 
     @classmethod
     def listen(cls, timeout_s: float) -> tuple[int, Any] | None:
@@ -182,3 +222,9 @@ class Communicator(abc.ABC):
 
     def _count_send(self, nbytes: int) -> None:
         self._charge(nbytes)
+
+
+for _name in TIMED_COLLECTIVES:  # the interface's own implementations (reduce_scatter, allgather_object, ...)
+    _method = Communicator.__dict__[_name]
+    if not getattr(_method, "__isabstractmethod__", False):
+        setattr(Communicator, _name, _timed(_method))

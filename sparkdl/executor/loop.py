@@ -19,6 +19,7 @@ from sparkdl.executor.checkpoint import CheckpointStore, Position, Resume
 from sparkdl.executor.checkpoint_async import RunCheckpoints
 from sparkdl.executor.context import WorkerContext
 from sparkdl.executor.memory import mark_model_start, peak_memory, reset_cuda_peak
+from sparkdl.comm.base import blocked_seconds
 from sparkdl.executor.pace import pace_figures, slow_ranks, wait_fraction
 from sparkdl.model.objectives import build_model, build_optimizer, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
@@ -41,6 +42,7 @@ class _EpochTotals:
     transform_started: float = 0.0  # ctx.transform_seconds when the epoch began
     data_seconds: float = 0.0  # waiting for the next batch (spool read, assembly, transform_fn not hidden by prefetch)
     step_seconds: float = 0.0  # in train_step: compute and the strategy's collectives (executor/pace.py)
+    wait_seconds: float = 0.0  # of those, blocked in collectives on this thread (comm.base.blocked_seconds)
     first_step_s: float | None = None  # task start to the end of the run's first step (a fresh run's epoch 0)
     checkpoint: dict[str, float] = field(default_factory=dict)  # CheckpointTimings.take() of the epoch
 
@@ -225,7 +227,7 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
     accumulate, save_due = ctx.spec.train.accumulate_steps, False
     fetch_started = time.perf_counter()
     for inputs, labels, weights in _triples(ctx, ctx.batches(epoch, start=totals.step)):
-        step_started = time.perf_counter()
+        step_started, blocked_before = time.perf_counter(), blocked_seconds()
         totals.data_seconds += step_started - fetch_started
         inputs, rows = to_device(inputs, device), batch_rows(inputs)
         labels = labels.to(device, non_blocking=True)
@@ -233,6 +235,7 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         micro = accumulation(totals.step, steps, accumulate)
         loss = strategy.train_step(inputs, labels, weights, micro)
         totals.step_seconds += time.perf_counter() - step_started
+        totals.wait_seconds += blocked_seconds() - blocked_before
         totals.loss_sum += loss.double() * strategy.loss_rows(rows)
         totals.samples += rows
         totals.step += 1
@@ -297,14 +300,17 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
                  step_seconds=totals.step_seconds, rows=float(totals.samples), **peak_memory(ctx.comm.device),
                  **totals.checkpoint)
+    # Collectives timed on this thread; a strategy's own figure also holds waits for its background
+    # sync thread (DiLoCo's outer syncs not hidden behind training): the larger is this rank's wait.
+    local["wait_seconds"] = max(totals.wait_seconds, float(local.get("comm_wait_s", 0.0)))
     if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
         local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
     if ctx.spec.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     gathered = _gather_metrics(ctx, local)
-    record.update(_pace(gathered, ctx.world.hosts))
+    record.update(_pace(gathered, ctx.world.hosts, strategy.uniform_ranks))
     for name, values in gathered.items():
-        if name in ("step_seconds", "rows"):
+        if name in ("step_seconds", "rows", "wait_seconds"):
             continue  # in the pace figures
         if name == "bytes_sent":
             record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
@@ -317,15 +323,13 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     return record
 
 
-def _pace(gathered: dict[str, list[float]], hosts: Sequence[str]) -> dict[str, Any]:
-    """Each rank's compute time, waits and speed, and the ranks that hold the others back (named
-    where the strategy measures its collective waits: `comm_wait_s`)."""
-    if "comm_wait_s" not in gathered:
-        return {}
-    steps, waits = gathered["step_seconds"], gathered["comm_wait_s"]
+def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], uniform: bool) -> dict[str, Any]:
+    """Each rank's compute time, waits and speed; with `uniform` ranks (the same work on every rank:
+    not pipeline stages) the ranks that hold the others back, named with their hosts."""
+    steps, waits = gathered["step_seconds"], gathered["wait_seconds"]
     figures: dict[str, Any] = pace_figures(steps, waits, gathered["rows"])
     figures["wait_fraction"] = wait_fraction(steps, waits)
-    slow = slow_ranks(figures["rows_per_compute_s_by_rank"], hosts)
+    slow = slow_ranks(figures["rows_per_compute_s_by_rank"], hosts) if uniform else []
     if slow:
         figures["slow_ranks"] = slow
     return figures

@@ -23,6 +23,9 @@ class Strategy(abc.ABC):
 
     name: str = ""
     requires: frozenset[str] = frozenset()
+    # Every rank does the same work per row, so a rank's speed can be held against the median's
+    # (executor/pace.py names slow ranks); pipeline stages do different work and are not compared.
+    uniform_ranks: bool = True
 
     def __init__(self, comm: Communicator, layout: StrategyLayout = None, train: TrainConfig | None = None, *,
                  loss_weight: float = 1.0, compute_speed: float = 1.0, schedule: ScheduleFactory | None = None

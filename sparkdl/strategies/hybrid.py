@@ -79,6 +79,7 @@ class _Receives:
 class Hybrid(Strategy):
     name = "hybrid"
     requires = frozenset({ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP})
+    uniform_ranks = False  # stages run different layers: their speeds are not compared
 
     layout: HybridLayout
 

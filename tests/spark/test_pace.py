@@ -3,6 +3,7 @@ in the library) is named with its host, its speed and the time the others spend 
 reach the history and MLflow."""
 from __future__ import annotations
 
+import pytest
 from torch import nn
 
 from slow_rank import SlowOnRank
@@ -10,11 +11,13 @@ from sparkdl import TorchEstimator
 from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe
 
 
-def test_a_slow_rank_is_named_with_its_host_and_its_pace_is_recorded(spark, capfd) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("strategy", ["data_parallel", "sharded"])
+def test_a_slow_rank_is_named_with_its_host_and_its_pace_is_recorded(spark, capfd, strategy) -> None:  # type: ignore[no-untyped-def]
     df = digits_dataframe(spark)
     model = TorchEstimator(model=lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)),
                            feature_cols=DIGITS_FEATURE_COLS, loss=SlowOnRank(rank=1, seconds=0.03), epochs=2,
-                           batch_size=64, num_workers=2, lr=3e-3, tracking=False, progress=False).fit(df)
+                           batch_size=64, num_workers=2, lr=3e-3, tracking=False, progress=False,
+                           strategy=strategy).fit(df)
     last = model.history[-1]
     speeds = last["rows_per_compute_s_by_rank"]
     assert len(speeds) == 2 and speeds[0] > 2 * speeds[1], last

@@ -35,3 +35,39 @@ def test_the_pace_reaches_mlflow_as_metrics() -> None:
                       "compute_seconds_rank_0": 1.0, "compute_seconds_rank_1": 2.0, "wait_seconds_rank_0": 1.0,
                       "wait_seconds_rank_1": 0.0}
     assert pace_points({"loss": 1.0}) == {}
+
+
+def test_every_backends_collectives_count_once_as_this_threads_blocked_time(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import itertools
+    import threading
+
+    import torch
+
+    import sparkdl.comm.base as base
+    from sparkdl.comm.base import Communicator, WorldInfo, blocked_seconds
+
+    class Fake(Communicator):
+        def allreduce(self, tensor, op="sum"):  # type: ignore[no-untyped-def]
+            return tensor
+
+        def broadcast(self, tensor, src=0):  # type: ignore[no-untyped-def]
+            return tensor
+
+        def allgather(self, tensor):  # type: ignore[no-untyped-def]
+            return [tensor]
+
+        def barrier(self) -> None:
+            pass
+
+    ticks = itertools.count()
+    monkeypatch.setattr(base.time, "perf_counter", lambda: float(next(ticks)))  # each timed call: exactly 1 s
+    comm = Fake(WorldInfo(0, 1, 0, 1, ("h",), "h", 1))
+    before = blocked_seconds()
+    comm.reduce_scatter(torch.zeros(2))  # the interface's reduce_scatter runs allreduce: counted once
+    assert blocked_seconds() - before == 1.0
+    comm.allreduce(torch.zeros(1))
+    assert blocked_seconds() - before == 2.0
+    other = threading.Thread(target=lambda: comm.barrier())
+    other.start()
+    other.join()
+    assert blocked_seconds() - before == 2.0  # another thread's collective is not this thread's wait
