@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 

@@ -5,6 +5,7 @@ run when tracking is on and hand rank 0 its id, so `mlflow.log_metric` inside th
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import tempfile
 from dataclasses import dataclass, replace
@@ -108,8 +109,6 @@ def run_on_driver(call: ChildCall, processes: int, options: CompatOptions, param
     from sparkdl.executor.child_process import child_env, first_failure, rank_failure
     from sparkdl.executor.child_rank import run_children
     from sparkdl.executor.rendezvous import free_port
-    from sparkdl.wire.codec import loads_result
-
     run_id = new_run_id()
     tracker = open_tracker(call.name, options, params, run_id)
     address, port = "127.0.0.1", free_port("127.0.0.1")
@@ -146,7 +145,7 @@ def run_on_driver(call: ChildCall, processes: int, options: CompatOptions, param
         tracker.finish("FAILED")
         raise rank_error(call.name, failure=(rank, rank_failure(rank, error)))
     tracker.finish("FINISHED")
-    values = [loads_result({"payload": [(0, 0, o.result or b"")]}) for o in outcomes]
+    values = [pickle.loads(o.result) if o.result else None for o in outcomes]
     return values if call.results == "all" else values[0]
 
 
