@@ -36,21 +36,27 @@ def blocked_seconds() -> float:
     return float(getattr(_BLOCKED, "seconds", 0.0))
 
 
+def _blocking(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """call(*args, **kwargs), its time added to this thread's blocked_seconds unless an outer
+    collective already counts it."""
+    if getattr(_BLOCKED, "depth", 0):
+        return call(*args, **kwargs)
+    _BLOCKED.depth = 1
+    started = time.perf_counter()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _BLOCKED.depth = 0
+        _BLOCKED.seconds = blocked_seconds() + time.perf_counter() - started
+
+
 def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(method, "_sparkdl_timed", False):
         return method
 
     @functools.wraps(method)
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_BLOCKED, "depth", 0):
-            return method(self, *args, **kwargs)
-        _BLOCKED.depth = 1
-        started = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            _BLOCKED.depth = 0
-            _BLOCKED.seconds = blocked_seconds() + time.perf_counter() - started
+        return _blocking(method, self, *args, **kwargs)
 
     timed._sparkdl_timed = True  # type: ignore[attr-defined]
     return timed
@@ -60,6 +66,26 @@ class Work(Protocol):
     """A pending point-to-point send; wait() returns once the buffer may be reused."""
 
     def wait(self) -> Any: ...
+
+
+class PendingReduce:
+    """An allreduce in flight (Communicator.allreduce_async): wait() blocks until it is done, the
+    time it blocks counted in blocked_seconds like a synchronous collective's, and returns the
+    reduced tensor. `finish`: what to apply once it is done (the division of "avg")."""
+
+    def __init__(self, tensor: "torch.Tensor", work: Any = None,
+                 finish: "Callable[[torch.Tensor], Any] | None" = None) -> None:
+        self.tensor = tensor
+        self._work = work
+        self._finish = finish
+
+    def wait(self) -> "torch.Tensor":
+        if self._work is not None:
+            work, self._work = self._work, None
+            _blocking(work.wait)
+            if self._finish is not None:
+                self._finish(self.tensor)
+        return self.tensor
 
 
 @dataclass(frozen=True)
@@ -124,6 +150,17 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, tensor: "torch.Tensor", op: str = "sum") -> "torch.Tensor":
         """In place over all ranks; op is "sum", "avg", "max" or "min". Returns the tensor."""
+
+    # True: allreduce_async returns while the collective runs on (gradient averaging overlaps backward);
+    # False: the interface's default, which reduces before it returns.
+    overlaps_allreduce: bool = False
+
+    def allreduce_async(self, tensor: "torch.Tensor", op: str = "sum") -> PendingReduce:
+        """Start an allreduce of `tensor` in place (as allreduce; the same bytes counted); the result
+        is there once wait() returns. Every rank starts the same allreduces in the same order. Leave
+        the tensor alone until then. This default reduces at once and returns finished work."""
+        self.allreduce(tensor, op=op)
+        return PendingReduce(tensor)
 
     @abc.abstractmethod
     def broadcast(self, tensor: "torch.Tensor", src: int = 0) -> "torch.Tensor":

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.base import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator, Work,
-                               WorldInfo)
+from sparkdl.comm.base import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator,
+                               PendingReduce, Work, WorldInfo)
 from sparkdl.comm.interfaces import (GLOO_INTERFACE_ENV, check_not_loopback_across_hosts, gloo_interface_env,
                                      restore_environment, set_environment, spans_hosts)
 from sparkdl.comm.reachability import PROBE_DEADLINE_S, PeerProbe, dial_one, dial_peers
@@ -25,6 +25,14 @@ def cuda_index(address: str) -> int:
     if address in visible:
         return visible.index(address)
     return int(address)
+
+
+def _start_allreduce(tensor: torch.Tensor, op: str, size: int, group: Any = None) -> PendingReduce:
+    """dist.all_reduce(async_op=True): gloo runs it on its own threads, NCCL on its stream."""
+    if op not in _REDUCE_OPS and op != "avg":
+        raise ConfigError(f"allreduce op {op!r} is not supported", hint="use sum, avg, max or min")
+    work = dist.all_reduce(tensor, op=_REDUCE_OPS.get(op, dist.ReduceOp.SUM), group=group, async_op=True)
+    return PendingReduce(tensor, work, (lambda done: done.div_(size)) if op == "avg" else None)
 
 
 def _store_gather(store: Any, world: WorldInfo, key: str, value: str, timeout: datetime.timedelta) -> list[str]:
@@ -101,6 +109,12 @@ class TorchDistCommunicator(Communicator):
             raise ConfigError(f"allreduce op {op!r} is not supported", hint="use sum, avg, max or min")
         dist.all_reduce(tensor, op=_REDUCE_OPS[op])
         return tensor
+
+    overlaps_allreduce = True
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> PendingReduce:
+        self._count_allreduce(tensor.numel() * tensor.element_size())
+        return _start_allreduce(tensor, op, self.size)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._count_broadcast(tensor.numel() * tensor.element_size(), src)
@@ -231,6 +245,14 @@ class TorchGroupCommunicator(Communicator):
             raise ConfigError(f"allreduce op {op!r} is not supported", hint="use sum, avg, max or min")
         dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group)
         return tensor
+
+    overlaps_allreduce = True
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> PendingReduce:
+        if self.size == 1:
+            return PendingReduce(tensor)
+        self._count_allreduce(tensor.numel() * tensor.element_size())
+        return _start_allreduce(tensor, op, self.size, self._group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size == 1:

@@ -33,7 +33,7 @@ SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
 IST_SCALES = ("scale", "batchnorm")
-BATCH_BALANCES = ("equal", "speed")
+BATCH_BALANCES = ("equal", "speed", "dynamic")
 BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
 
@@ -105,6 +105,8 @@ class TrainConfig:
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
     approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
+    # (once, at the start), or "dynamic" (also sharded): re-split every rebalance_every steps, rows moved, exact
+    rebalance_every: int = 8  # batch_balance="dynamic": steps between agreements on the ranks' measured speeds
     checkpoint_dir: str | None = None  # local path or pyarrow filesystem URI; None: no checkpoints
     checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
     keep_checkpoints: int = 2  # complete checkpoints kept
@@ -119,6 +121,9 @@ class TrainConfig:
     step_gamma: float = 0.1
     precision: str = "32"  # "32", "bf16" (autocast, fp32 master weights) or "16" (CUDA, GradScaler)
     accumulate_steps: int = 1  # micro-batches per optimizer step; gradients communicated on the last only
+    # data_parallel (backend="torch"): gradient buckets allreduced while backward runs, as DDP does
+    # (False: all of them after backward; the same averages)
+    overlap_grads: bool = True
     metrics: tuple[Any, ...] = ()  # validation metrics by name or callable (output, label) -> (sum, count)
     early_stopping: dict | None = None  # {"metric", "mode", "patience", "min_delta", "restore_best"}
     callbacks: tuple[Any, ...] = ()  # driver: fn(epoch record) -> None | "stop" (or "pkg.mod:fn" paths)
@@ -166,6 +171,14 @@ class TrainConfig:
         if self.batch_balance == "speed" and self.implied_strategy not in ("data_parallel", "auto"):
             raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
                               f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
+        if self.batch_balance == "dynamic" and (self.implied_strategy not in ("data_parallel", "sharded", "auto")
+                                                or self.sync != "allreduce"):
+            what = f"sync={self.sync!r}" if self.sync != "allreduce" else f"strategy={self.implied_strategy!r}"
+            raise ConfigError(f"train.batch_balance='dynamic' re-splits the batch of ranks that step together "
+                              f"(data_parallel or sharded, sync='allreduce'), but train.{what}",
+                              hint="use strategy='data_parallel' or 'sharded' with sync='allreduce'; DiLoCo's "
+                                   "replicas balance themselves with their own options")
+        positive_int("train.rebalance_every", self.rebalance_every)
         positive_int("train.sync_every", self.sync_every)
         check_outer_sync(self)
         positive_int("train.ist_sync_every", self.ist_sync_every)
@@ -179,6 +192,8 @@ class TrainConfig:
                               hint="DiLoCo uses 0.9")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
+        if not isinstance(self.overlap_grads, bool):
+            raise ConfigError(f"train.overlap_grads must be true or false, got {self.overlap_grads!r}")
         if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \
                 or self.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every must be an integer >= 0 (0 = epoch ends only), got "

@@ -2,7 +2,9 @@
 
 Averaging goes through the Communicator (not DistributedDataParallel) so the same strategy runs
 on every backend and the bytes it sends are counted at one place. Gradients are flattened into a
-few large buckets because per-tensor collectives are latency bound on small layers.
+few large buckets because per-tensor collectives are latency bound on small layers. Where the
+backend's allreduce runs in the background (torch: gloo/NCCL), the buckets are reduced while backward
+runs (train.overlap_grads, strategies/grad_overlap.py); otherwise all of them after backward.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from torch import nn
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.diloco import build_outer_sync
+from sparkdl.strategies.grad_overlap import OverlappedAveraging
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
 BUCKET_BYTES = 25 << 20
+FIRST_BUCKET_BYTES = 1 << 20  # overlapped: the last layers' bucket goes out early (DDP's first bucket too)
 
 
 def broadcast_module(comm: Communicator, module: nn.Module, src: int = 0) -> None:
@@ -83,6 +87,8 @@ class DataParallel(Strategy):
 
     name = "data_parallel"
     requires = frozenset({ALLREDUCE, BROADCAST})
+    bucket_bytes = BUCKET_BYTES
+    first_bucket_bytes = FIRST_BUCKET_BYTES
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         self._model = model.to(self.comm.device)
@@ -108,6 +114,13 @@ class DataParallel(Strategy):
         self._step_weight: torch.Tensor | None = None  # this step's weight sum, reduced with the gradients
         if self._diloco:
             self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, self.train)
+        # Buckets reduced during backward: where this strategy averages over several ranks itself and the
+        # backend's allreduce runs in the background (a synchronous one gains nothing inside backward).
+        group = self._step_comm
+        overlap = bool(self.train.overlap_grads) and self._weight_rides_along() and group is not None \
+            and group.overlaps_allreduce
+        self._overlap = OverlappedAveraging(self._params, self.first_bucket_bytes, self.bucket_bytes) \
+            if overlap else None
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -118,19 +131,21 @@ class DataParallel(Strategy):
         with self.steps.autocast():
             output = call_model(self._model, inputs)
         loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, float_output(output), labels, weights)
+        overlapped = self._overlap is not None and micro.last
         if numerator is not None and micro.count > 1:
-            # The window's weighted mean: sum(w * l) now, divided by the window's weight total at its end.
-            self.steps.backward(numerator)
+            # The window's weighted mean: sum(w * l) now, divided by the window's weight total at its end
+            # (overlapped: the total rides with the gradients, as for one batch).
             self._window_weight = denominator.detach() + (self._window_weight if micro.index else 0.0)
+            self._backward(numerator, SINGLE, self._window_weight if overlapped else None, overlapped)
         elif numerator is not None and self._weight_rides_along():
-            self.steps.backward(numerator, micro)  # divided by the global weight total while averaged
-            self._step_weight = denominator.detach()
+            self._step_weight = denominator.detach()  # divided by the global weight total while averaged
+            self._backward(numerator, micro, self._step_weight, overlapped)
         else:
-            self.steps.backward(self._objective(loss, numerator, denominator), micro)
+            self._backward(self._objective(loss, numerator, denominator), micro, None, overlapped)
         self.slow_down(started)
         if not micro.last:
             return loss.detach()
-        if numerator is not None and micro.count > 1:
+        if numerator is not None and micro.count > 1 and not overlapped:
             self._normalise_window()
         if self._diloco:
             if self._step_comm is not None and self._step_comm.size > 1:
@@ -155,10 +170,28 @@ class DataParallel(Strategy):
         group = self._step_comm
         return group is not None and group.size > 1 and not self._backend_averages
 
+    def _backward(self, objective: torch.Tensor, micro: Accumulation, weight: torch.Tensor | None,
+                  overlapped: bool) -> None:
+        """steps.backward; `overlapped`: with the buckets' allreduces started as their gradients are
+        done (`weight`: this rank's weight total, riding along), finished by _averaged."""
+        if not overlapped:
+            self.steps.backward(objective, micro)
+            return
+        assert self._overlap is not None and self._step_comm is not None
+        self._overlap.arm(self._step_comm, weight)
+        try:
+            self.steps.backward(objective, micro)
+        except BaseException:
+            self._overlap.disarm()
+            raise
+
     def _averaged(self, group: Communicator) -> None:
         started = time.perf_counter()
         weight, self._step_weight = self._step_weight, None
-        average_gradients(group, self._params, weight=weight)
+        if self._overlap is not None and self._overlap.armed:
+            self._overlap.finish()  # the weight rode along already
+        else:
+            average_gradients(group, self._params, bucket_bytes=self.bucket_bytes, weight=weight)
         self._comm_wait_s += time.perf_counter() - started
 
     def epoch_metrics(self) -> dict[str, float]:

@@ -1,0 +1,141 @@
+"""Gradient averaging overlapped with backward, as DistributedDataParallel's reducer does it.
+
+Parameters are put in buckets once, at setup, in reverse parameter order (roughly the order in which
+backward finishes their gradients; the first bucket small, so communication starts early). A
+post-accumulate-grad hook per parameter counts the bucket's gradients as they become final; bucket i
+starts its asynchronous allreduce once it and every bucket before it are complete, so every rank
+starts the same buffers in the same order whatever order its hooks fired in (a branch unused on
+one rank only delays the buckets from that one on; their allreduces start at the end of backward,
+its gradients as zeros). `finish()` starts what is left, waits, divides and copies the averages
+back before the optimizer step. The hooks act only while armed (the last micro-batch of a window).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparkdl.comm.base import Communicator, PendingReduce
+
+
+def plan_buckets(params: list[nn.Parameter], first_bucket_bytes: int, bucket_bytes: int) -> list[list[int]]:
+    """Indices into `params`, bucket by bucket in launch order: reverse parameter order, one dtype a
+    bucket, the first closed at `first_bucket_bytes`, the others at `bucket_bytes`. The same on every
+    rank (it depends on the parameters' shapes and dtypes only)."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (bucket index, bytes so far)
+    for index in reversed(range(len(params))):
+        param = params[index]
+        if param.dtype not in open_bucket:
+            buckets.append([])
+            open_bucket[param.dtype] = (len(buckets) - 1, 0)
+        number, size = open_bucket[param.dtype]
+        buckets[number].append(index)
+        size += param.numel() * param.element_size()
+        if size >= (first_bucket_bytes if number == 0 else bucket_bytes):
+            del open_bucket[param.dtype]
+        else:
+            open_bucket[param.dtype] = (number, size)
+    return buckets
+
+
+class OverlappedAveraging:
+    def __init__(self, params: list[nn.Parameter], first_bucket_bytes: int, bucket_bytes: int) -> None:
+        self._params = params
+        self.buckets = plan_buckets(params, first_bucket_bytes, bucket_bytes)
+        self._bucket_of = [0] * len(params)
+        for number, indices in enumerate(self.buckets):
+            for index in indices:
+                self._bucket_of[index] = number
+        self._group: Communicator | None = None
+        self._weight: torch.Tensor | None = None
+        self._missing: list[int] = []
+        self._seen: list[bool] = []
+        self._next = 0
+        self._pending: list[PendingReduce] = []
+        self.started_in_backward = 0  # buckets of the last armed step whose allreduce started during backward
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+                       for index, p in enumerate(params)]
+
+    @property
+    def armed(self) -> bool:
+        return self._group is not None
+
+    def arm(self, group: Communicator, weight: torch.Tensor | None = None) -> None:
+        """Average over `group` during the next backward. `weight`: this rank's weight total (its
+        gradients are those of sum(w * l)); it rides in the first bucket, the gradients are summed and
+        divided by the group's total instead of averaged."""
+        self._group, self._weight = group, weight
+        self._missing = [len(indices) for indices in self.buckets]
+        self._seen = [False] * len(self._params)
+        self._next = 0
+        self._pending = []
+        self.started_in_backward = 0
+
+    def disarm(self) -> None:
+        """Forget this step (a backward that failed); whatever was started is left to finish."""
+        self._group, self._weight, self._pending = None, None, []
+
+    def _ready(self, index: int, param: torch.Tensor) -> None:
+        if self._group is None or self._seen[index]:
+            return
+        self._seen[index] = True
+        number = self._bucket_of[index]
+        self._missing[number] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+            self.started_in_backward += 1
+
+    def _launch(self, number: int) -> None:
+        assert self._group is not None and number == self._next
+        self._next += 1
+        with torch.no_grad():
+            pieces = []
+            for index in self.buckets[number]:
+                param = self._params[index]
+                if param.grad is None:
+                    # Every rank must contribute the same buffer layout, even for a branch unused this step.
+                    param.grad = torch.zeros_like(param)
+                pieces.append(param.grad.reshape(-1))
+            if number == 0 and self._weight is not None:
+                pieces.append(self._weight.detach().reshape(1).to(pieces[0].dtype))
+            flat = torch.cat(pieces)
+        self._pending.append(self._group.allreduce_async(flat, op="sum" if self._weight is not None else "avg"))
+
+    def finish(self) -> None:
+        """Start the buckets backward left (in their fixed order), wait for all, write the averages
+        into the gradients."""
+        if self._group is None:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        weighted = self._weight is not None
+        pending, self._pending = self._pending, []
+        self._group, self._weight = None, None
+        total: torch.Tensor | None = None
+        with torch.no_grad():
+            for number, work in enumerate(pending):
+                flat = work.wait()
+                indices = self.buckets[number]
+                if weighted:
+                    if total is None:
+                        total = flat[-1].clone().to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny)
+                    flat.div_(total.to(flat.dtype))
+                offset = 0
+                for index in indices:
+                    grad = self._params[index].grad
+                    assert grad is not None
+                    grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def describe(self) -> dict[str, Any]:
+        return {"buckets": len(self.buckets),
+                "bucket_bytes": [sum(self._params[i].numel() * self._params[i].element_size() for i in b)
+                                 for b in self.buckets]}
