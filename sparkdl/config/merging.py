@@ -42,6 +42,9 @@ def check_across_sections(data: DataConfig, train: TrainConfig, launch: LaunchCo
                           hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
     check_spool(data.spool, train)
     check_elastic(launch, train)
+    if train.batch_balance == "dynamic" and launch.backend == "horovod":
+        raise ConfigError("train.batch_balance='dynamic' moves rows between ranks point to point, which "
+                          "launch.backend='horovod' cannot", hint="use backend='torch' (gloo/NCCL)")
     if hybrid and workers < 2:
         raise ConfigError("strategy='hybrid' needs num_workers >= 2 (one rank per pipeline stage)",
                           hint="raise num_workers, or use strategy='data_parallel'")

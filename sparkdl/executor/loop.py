@@ -21,6 +21,7 @@ from sparkdl.executor.context import WorkerContext
 from sparkdl.executor.memory import mark_model_start, peak_memory, reset_cuda_peak
 from sparkdl.comm.base import blocked_seconds
 from sparkdl.executor.pace import pace_figures, slow_ranks, wait_fraction
+from sparkdl.executor.rebalance import Rebalancer
 from sparkdl.model.objectives import build_model, build_optimizer, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
 from sparkdl.executor.validation import run_metrics, validate
@@ -43,6 +44,7 @@ class _EpochTotals:
     data_seconds: float = 0.0  # waiting for the next batch (spool read, assembly, transform_fn not hidden by prefetch)
     step_seconds: float = 0.0  # in train_step: compute and the strategy's collectives (executor/pace.py)
     wait_seconds: float = 0.0  # of those, blocked in collectives on this thread (comm.base.blocked_seconds)
+    balancer: Rebalancer | None = None  # batch_balance="dynamic": who computes which rows of a step
     first_step_s: float | None = None  # task start to the end of the run's first step (a fresh run's epoch 0)
     checkpoint: dict[str, float] = field(default_factory=dict)  # CheckpointTimings.take() of the epoch
 
@@ -63,8 +65,9 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, spec.train.checkpoint_every,
                                  spec.launch.timeout_s) if store else None
+    balancer = _rebalancer(ctx, strategy, resume)
     try:
-        history, stopper = _train_epochs(ctx, strategy, loss_fn, resume, checkpoints)
+        history, stopper = _train_epochs(ctx, strategy, loss_fn, resume, checkpoints, balancer)
         if checkpoints is not None:
             checkpoints.finish()  # the last save recorded in the manifest before the result leaves
     except BaseException:
@@ -76,7 +79,7 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
 
 
 def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: Resume | None,
-                  checkpoints: RunCheckpoints | None) -> tuple[History, "_Stopper"]:
+                  checkpoints: RunCheckpoints | None, balancer: Rebalancer | None) -> tuple[History, "_Stopper"]:
     """Every epoch from the resumed position on, each ending in its agreed record; stops early on
     the epoch verdict (the same on every rank)."""
     spec = ctx.spec
@@ -91,7 +94,7 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
         totals = _EpochTotals(torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0,
                                            dtype=torch.float64, device=ctx.comm.device),
                               int(progress.get("samples", 0)) if resuming else 0,
-                              start.step if resuming else 0, global_step, ctx.transform_seconds)
+                              start.step if resuming else 0, global_step, ctx.transform_seconds, balancer=balancer)
         run_epoch(ctx, strategy, epoch, totals, checkpoints, history, stopper)
         global_step = totals.global_step
         last = epoch == spec.train.epochs - 1
@@ -118,7 +121,8 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
                 strategy.restore(strategy.snapshot())
             break
         if checkpoints is not None and not last:
-            checkpoints.save(Position(epoch + 1, 0, global_step), _progress(ctx, strategy, history, 0.0, 0, stopper))
+            checkpoints.save(Position(epoch + 1, 0, global_step),
+                             _progress(ctx, strategy, history, 0.0, 0, stopper, balancer))
         if regroup:
             break
     return history, stopper
@@ -195,6 +199,18 @@ def build_strategy(ctx: WorkerContext) -> Strategy:
     return strategy
 
 
+def _rebalancer(ctx: WorkerContext, strategy: Strategy, resume: Resume | None) -> Rebalancer | None:
+    """batch_balance="dynamic" on data parallel or sharded over several ranks stepping together
+    (not DiLoCo's ranks, which step alone): from the speeds a checkpoint remembers, else equal."""
+    train = ctx.spec.train
+    if train.batch_balance != "dynamic" or ctx.world_size < 2 or train.sync != "allreduce" \
+            or train.strategy not in ("data_parallel", "sharded"):
+        return None
+    remembered = resume.progress.get("rank_speeds") if resume is not None else None
+    return Rebalancer.start(ctx.comm, train.rebalance_every, remembered, ctx.world.executors or ctx.world.hosts,
+                            ctx.world.hosts)
+
+
 def _resume(ctx: WorkerContext, strategy: Strategy, resume: Resume | None
             ) -> tuple[Position, dict[str, Any], History]:
     """(start position, this rank's saved running sums, history so far): a fresh start, or the
@@ -226,16 +242,25 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
     device, reporter, steps = ctx.comm.device, ctx.reporter, ctx.steps_per_epoch
     accumulate, save_due = ctx.spec.train.accumulate_steps, False
     fetch_started = time.perf_counter()
-    for inputs, labels, weights in _triples(ctx, ctx.batches(epoch, start=totals.step)):
+    balancer = totals.balancer
+    batches = _triples(ctx, ctx.batches(epoch, start=totals.step))
+    if balancer is not None:
+        batches = balancer.exchanged(batches, ctx.epoch, totals.step, totals.global_step)
+    for inputs, labels, weights in batches:
         step_started, blocked_before = time.perf_counter(), blocked_seconds()
         totals.data_seconds += step_started - fetch_started
         inputs, rows = to_device(inputs, device), batch_rows(inputs)
         labels = labels.to(device, non_blocking=True)
         weights = None if weights is None else weights.to(device, non_blocking=True)
         micro = accumulation(totals.step, steps, accumulate)
+        if balancer is not None:
+            strategy.loss_weight = balancer.loss_weight  # this rank's part of the step's rows
         loss = strategy.train_step(inputs, labels, weights, micro)
-        totals.step_seconds += time.perf_counter() - step_started
-        totals.wait_seconds += blocked_seconds() - blocked_before
+        step_s, waited = time.perf_counter() - step_started, blocked_seconds() - blocked_before
+        totals.step_seconds += step_s
+        totals.wait_seconds += waited
+        if balancer is not None:
+            balancer.record(rows, step_s - waited)
         totals.loss_sum += loss.double() * strategy.loss_rows(rows)
         totals.samples += rows
         totals.step += 1
@@ -252,7 +277,8 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         if save_due and micro.last and totals.step < steps:
             save_due = False
             checkpoints.save(Position(epoch, totals.step, totals.global_step),  # type: ignore[union-attr]
-                             _progress(ctx, strategy, history, float(totals.loss_sum.cpu()), totals.samples, stopper))
+                             _progress(ctx, strategy, history, float(totals.loss_sum.cpu()), totals.samples, stopper,
+                                       balancer))
         fetch_started = time.perf_counter()
 
 
@@ -296,6 +322,9 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     }
     if ctx.batch_shares:
         record["batch_rows_per_rank"] = list(ctx.batch_shares)
+    if totals.balancer is not None:  # the split the epoch ended with, and how much it moved
+        record["batch_rows_per_rank"] = totals.balancer.full_step_rows(ctx.epoch)
+        record.update(totals.balancer.take_epoch_counts())
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
                  step_seconds=totals.step_seconds, rows=float(totals.samples), **peak_memory(ctx.comm.device),
@@ -336,11 +365,13 @@ def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], uniform: bool)
 
 
 def _progress(ctx: WorkerContext, strategy: Strategy, history: History, loss_sum: float, samples: int,
-              stopper: _Stopper) -> dict[str, Any]:
+              stopper: _Stopper, balancer: Rebalancer | None = None) -> dict[str, Any]:
     """This rank's part of a checkpoint besides the strategy's state: running sums, history (rank 0),
-    early stopping's state and this rank's part of the best weights."""
+    early stopping's state, this rank's part of the best weights and the ranks' last measured speeds."""
+    speeds = balancer.remembered(ctx.world.executors or ctx.world.hosts, ctx.world.hosts) if balancer else {}
     return {"loss_sum": loss_sum, "samples": samples, "history": history if ctx.rank == 0 else [],
-            "batch_shares": list(ctx.batch_shares or []), **stopper.progress(ctx, strategy)}
+            "batch_shares": list(ctx.batch_shares or []), **({"rank_speeds": speeds} if speeds else {}),
+            **stopper.progress(ctx, strategy)}
 
 
 def _gather_metrics(ctx: WorkerContext, local: dict[str, float]) -> dict[str, list[float]]:

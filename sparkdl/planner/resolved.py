@@ -23,6 +23,7 @@ from sparkdl.planner.plan import Candidate, Plan
 PLAN_FORMAT = 1
 # The train options that select a layout; a kept plan sets exactly these on the run it is reused for.
 LAYOUT_OPTIONS = ("strategy", "sync", "sync_every", "stages", "microbatches", "schedule", "batch_balance",
+                  "rebalance_every",
                   "ist_sync_every", "ist_scale", "sync_dtype", "fragments", "fragment_sync_delay",
                   "fragment_update_alpha", "islands")
 
@@ -68,7 +69,8 @@ class ResolvedPlan:
         if self.strategy in ("data_parallel", "diloco", "islands"):
             named["sync"] = settings.get("sync", "allreduce")
         named.update({k: v for k, v in self.settings if _shown(self.strategy, k)
-                      and not (k == "batch_balance" and v == "equal")})
+                      and not (k == "batch_balance" and v == "equal")
+                      and not (k == "rebalance_every" and settings.get("batch_balance") != "dynamic")})
         return named
 
     def as_params(self) -> dict[str, str]:
@@ -123,7 +125,7 @@ class ResolvedPlan:
 
 def _shown(strategy: str, option: str) -> bool:
     """The options worth showing for a strategy (the others keep their defaults and do nothing)."""
-    relevant = {"data_parallel": {"batch_balance"},
+    relevant = {"data_parallel": {"batch_balance", "rebalance_every"}, "sharded": {"batch_balance", "rebalance_every"},
                 "diloco": {"sync_every", "sync_dtype", "fragments", "fragment_sync_delay", "fragment_update_alpha"},
                 "islands": {"sync_every", "sync_dtype", "fragments", "fragment_sync_delay", "fragment_update_alpha",
                             "islands"},
