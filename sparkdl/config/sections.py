@@ -97,6 +97,12 @@ class TrainConfig:
     fragments: int = 1  # diloco: P fragments of strided top-level layers syncing at staggered steps (Streaming DiLoCo)
     fragment_sync_delay: int = 0  # diloco: tau, inner steps a fragment's sync overlaps before it lands (< H / P)
     fragment_update_alpha: float = 0.0  # diloco: a landed fragment = alpha x local + (1 - alpha) x global
+    # diloco on uneven workers (strategies/diloco_uneven.py): "dynamic" = each replica's inner steps per round
+    # from its measured speed (DyLU; fast replicas echo batches), pseudo-gradients weighted by rows
+    local_updates: str = "fixed"
+    outer_optimizer: str = "nesterov"  # diloco: "nesterov" or "delayed_nesterov" (momentum every N pseudo-gradients)
+    outer_momentum_every: int = 0  # delayed_nesterov: N (0 = the number of replicas; 1 = plain Nesterov)
+    max_staleness: int | tuple = 0  # diloco: rounds a replica may run ahead (DSSP): s, or bounds (s_L, s_U); 0 = off
     # diloco: islands of fast links, data parallel inside each every step and DiLoCo across: host groups
     # [["h1", "h2"], ["h3", "h4"]], or a count (>= 2) to find from measured links; 0 = none
     islands: int | tuple[tuple[str, ...], ...] = 0

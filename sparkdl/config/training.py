@@ -300,6 +300,9 @@ def check_outer_sync(train: Any) -> None:
         raise ConfigError(f"train.fragment_update_alpha must be in [0, 1], got {alpha!r}",
                           hint="0 takes the global weights (the paper's default), 0.5 mixes half of the local ones")
     check_islands(train.islands)
+    from sparkdl.config.uneven import check_uneven_workers
+
+    check_uneven_workers(train)
     streaming = train.fragments > 1 or train.fragment_sync_delay or alpha or train.sync_dtype != "fp32" \
         or train.islands
     # Under strategy="auto" they apply if the planner picks DiLoCo (a plan's data parallel then

@@ -112,7 +112,7 @@ def check_types(section: str, part: Any) -> None:
 def coerce(part: Any, name: str, value: Any) -> Any:
     if name == "islands" and isinstance(value, (list, tuple)):
         return tuple(tuple(g) if isinstance(g, (list, tuple)) else g for g in value)  # hashable, as frozen configs are
-    if name in ("input_cols", "metrics", "callbacks") and isinstance(value, list):
+    if name in ("input_cols", "metrics", "callbacks", "max_staleness") and isinstance(value, list):
         return tuple(value)
     if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
             and not (value is None and name == "emulate_speed"):

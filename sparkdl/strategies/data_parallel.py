@@ -18,6 +18,7 @@ from torch import nn
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.diloco import build_outer_sync
+from sparkdl.strategies.diloco_uneven import UnevenOuterSync
 from sparkdl.strategies.grad_overlap import OverlappedAveraging
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
@@ -112,8 +113,10 @@ class DataParallel(Strategy):
         self._step_comm: Communicator | None = self.comm
         self._comm_wait_s = 0.0
         self._step_weight: torch.Tensor | None = None  # this step's weight sum, reduced with the gradients
+        self._uneven = False
         if self._diloco:
             self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, self.train)
+            self._uneven = isinstance(self._outer_sync, UnevenOuterSync)  # DyLU, Delayed Nesterov, staleness
         # Buckets reduced during backward: where this strategy averages over several ranks itself and the
         # backend's allreduce runs in the background (a synchronous one gains nothing inside backward).
         group = self._step_comm
@@ -143,7 +146,10 @@ class DataParallel(Strategy):
         else:
             self._backward(self._objective(loss, numerator, denominator), micro, None, overlapped)
         self.slow_down(started)
+        rows = (float(denominator) if numerator is not None else float(labels.shape[0])) if self._uneven else 0.0
         if not micro.last:
+            if self._uneven:
+                self._outer_sync.record_compute(time.perf_counter() - started, 0, rows)
             return loss.detach()
         if numerator is not None and micro.count > 1 and not overlapped:
             self._normalise_window()
@@ -151,6 +157,11 @@ class DataParallel(Strategy):
             if self._step_comm is not None and self._step_comm.size > 1:
                 self._averaged(self._step_comm)
             self.steps.step(self._optimizer, self._params)
+            if self._uneven:
+                extra = self._outer_sync.inner_steps_now() - 1
+                for _ in range(extra):
+                    self._echo_step(inputs, labels, weights)
+                self._outer_sync.record_compute(time.perf_counter() - started, 1 + extra, rows)
             self._outer_sync.after_inner_step()
             return loss.detach()
         if self._backend_averages:
@@ -163,6 +174,37 @@ class DataParallel(Strategy):
             self._averaged(self.comm)
         self.steps.step(self._optimizer, self._params)
         return loss.detach()
+
+    def _echo_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Dynamic local updates: one more inner step on the same batch (a fast replica's otherwise idle
+        time, strategies/diloco_uneven.py); the lr schedule still counts loader steps."""
+        started = time.perf_counter()
+        self._optimizer.zero_grad()
+        with self.steps.autocast():
+            output = call_model(self._model, inputs)
+        loss, numerator, denominator = loss_and_weight_sum(self._loss_fn, float_output(output), labels, weights)
+        self.steps.backward(self._objective(loss, numerator, denominator))
+        self.slow_down(started)
+        scheduler, self.steps.scheduler = self.steps.scheduler, None
+        try:
+            self.steps.step(self._optimizer, self._params)
+        finally:
+            self.steps.scheduler = scheduler
+
+    def epoch_record(self) -> dict[str, Any]:
+        """DiLoCo on uneven workers: every replica's schedule this epoch (H_w and the bound s per round,
+        the staleness of each landed sync, inner steps), gathered so that the record is the same on all."""
+        if not self._uneven:
+            return super().epoch_record()
+        mine = self._outer_sync.take_schedule()
+        every = self.comm.allgather_object(mine) if self.comm.size > 1 else [mine]
+        landed = [[staleness for _, staleness in r["landings"]] for r in every]
+        return {**super().epoch_record(),
+                "diloco_inner_steps_by_rank": [int(r["inner_steps"]) for r in every],
+                "diloco_round_steps_by_rank": [[int(x["steps"]) for x in r["rounds"]] for r in every],
+                "diloco_staleness_bound_by_rank": [[int(x["staleness_bound"]) for x in r["rounds"]] for r in every],
+                "diloco_landing_staleness_by_rank": landed,
+                "diloco_max_staleness": max((max(s, default=0) for s in landed), default=0)}
 
     def _weight_rides_along(self) -> bool:
         """The global weight total can travel with the gradients: this strategy averages them itself
@@ -281,6 +323,8 @@ class DataParallel(Strategy):
                     param.copy_(mine)
 
     def end_epoch(self) -> None:
+        if self._uneven:
+            self._outer_sync.drain()  # every sync in flight lands: one global model for validation
         # Buffers (BatchNorm running stats) drift apart per rank; rank 0's copy is the one kept.
         if self.comm.size > 1:
             with torch.no_grad():

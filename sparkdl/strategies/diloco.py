@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from sparkdl.comm.base import SUBGROUP, Communicator
+from sparkdl.config.uneven import staleness_bounds, uses_uneven_sync
 from sparkdl.strategies import low_precision
+from sparkdl.strategies.diloco_uneven import UnevenOuterSync
 from sparkdl.strategies.islands import average_across_islands, island_comms, island_ranks
 
 # (pseudo-gradient, this rank's residual) -> (the mean over replicas, the residual to keep)
@@ -206,9 +208,11 @@ class OuterSync:
 
 
 def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Parameter], train: Any
-                     ) -> tuple[OuterSync, Communicator | None]:
+                     ) -> tuple[OuterSync | UnevenOuterSync, Communicator | None]:
     """DiLoCo's outer sync for this rank, and the communicator its gradients are averaged over every
     step (its island's; None for flat DiLoCo, whose ranks step alone)."""
+    if uses_uneven_sync(train):
+        return _uneven_outer_sync(comm, params, train), None
     schedule = OuterSchedule(train.sync_every, train.fragments, train.fragment_sync_delay)
     background = schedule.delay > 0 and comm.size > 1
     if background and SUBGROUP not in comm.ops:
@@ -235,3 +239,23 @@ def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Param
     outer = OuterSync(model, params, schedule, average, outer_lr=train.outer_lr, outer_momentum=train.outer_momentum,
                       alpha=train.fragment_update_alpha, background=background)
     return outer, stepping.island if stepping is not None else None
+
+
+def _uneven_outer_sync(comm: Communicator, params: list[nn.Parameter], train: Any) -> UnevenOuterSync:
+    """Plain DiLoCo's sync with local_updates / outer_optimizer / max_staleness (strategies/diloco_uneven.py);
+    a staleness bound overlaps whole rounds on a communication thread with a process group of its own."""
+    if train.fragments > 1 or train.fragment_sync_delay or train.fragment_update_alpha or train.islands:
+        raise ValueError("train.local_updates/outer_optimizer/max_staleness work on plain DiLoCo: leave fragments, "
+                         "fragment_sync_delay, fragment_update_alpha and islands at their defaults")
+    bounds = staleness_bounds(train.max_staleness)
+    background = bounds[1] > 0 and comm.size > 1
+    if background and SUBGROUP not in comm.ops:
+        raise ValueError("train.max_staleness > 0 overlaps syncs on a second process group, which this backend "
+                         "cannot make: use backend='torch', or max_staleness=0")
+    wire_comm = comm.split([list(range(comm.size))]) if background else comm
+    wire = train.sync_dtype
+
+    def average(delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return low_precision.average_with_feedback(wire_comm, delta, wire, residual)
+
+    return UnevenOuterSync(params, wire_comm, average, train, bounds, background)
