@@ -7,6 +7,9 @@ alpha=0 is plain DiLoCo.
 
 Step t counts inner optimizer steps from 1. Fragment p starts at every t with t = (p+1) H/P mod H
 and lands tau steps later; so the last fragment syncs at H, 2H, ... as plain DiLoCo does.
+
+On replicas of uneven speed (train.local_updates / outer_optimizer / max_staleness), plain DiLoCo's
+sync is strategies/diloco_uneven.py's (Dynamic Local Updates, Delayed Nesterov, bounded staleness).
 """
 from __future__ import annotations
 

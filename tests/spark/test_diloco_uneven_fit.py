@@ -1,0 +1,36 @@
+"""DiLoCo with Dynamic Local Updates through the estimator on local-cluster, one rank emulated at a third
+of the speed: it trains, each epoch's record keeps the schedule, and the fast rank took more inner steps."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from torch import nn
+
+from sparkdl import TorchEstimator
+from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe, train_test_split_digits
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_dynamic_local_updates_let_the_fast_rank_work(spark) -> None:  # type: ignore[no-untyped-def]
+    train_idx, test_idx = train_test_split_digits(seed=0)
+    train = digits_dataframe(spark, indices=train_idx).repartition(2)
+    model = TorchEstimator(model=small_mlp, feature_cols=DIGITS_FEATURE_COLS, label_col="label", batch_size=32,
+                           epochs=2, lr=2e-3, optimizer="adamw", seed=0, num_workers=2, tracking=False,
+                           progress=False, strategy="data_parallel", sync="diloco", sync_every=5,
+                           local_updates="dynamic", max_staleness=1, emulate_speed=[1.0, 0.33]).fit(train)
+    rows = model.transform(digits_dataframe(spark, indices=test_idx)).select("label", "prediction").collect()
+    assert float(np.mean([r["label"] == r["prediction"] for r in rows])) > 0.8
+    for record in model.history:
+        fast, slow = record["diloco_inner_steps_by_rank"]
+        assert fast > 1.5 * slow, record["diloco_inner_steps_by_rank"]
+        assert slow == record["steps"]  # the slow rank: one inner step per batch, no row skipped
+        rounds = record["diloco_round_steps_by_rank"]
+        assert len(rounds) == 2 and all(h >= 5 for h in rounds[1])
+        assert max(rounds[0][1:]) >= 10  # H_w of the fast rank from its measured speed (about 3 x 5)
+        assert record["diloco_max_staleness"] <= 1
+    assert model.options["train.local_updates"] == "dynamic"
