@@ -40,15 +40,16 @@ def test_dynamic_shares_follow_speed_and_keep_the_even_splits_update(spark, digi
 
 
 def test_a_resumed_run_starts_from_the_measured_shares(spark, digits_df, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    df = digits_df.limit(1792).repartition(2).cache()  # 896 rows per rank: the even split sees each once
-    options = dict(COMMON, batch_balance="dynamic", rebalance_every=2, emulate_speed=[1.0, 1 / 3],
-                   checkpoint_dir=str(tmp_path))
-    first = TorchEstimator(**options, epochs=1).fit(df)
+    df = digits_df.limit(1792).repartition(2).cache()  # 14 steps per epoch
+    options = dict(COMMON, batch_balance="dynamic", rebalance_every=2, emulate_speed=[1.0, 1 / 3], epochs=1,
+                   checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    first = TorchEstimator(**options).fit(df)
     assert first.history[0]["rebalances"] >= 1
     (run,) = [p.name for p in tmp_path.iterdir() if p.is_dir()]
-    resumed = TorchEstimator(**options, epochs=2, resume_run=run).fit(df)
-    last = resumed.history[-1]
-    assert last.get("resumed_from_step") and last["epoch"] == 1
-    # balanced from its first step on: no step of the resumed epoch waited for a new measurement
-    fast, slow = last["batch_rows_per_rank"]
-    assert fast > 1.8 * slow and last["rows_moved"] >= (last["steps"] - 1) * (64 - slow), last
+    resumed = TorchEstimator(**options, resume_run=run).fit(df)
+    (record,) = resumed.history
+    assert record["resumed_from_step"] == 10, record
+    # Steps 10-13 again, balanced from the first: without the remembered speeds the first agreement
+    # (step 10) has no measurement yet, and steps 10 and 11 would move nothing.
+    fast, slow = record["batch_rows_per_rank"]
+    assert fast > 1.8 * slow and record["rows_moved"] > 3 * (64 - slow), record
