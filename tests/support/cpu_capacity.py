@@ -23,8 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-PERIOD_US = 100_000  # CFS bandwidth period: 100 ms (the kernel's default)
+# CFS bandwidth period: 10 ms, not the kernel's 100 ms default. Under a quota a group runs at full
+# speed until its quota is spent, then stalls to the end of the period: with 100 ms periods a
+# training step of ~30 ms runs at full speed and its stall lands wherever the quota ran out (the
+# allreduce after it, say), so that the rank looks fast and waiting; with 10 ms the stalls spread
+# over its compute, as on a slower CPU.
+PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000  # the kernel refuses quotas under 1 ms
+MAX_PERIOD_US = 1_000_000  # and periods over 1 s
+# The parent group's weight against the machine's other processes, in nice-0 processes: the CFS
+# weighs a group as one process however many it holds, so on a loaded machine a host would get a
+# fraction of its capacity. The quotas bound what the hosts take.
+PARENT_WEIGHT = 64
 
 
 @dataclass(frozen=True)
@@ -101,11 +111,16 @@ def why_not() -> str | None:
     return None
 
 
-def quota_us(cores: float, period_us: int = PERIOD_US) -> int:
-    """CFS quota (µs a period) for `cores` cores; at least the kernel's minimum."""
+def period_us(cores: float) -> int:
+    """The CFS period for `cores`: PERIOD_US, longer where its quota would fall under the minimum."""
     if cores <= 0:
         raise ValueError(f"a host's CPU capacity must be above 0 cores, not {cores}")
-    return max(MIN_QUOTA_US, round(cores * period_us))
+    return min(MAX_PERIOD_US, max(PERIOD_US, -(-MIN_QUOTA_US * 1000 // round(cores * 1000))))
+
+
+def quota_us(cores: float) -> int:
+    """CFS quota (µs a period of period_us(cores)) for `cores` cores."""
+    return max(MIN_QUOTA_US, round(cores * period_us(cores)))
 
 
 class CpuGroups:
@@ -139,6 +154,9 @@ class CpuGroups:
             self.parent.mkdir()
             if self.version == 2:  # children of the parent get cpu.max
                 (self.parent / "cgroup.subtree_control").write_text("+cpu")
+                (self.parent / "cpu.weight").write_text(str(100 * PARENT_WEIGHT))  # 100: a nice-0 process
+            else:
+                (self.parent / "cpu.shares").write_text(str(1024 * PARENT_WEIGHT))  # 1024: a nice-0 process
         group = self.path(name)
         if not group.exists():
             group.mkdir()
@@ -148,12 +166,15 @@ class CpuGroups:
         """`name`'s capacity: `cores` cores (a fraction of one, or several), or None for no limit."""
         with self._lock:
             group = self._ensure(name)
+            period = PERIOD_US if cores is None else period_us(cores)
             if self.version == 2:
                 value = "max" if cores is None else str(quota_us(cores))
-                (group / "cpu.max").write_text(f"{value} {PERIOD_US}")
-            else:
-                (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                (group / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(quota_us(cores)))
+                (group / "cpu.max").write_text(f"{value} {period}")
+            else:  # v1 checks the quota against the period as each is written: lift the quota first
+                (group / "cpu.cfs_quota_us").write_text("-1")
+                (group / "cpu.cfs_period_us").write_text(str(period))
+                if cores is not None:
+                    (group / "cpu.cfs_quota_us").write_text(str(quota_us(cores)))
             self.capacity[name] = cores
 
     def get(self, name: str) -> float | None:
@@ -186,6 +207,17 @@ class CpuGroups:
             return [int(p) for p in (self.path(name) / "cgroup.procs").read_text().split()]
         except FileNotFoundError:
             return []
+
+    def throttled(self, name: str) -> dict[str, float]:
+        """How often the kernel held `name`'s processes back: {"periods", "throttled_periods",
+        "throttled_s"} since the group was made (cpu.stat)."""
+        stat = dict(line.split() for line in (self.path(name) / "cpu.stat").read_text().splitlines() if line.strip())
+        if self.version == 2:
+            seconds = int(stat.get("throttled_usec", 0)) / 1e6
+        else:
+            seconds = int(stat.get("throttled_time", 0)) / 1e9
+        return {"periods": int(stat.get("nr_periods", 0)), "throttled_periods": int(stat.get("nr_throttled", 0)),
+                "throttled_s": seconds}
 
     def usage_s(self, name: str) -> float:
         """CPU seconds the group's processes have used since it was made."""

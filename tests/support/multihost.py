@@ -10,6 +10,12 @@ On it: a Spark standalone master on its own host, one worker per worker host (py
 bin/spark-class), drivers on their own host, and a client host (a Spark Connect client, say). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN);
 `why_not()` says why a machine cannot host it. Everything started is stopped by PID, and every
 namespace and link removed, also when a test fails.
+
+Hosts may differ in CPU as well as links: `cpus={n: cores}` (or `set_cpu`) gives worker host n a
+CPU capacity (a cgroup of its own, tests/support/cpu_capacity.py: cgroup v2 cpu.max, else v1 CFS
+quota) that its Spark Worker and every executor and Python worker under it share;
+`noisy_neighbour` changes a host's capacity at seeded random times. `cpu_why_not()` says why a
+machine cannot.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import Any
 
 import pyspark
 
+import cpu_capacity
 from standalone import descendants
 
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
@@ -66,6 +73,11 @@ def why_not() -> str | None:
     return None
 
 
+def cpu_why_not() -> str | None:
+    """None when hosts' CPU capacities can be set here (Bed(cpus=...), set_cpu), else why not."""
+    return cpu_capacity.why_not()
+
+
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(list(args), capture_output=True, text=True)
     if check and done.returncode != 0:
@@ -82,10 +94,11 @@ def tbf_burst_bytes(rate_bps: int) -> int:
 class Bed:
     """`Bed(root, workers=3).start()`; `bed.run_on(bed.driver, [...])`; `bed.stop()` (also a
     context manager). `rates` sets worker host n's link (n from 1, bits/s), default 1 Gbit/s. Besides
-    the master, the driver and the workers, a `client` host (for a Spark Connect client, say)."""
+    the master, the driver and the workers, a `client` host (for a Spark Connect client, say).
+    `cpus` sets worker host n's CPU capacity in cores (0.33: a third of one core), default unlimited."""
 
     def __init__(self, root: Path, workers: int = 2, rates: dict[int, int] | None = None,
-                 worker_cores: int = 1, worker_memory: str = "2g") -> None:
+                 worker_cores: int = 1, worker_memory: str = "2g", cpus: dict[int, float] | None = None) -> None:
         if workers < 1:
             raise ValueError("the bed needs at least one worker host")
         self.root = Path(root)
@@ -104,6 +117,9 @@ class Bed:
         self.shared = self.root / "shared"
         self._started: list[Started] = []
         self._namespaces: list[str] = []
+        self._cpus = dict(cpus or {})
+        self._cpu_groups: cpu_capacity.CpuGroups | None = None
+        self._neighbours: list[cpu_capacity.NoisyNeighbour] = []
 
     # -- hosts -----------------------------------------------------------------------------------
     @property
@@ -135,7 +151,9 @@ class Bed:
             for host in self.hosts:
                 self._make_host(host)
             if spark:
-                self._start_spark()
+                self._start_spark()  # at full speed: the capacities apply to the Workers and what they start
+            for n, cores in self._cpus.items():
+                self.set_cpu(self.workers[n - 1], cores)
         except BaseException:
             self.stop()
             raise
@@ -213,6 +231,54 @@ class Bed:
                     _run("ip", "-n", host.namespace, "rule", "add" if on else "del", "to", f"{other.address}/32",
                          *match, "prohibit", "priority", "100", check=on)
 
+    # -- CPU capacity ----------------------------------------------------------------------------
+    def set_cpu(self, host: Host, cores: float | None) -> None:
+        """`host`'s CPU capacity: `cores` cores (a fraction of one, or several), None for no limit.
+        Its processes (a Spark Worker, the executors and Python workers under it) join the host's
+        group now; what starts there later (a new Worker, executors) joins it too."""
+        if self._cpu_groups is None:
+            self._cpu_groups = cpu_capacity.CpuGroups(f"sparkdl-bed-{self.tag}")
+        self._cpu_groups.set(host.name, cores)
+        self._join_cpu_group(host)
+
+    def cpu_of(self, host: Host) -> float | None:
+        """`host`'s CPU capacity in cores as the kernel holds it now (None: no limit)."""
+        groups = self._cpu_groups
+        return groups.get(host.name) if groups is not None and host.name in groups.capacity else None
+
+    def cpu_throttled(self, host: Host) -> dict[str, float]:
+        """How often `host`'s capacity held it back (cpu_capacity.CpuGroups.throttled); {} without a group."""
+        groups = self._cpu_groups
+        return groups.throttled(host.name) if groups is not None and host.name in groups.capacity else {}
+
+    def cpu_pids(self, host: Host) -> list[int]:
+        """The processes in `host`'s CPU group now."""
+        return self._cpu_groups.pids(host.name) if self._cpu_groups is not None else []
+
+    def noisy_neighbour(self, host: Host, seed: int, low: float, high: float, mean_interval_s: float,
+                        duration_s: float = 3600.0) -> cpu_capacity.NoisyNeighbour:
+        """A neighbour on `host` taking a share of its CPU at random times: its capacity set to a
+        uniform draw in [low, high] cores at exponential gaps of mean `mean_interval_s`, all from
+        random.Random(seed), until stopped (the bed stops it; `stop()` earlier puts back the capacity
+        it had). The returned controller's `schedule` records [(seconds, host, cores)] as applied."""
+        if self._cpu_groups is None or host.name not in self._cpu_groups.capacity:
+            self.set_cpu(host, None)
+        assert self._cpu_groups is not None
+        neighbour = cpu_capacity.NoisyNeighbour(self._cpu_groups, host.name, seed, low, high, mean_interval_s,
+                                                duration_s)
+        self._neighbours.append(neighbour)
+        return neighbour.start()
+
+    def _join_cpu_group(self, host: Host, pid: int | None = None) -> None:
+        """Move `pid` (with its descendants), or every process started on `host`, into its group."""
+        groups = self._cpu_groups
+        if groups is None or host.name not in groups.capacity:
+            return
+        roots = [pid] if pid is not None else [s.process.pid for s in self._started
+                                                 if s.host == host and s.process.poll() is None]
+        for root in roots:
+            groups.add(host.name, [root, *descendants(root)])
+
     def host_named(self, name: str) -> Host:
         """The host whose host name (or address) is `name`."""
         return next(h for h in self.hosts if name in (h.name, h.address))
@@ -239,6 +305,7 @@ class Bed:
         with open(log, "ab") as out:
             process = subprocess.Popen(self.command_on(host, argv), stdout=out, stderr=subprocess.STDOUT,
                                        env={**self.environment(), **(env or {})}, start_new_session=True)
+        self._join_cpu_group(host, process.pid)
         started = Started(host, process, log)
         self._started.append(started)
         return started
@@ -248,6 +315,7 @@ class Bed:
         """argv on `host` to its end (its process group killed after `timeout` s)."""
         process = subprocess.Popen(self.command_on(host, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env={**self.environment(), **(env or {})}, start_new_session=True)
+        self._join_cpu_group(host, process.pid)
         try:
             out, err = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -319,6 +387,9 @@ class Bed:
                                     "--webui-port", "8081", self.master_url], f"worker-{count}" if count else "worker")
 
     def stop(self) -> None:
+        for neighbour in self._neighbours:
+            neighbour.stop()
+        self._neighbours.clear()
         # Executor JVMs (and their Python workers) run in sessions of their own under the workers:
         # found by parent PID first, then stopped by PID with everything else.
         for started in self._started:
@@ -333,6 +404,9 @@ class Bed:
         for name in reversed(self._namespaces):
             _run("ip", "netns", "del", name, check=False)
         self._namespaces.clear()
+        if self._cpu_groups is not None:  # after the processes: leftovers go to the machine's group first
+            self._cpu_groups.remove()
+            self._cpu_groups = None
 
 
 def _kept_under_tmp() -> list[str]:
