@@ -208,7 +208,7 @@ def _rebalancer(ctx: WorkerContext, strategy: Strategy, resume: Resume | None) -
         return None
     remembered = resume.progress.get("rank_speeds") if resume is not None else None
     return Rebalancer.start(ctx.comm, train.rebalance_every, remembered, ctx.world.executors or ctx.world.hosts,
-                            ctx.world.hosts)
+                            ctx.world.hosts, ctx.spec.launch.emulate_speed)
 
 
 def _resume(ctx: WorkerContext, strategy: Strategy, resume: Resume | None

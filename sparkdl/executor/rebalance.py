@@ -43,14 +43,17 @@ def split_rows(total: int, speeds: Sequence[float], floor: int = 1) -> list[int]
     (capped so the floors fit)."""
     world = len(speeds)
     floor = max(0, min(floor, total // max(world, 1)))
-    spare = total - floor * world
     weight = sum(speeds)
-    raw = [spare * s / weight for s in speeds] if weight > 0 else [spare / world] * world
-    rows = [int(r) for r in raw]
+    raw = [total * s / weight for s in speeds] if weight > 0 else [total / world] * world
+    rows = [max(floor, int(r)) for r in raw]
     order = sorted(range(world), key=lambda r: (rows[r] - raw[r], r))  # largest remainder first
-    for index in range(spare - sum(rows)):
+    index = 0
+    while sum(rows) < total:
         rows[order[index % world]] += 1
-    return [floor + r for r in rows]
+        index += 1
+    while sum(rows) > total:  # floors took rows: back from the rank furthest above its proportion
+        rows[max((r for r in range(world) if rows[r] > floor), key=lambda r: (rows[r] - raw[r], -r))] -= 1
+    return rows
 
 
 def transfers(counts: Sequence[int], targets: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -119,13 +122,16 @@ class Rebalancer:
 
     @classmethod
     def start(cls, comm: "Communicator", every: int, remembered: dict[str, float] | None,
-              executors: Sequence[str], hosts: Sequence[str]) -> "Rebalancer":
+              executors: Sequence[str], hosts: Sequence[str], declared: Sequence[float] | None = None
+              ) -> "Rebalancer":
         """Shares from the speeds a checkpoint remembers (by executor, else host; the others at their
-        median), else equal."""
+        median), else from the declared relative speeds (launch.emulate_speed; measuring starts
+        afresh), else equal."""
         world = comm.size
         speeds = remembered_speeds(remembered or {}, executors, hosts)
         if speeds is None:
-            return cls(comm, every, [1.0 / world] * world, [0.0] * world)
+            start = list(declared) if declared and len(declared) == world else [1.0] * world
+            return cls(comm, every, [s / sum(start) for s in start], [0.0] * world)
         total = sum(speeds)
         return cls(comm, every, [s / total for s in speeds], list(speeds), _own_speed=speeds[comm.rank])
 

@@ -5,7 +5,7 @@ Compute: each top-level layer's forward + backward is timed on the driver with a
 time is then those FLOPs at the rank's measured rate (planner/cluster.py), so layers that run below
 peak (small or element-wise ones) keep their real cost. Network: the slowest measured link, or the
 emulated one. Then every candidate of ALGORITHMS.md's list is priced by planner/cost.py:
-data parallel; DiLoCo with H in DILOCO_H; hybrid for each K dividing W with m in {K, 2K, 4K, 8K};
+data parallel; DiLoCo with H from the measured compute and sync times (planner/uneven.py); hybrid for each K dividing W with m in {K, 2K, 4K, 8K};
 IST for eligible MLPs. Infeasible ones stay in the table with the reason.
 
 Every candidate is priced twice when the calibration measured its spread: as measured (medians) and
@@ -29,14 +29,15 @@ from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
 from sparkdl.planner.ends import HETEROGENEOUS, CalibrationEnd, calibration_ends, island_groups
 from sparkdl.planner.islands import IslandLinks
-from sparkdl.planner.outer_candidates import island_candidate, streaming_candidate, streaming_options, user_wire
+from sparkdl.planner.outer_candidates import (island_candidate, streamed_rounds, streaming_candidate, streaming_options,
+                                              user_wire)
 from sparkdl.planner.speed import matmul_flops
 from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import ISLANDS_WITHIN, Candidate, Decision, Plan, decide
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
+from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds, speeds_note
 
-DILOCO_H = (10, 50)
 IST_R = 30
 
 
@@ -119,8 +120,19 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
     ends = calibration_ends(cluster, launch, island_groups(cluster, train.islands, launch,
                                                                    backend_ops))
     unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
-    priced = [_price_end(model, data, train, launch, costs, end, budget, backend_ops, unequal) for end in ends]
+    # DiLoCo's H from the measured end's compute and sync times, the same at both ends (decide
+    # compares the same candidates).
+    measured_work = _workload(data, train, launch, costs, ends[0])[0]
+    from sparkdl.strategies.diloco import layer_groups
+
     steps = run_steps(data, train, launch, num_rows) if num_rows else None
+    every = (diloco_rounds(cost.data_parallel(measured_work, ends[0].net).compute_s * measured_work.accumulate,
+                           cost.outer_sync_s(measured_work.params, measured_work.world, ends[0].net,
+                                             user_wire(train))[0], train.fragments, steps),
+             streamed_rounds(measured_work, ends[0].net, train, len(layer_groups(model)), "subgroup" in backend_ops,
+                             steps))
+    priced = [_price_end(model, data, train, launch, costs, end, budget, backend_ops, unequal, every)
+              for end in ends]
     decision = decide(priced[0], priced[1] if len(priced) > 1 else None, train.approximate_min_speedup, steps)
     measured = ends[0]
     emulated = launch.emulate_network
@@ -144,10 +156,10 @@ def run_steps(data: DataConfig, train: TrainConfig, launch: LaunchConfig, num_ro
     return epoch_plan(shards, data, shares).steps * train.epochs
 
 
-def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
-               end: CalibrationEnd, budget: float | None, backend_ops: frozenset[str],
-               unequal: bool) -> list[Candidate]:
-    """Every candidate priced with this end's speeds and network."""
+def _workload(data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts, end: CalibrationEnd
+              ) -> tuple[cost.Workload, tuple[cost.LayerCost, ...] | None]:
+    """One rank's step as this end prices it, at the slowest rank's speed (lock-step), and IST's
+    subnet layers alike."""
     slowest = min(end.speeds)
     ratio = costs.driver_flops / slowest  # fixed costs run slower on a slower rank, alike
     layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
@@ -158,19 +170,27 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
                          step_overhead_s=costs.step_overhead_s * ratio, accumulate=train.accumulate_steps)
+    return work, subnet
+
+
+def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
+               end: CalibrationEnd, budget: float | None, backend_ops: frozenset[str],
+               unequal: bool, diloco_every: tuple[int, int]) -> list[Candidate]:
+    """Every candidate priced with this end's speeds and network."""
+    work, subnet = _workload(data, train, launch, costs, end)
     refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
         "IST trains without per-row weights (weight_col)" if data.weight_col else ""
     candidates = _candidates(model, data, train, launch, work, end.net, budget, backend_ops, costs.profile, subnet,
-                             ist_refused=refused, islands=end.islands)
+                             ist_refused=refused, islands=end.islands, diloco_every=diloco_every)
     if unequal:
-        # DT-FM: rows shared by speed; every rank then takes about the mean rank's time per step.
-        balanced = cost.data_parallel(dataclasses.replace(work, flops_per_s=sum(end.speeds) / len(end.speeds)),
-                                      end.net)
-        feasible, why = _fits(balanced.memory_bytes, budget)
+        # DT-FM: rows re-split by speed; every rank then takes about the mean rank's time per step.
+        estimate = balanced(work, end.net, end.speeds, work.input_bytes_per_row)
+        feasible, why = _fits(estimate.memory_bytes, budget)
+        how = "dynamic" if "send_recv" in backend_ops else "speed"  # rows moved point to point, else fixed shares
         candidates.insert(1, Candidate("data_parallel", (("strategy", "data_parallel"), ("sync", "allreduce"),
-                                                         ("batch_balance", "speed")),
-                                       balanced.step_s, balanced.bytes_per_step, balanced.memory_bytes, feasible, why,
-                                       compute_s=balanced.compute_s, comm_s=balanced.comm_s))
+                                                         ("batch_balance", how)),
+                                       estimate.step_s, estimate.bytes_per_step, estimate.memory_bytes, feasible, why,
+                                       compute_s=estimate.compute_s, comm_s=estimate.comm_s))
     return candidates
 
 
@@ -203,6 +223,7 @@ def _notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, costs: 
              + (", EMULATED speeds" if launch.emulate_speed else "")
              + (f"; fastest {fastest / 1e9:.1f}" if fastest > HETEROGENEOUS * slowest else "")
              + f"), profiled with {costs.threads} thread(s) at batch {data.batch_size}",
+             *([speeds_note(measured.speeds)] if fastest > HETEROGENEOUS * slowest else []),
              "emulated network: timings are for the emulated links, not this cluster's" if launch.emulate_network
              else f"network: slowest measured link of {workers} ranks"]
     if cluster.collective_bandwidth_Bps:
@@ -296,8 +317,9 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 
 def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, work: cost.Workload,
                 net: cost.Network, budget: float | None, backend_ops: frozenset[str], profile: ModelProfile,
-                subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None
-                ) -> list[Candidate]:
+                subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None,
+                diloco_every: tuple[int, int] = (H_MIN, H_MIN)) -> list[Candidate]:
+    """`diloco_every`: H of plain and of streamed DiLoCo, chosen on the measured calibration."""
     """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible);
     `islands`: the islands the measured links form (an islands candidate is priced on them)."""
     from sparkdl.strategies.diloco import layer_groups
@@ -319,12 +341,11 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
                              compute_s=estimate.compute_s, comm_s=estimate.comm_s))
 
     add("data_parallel", {"strategy": "data_parallel", "sync": "allreduce"}, cost.data_parallel(work, net), True, "")
-    for every in DILOCO_H:
-        add("diloco", {"strategy": "data_parallel", "sync": "diloco", "sync_every": every},
-            cost.diloco(work, net, every, user_wire(train)), True, "")
+    add("diloco", {"strategy": "data_parallel", "sync": "diloco", "sync_every": diloco_every[0]},
+        cost.diloco(work, net, diloco_every[0], user_wire(train)), True, "")
     workers = work.world
     layers = len(profile.layers)
-    streamed = streaming_options(train, len(layer_groups(model)), "subgroup" in backend_ops)
+    streamed = streaming_options(train, len(layer_groups(model)), "subgroup" in backend_ops, diloco_every[1])
     if streamed is not None and workers >= 2:
         add(*streaming_candidate(work, net, streamed), True, "")
     if islands is not None:

@@ -29,15 +29,38 @@ def user_wire(train: TrainConfig) -> cost.OuterWire:
     return outer_wire(train.sync_dtype, train.fragments, train.fragment_sync_delay)
 
 
-def streaming_options(train: TrainConfig, layers: int, overlap: bool) -> dict[str, Any] | None:
+def streaming_options(train: TrainConfig, layers: int, overlap: bool, every: int | None = None
+                      ) -> dict[str, Any] | None:
     """The streamed, quantized variant's options, unless the user already shaped the outer sync
-    (then the DiLoCo candidates use theirs) or the model has a single layer."""
+    (then the DiLoCo candidates use theirs) or the model has a single layer. `every`: its H, from
+    streamed_rounds on the measured calibration (STREAMING_H when not given)."""
     shaped = train.sync_dtype != "fp32" or train.fragments > 1 or train.fragment_sync_delay
     if shaped or layers < 2:
         return None
     fragments = 5 if layers >= 5 else 2
-    return {"sync_every": STREAMING_H, "fragments": fragments,
-            "fragment_sync_delay": STREAMING_DELAY if overlap else 0, "sync_dtype": STREAMING_WIRE}
+    delay = STREAMING_DELAY if overlap else 0
+    every = every or STREAMING_H
+    every = max(every, fragments * (delay + 1))  # torchft: tau < H / P
+    every = -(-every // fragments) * fragments  # and P divides H
+    return {"sync_every": every, "fragments": fragments, "fragment_sync_delay": delay,
+            "sync_dtype": STREAMING_WIRE}
+
+
+def streamed_rounds(work: cost.Workload, net: cost.Network, train: TrainConfig, layers: int, overlap: bool,
+                    run_steps: int | None = None) -> int:
+    """The streamed variant's H by planner/uneven.py's rule: its fragments' exposed sync time (each
+    overlapped with tau inner steps) against one inner step's compute."""
+    from sparkdl.planner.uneven import diloco_rounds
+
+    options = streaming_options(train, layers, overlap)
+    if options is None:
+        return STREAMING_H
+    fragments, delay = options["fragments"], options["fragment_sync_delay"]
+    wire = outer_wire(options["sync_dtype"], fragments, delay)
+    compute = cost.data_parallel(work, net).compute_s
+    fragment_s = cost.outer_sync_s(work.params / fragments, work.world, net, wire)[0]
+    exposed = max(0.0, fragment_s - delay * compute * work.accumulate)
+    return diloco_rounds(compute * work.accumulate, fragments * exposed, fragments, run_steps)
 
 
 def streaming_candidate(work: cost.Workload, net: cost.Network, options: dict[str, Any]
