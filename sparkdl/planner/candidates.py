@@ -156,6 +156,13 @@ def run_steps(data: DataConfig, train: TrainConfig, launch: LaunchConfig, num_ro
     return epoch_plan(shards, data, shares).steps * train.epochs
 
 
+def grad_overlap(train: TrainConfig, launch: LaunchConfig) -> float:
+    """The share of backward that data parallel's allreduce hides behind: all of it with gradient
+    buckets reduced during backward (train.overlap_grads on the torch backend, whose allreduce runs in
+    the background; not under an emulated network, which averages after backward), else none."""
+    return 1.0 if train.overlap_grads and launch.backend == "torch" and not launch.emulate_network else 0.0
+
+
 def _workload(data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts, end: CalibrationEnd
               ) -> tuple[cost.Workload, tuple[cost.LayerCost, ...] | None]:
     """One rank's step as this end prices it, at the slowest rank's speed (lock-step), and IST's
@@ -184,7 +191,7 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                              ist_refused=refused, islands=end.islands, diloco_every=diloco_every)
     if unequal:
         # DT-FM: rows re-split by speed; every rank then takes about the mean rank's time per step.
-        estimate = balanced(work, end.net, end.speeds, work.input_bytes_per_row)
+        estimate = balanced(work, end.net, end.speeds, work.input_bytes_per_row, grad_overlap(train, launch))
         feasible, why = _fits(estimate.memory_bytes, budget)
         how = "dynamic" if "send_recv" in backend_ops else "speed"  # rows moved point to point, else fixed shares
         candidates.insert(1, Candidate("data_parallel", (("strategy", "data_parallel"), ("sync", "allreduce"),
@@ -340,7 +347,8 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
                              memory_bytes=estimate.memory_bytes, feasible=feasible, reason=reason,
                              compute_s=estimate.compute_s, comm_s=estimate.comm_s))
 
-    add("data_parallel", {"strategy": "data_parallel", "sync": "allreduce"}, cost.data_parallel(work, net), True, "")
+    add("data_parallel", {"strategy": "data_parallel", "sync": "allreduce"},
+        cost.data_parallel(work, net, grad_overlap(train, launch)), True, "")
     add("diloco", {"strategy": "data_parallel", "sync": "diloco", "sync_every": diloco_every[0]},
         cost.diloco(work, net, diloco_every[0], user_wire(train)), True, "")
     workers = work.world

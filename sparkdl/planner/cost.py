@@ -92,8 +92,8 @@ def allreduce_bytes(nbytes: float, world: int) -> float:
 
 
 def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimate:
-    """T = C(B/W) + max(0, T_AR(grad bytes) - overlap x T_bwd). sparkdl averages after backward
-    (bucketed, not overlapped), so overlap defaults to 0."""
+    """T = C(B/W) + max(0, T_AR(grad bytes) - overlap x T_bwd): `overlap` 1 when gradient buckets are
+    reduced during backward (train.overlap_grads on torch), 0 when averaged after it."""
     compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
     exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3) / work.accumulate

@@ -35,18 +35,18 @@ def diloco_rounds(compute_s: float, sync_s: float, multiple: int = 1, run_steps:
         return H_MIN * max(multiple, 1) if multiple > H_MIN else H_MIN
     needed = sync_s * UTILISATION / ((1.0 - UTILISATION) * compute_s)
     ceiling = H_MAX if not run_steps else min(H_MAX, max(H_MIN, run_steps // MIN_ROUNDS))
-    every = min(max(math.ceil(needed), H_MIN), ceiling)
+    every = min(max(math.ceil(needed - 1e-9), H_MIN), ceiling)  # 90.00000000000003 is 90
     step = math.lcm(max(multiple, 1), 5 if every > H_MIN else 1)
     return math.ceil(every / step) * step
 
 
-def balanced(work: cost.Workload, net: cost.Network, speeds: Sequence[float], row_bytes: float
-             ) -> cost.Estimate:
+def balanced(work: cost.Workload, net: cost.Network, speeds: Sequence[float], row_bytes: float,
+             overlap: float = 0.0) -> cost.Estimate:
     """Data parallel with rows re-split by speed: compute at the mean rank's speed (every rank's share
     takes about as long), the allreduce as lock-step's, plus the slow ranks' surplus rows moving over
     the slowest link, hidden behind a step's compute unless longer."""
     mean = sum(speeds) / len(speeds)
-    estimate = cost.data_parallel(replace(work, flops_per_s=mean), net)
+    estimate = cost.data_parallel(replace(work, flops_per_s=mean), net, overlap)
     moved_rows = sum(max(0.0, work.rows - work.rows * len(speeds) * s / sum(speeds)) for s in speeds)
     move_bytes = moved_rows * row_bytes
     move_s = net.latency_s + move_bytes / net.bandwidth_Bps if move_bytes else 0.0
