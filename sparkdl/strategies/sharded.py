@@ -92,7 +92,7 @@ class Sharded(DataParallel):
                 group["foreach"] = False
         self.steps.attach(self._optimizer)
         self._loss_fn = loss_fn
-        self._diloco, self._backend_averages = False, False
+        self._diloco, self._backend_averages, self._uneven = False, False, False
         # Weighted objectives and accumulation windows reduce their weight totals over every rank
         # (the gradients' reduce-scatter carries no extra value).
         self._step_comm, self._step_weight, self._comm_wait_s = self.comm, None, 0.0
