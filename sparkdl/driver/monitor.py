@@ -32,6 +32,7 @@ class RunMonitor:
         self._last_flush = time.monotonic()
         self._epochs_seen: set[int] = set()
         self._named_slow: set[int] = set()  # ranks already named as holding the others back
+        self._drift_said = False  # the measured speeds' drift from the start is said once
         self._wait_fraction: float | None = None  # the last epoch's share of step time spent waiting (progress bar)
         self._rendezvous_ports: dict[str, int] = {}  # stage attempt -> rank 0's port
 
@@ -89,6 +90,7 @@ class RunMonitor:
         point.update(memory_points(record))
         point.update(pace_points(record))
         self._name_slow_ranks(record)
+        self._say_drift(record)
         if "wait_fraction" in record:
             self._wait_fraction = float(record["wait_fraction"])
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
@@ -108,6 +110,23 @@ class RunMonitor:
                 verdict = self.regroup(record) or verdict
             reply(verdict)
 
+    def _say_drift(self, record: dict[str, Any]) -> None:
+        """Measured speeds far from those the run started with (planner/uneven.py's bound), once."""
+        drift = record.get("speed_drift")
+        if not drift or self._drift_said:
+            return
+        self._drift_said = True
+        self._say(f"sparkdl: measured speeds left the run's starting point ({drift}); the batch is re-split "
+                  f"by measured speed (batch_balance='dynamic'): rows per rank now {record.get('batch_rows_per_rank')}",
+                  "speed_drift.txt")
+
+    def _say(self, line: str, artifact: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        self.tracker.log_text(line + "\n", artifact)
+
     def _name_slow_ranks(self, record: dict[str, Any]) -> None:
         """A rank more than 1.5x slower than the median (executor/pace.py), once per rank and run."""
         from sparkdl.executor.pace import slow_rank_message
@@ -116,12 +135,8 @@ class RunMonitor:
             if entry["rank"] in self._named_slow:
                 continue
             self._named_slow.add(entry["rank"])
-            line = slow_rank_message(entry, float(record.get("wait_fraction", 0.0)))
-            if self._bar is not None:
-                self._bar.write(line, file=sys.stderr)
-            else:
-                print(line, file=sys.stderr, flush=True)
-            self.tracker.log_text(line + "\n", f"slow_rank_{entry['rank']}.txt")
+            self._say(slow_rank_message(entry, float(record.get("wait_fraction", 0.0))),
+                      f"slow_rank_{entry['rank']}.txt")
 
     def replay(self, history: list[dict[str, Any]], output: list[str], channel: str) -> None:
         """What never arrived live (the executors could not reach `channel`, or there was none), from

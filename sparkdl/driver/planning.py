@@ -34,6 +34,17 @@ def settle_without_planner(train: TrainConfig, launch: LaunchConfig) -> TrainCon
     return train if implied == "auto" else merged_section("train", train, {"strategy": implied})
 
 
+def balanced_by_measurement(train: TrainConfig, launch: LaunchConfig) -> TrainConfig:
+    """Under strategy="auto", exact data parallel and sharded re-split their batch by the speeds they
+    measure all run long (batch_balance="dynamic"), not only as calibrated: a calibration is a
+    snapshot, and a host that slows down later (a noisy neighbour) would otherwise set every rank's
+    pace. Nothing moves while the ranks stay within executor/rebalance.py's hysteresis."""
+    if train.strategy not in ("data_parallel", "sharded") or train.sync != "allreduce" \
+            or train.batch_balance != "equal" or launch.backend != "torch" or launch.num_workers < 2:
+        return train
+    return merged_section("train", train, {"batch_balance": "dynamic"})
+
+
 def find_declared_islands(spark: Any, train: TrainConfig, launch: LaunchConfig) -> TrainConfig:
     """train.islands=K: the K islands the measured links form (planner/islands.py), as host groups."""
     from sparkdl.errors import ConfigError
@@ -159,6 +170,7 @@ def resolve(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchCon
         train = merged_section("train", train, auto.options if auto is not None else {"strategy": "data_parallel"})
         if (auto is None or auto.strategy != "islands") and train.islands:
             train = merged_section("train", train, {"islands": 0})  # the planner chose a layout without them
+        train = balanced_by_measurement(train, launch)
     elif isinstance(train.islands, int) and train.islands and train.sync == "diloco":
         train = find_declared_islands(spark, train, launch)
     check_strategy_inputs(train, layout)

@@ -114,11 +114,16 @@ class Rebalancer:
     shares: list[float]  # fraction of each step's rows per rank, the same on every rank
     speeds: list[float] = field(default_factory=list)  # agreed smoothed rows/s per rank (0: unmeasured)
     rebalances: int = 0  # re-splits so far this epoch
+    drifted: str = ""  # how the measured speeds left those the run started from (once, planner/uneven.drift)
     rows_moved: int = 0  # rows sent between ranks so far this epoch (all ranks)
     _own_speed: float = 0.0
     _rows: float = 0.0
     _seconds: float = 0.0
     _current: tuple[int, int] = (0, 0)
+    _started_from: list[float] = field(default_factory=list)  # the shares the run started with
+
+    def __post_init__(self) -> None:
+        self._started_from = list(self.shares)
 
     @classmethod
     def start(cls, comm: "Communicator", every: int, remembered: dict[str, float] | None,
@@ -158,8 +163,10 @@ class Rebalancer:
                 kept[f"executor:{executors[rank]}"] = speed
         return kept
 
-    def take_epoch_counts(self) -> dict[str, int]:
-        counts = {"rebalances": self.rebalances, "rows_moved": self.rows_moved}
+    def take_epoch_counts(self) -> dict[str, Any]:
+        counts: dict[str, Any] = {"rebalances": self.rebalances, "rows_moved": self.rows_moved}
+        if self.drifted:
+            counts["speed_drift"] = self.drifted  # in every later record: the driver says it once
         self.rebalances = self.rows_moved = 0
         return counts
 
@@ -201,6 +208,10 @@ class Rebalancer:
         vector[self.comm.rank] = self._own_speed
         self.comm.allreduce(vector, op="sum")
         self.speeds = [float(v) for v in vector]
+        if not self.drifted and self._started_from:
+            from sparkdl.planner.uneven import drift
+
+            self.drifted = drift(self._started_from, self.speeds) or ""
         new = resplit(self.shares, self.speeds, plan.rows_per_step, self._floor(plan))
         if new is not None:
             self.shares = new

@@ -104,3 +104,10 @@ def test_steady_speeds_make_no_churn() -> None:
     results = run_world(2, _epoch, [[1.0, 0.97]], 2)
     assert results[0]["counts"] == {"rebalances": 0, "rows_moved": 0}
     assert results[0]["rows"] == [BATCH] * (STEPS - 1) + [3]
+
+
+def test_a_rank_slowing_far_from_the_start_is_recorded_as_drift() -> None:
+    results = run_world(3, _epoch, [[1.0, 1.0, 0.2]], 2)
+    drift = results[0]["counts"].get("speed_drift", "")
+    assert drift.startswith("rank 2 runs at") and "bound 2x" in drift, results[0]["counts"]
+    assert all(r["counts"].get("speed_drift") == drift for r in results)
