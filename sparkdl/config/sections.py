@@ -178,12 +178,12 @@ class TrainConfig:
             raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
                               f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
         if self.batch_balance == "dynamic" and (self.implied_strategy not in ("data_parallel", "sharded", "auto")
-                                                or self.sync != "allreduce"):
-            what = f"sync={self.sync!r}" if self.sync != "allreduce" else f"strategy={self.implied_strategy!r}"
-            raise ConfigError(f"train.batch_balance='dynamic' re-splits the batch of ranks that step together "
-                              f"(data_parallel or sharded, sync='allreduce'), but train.{what}",
-                              hint="use strategy='data_parallel' or 'sharded' with sync='allreduce'; DiLoCo's "
-                                   "replicas balance themselves with their own options")
+                                                or (self.sync != "allreduce" and self.implied_strategy == "sharded")):
+            raise ConfigError(f"train.batch_balance='dynamic' re-splits the batch of data-parallel ranks (data_parallel "
+                              f"with sync='allreduce' or 'diloco', or sharded), but train.strategy="
+                              f"{self.implied_strategy!r}" + (f" with sync={self.sync!r}" if self.sync != "allreduce"
+                                                              else ""),
+                              hint="use strategy='data_parallel' or 'sharded'")
         positive_int("train.rebalance_every", self.rebalance_every)
         positive_int("train.sync_every", self.sync_every)
         check_outer_sync(self)

@@ -19,9 +19,12 @@ def staleness_bounds(value: Any) -> tuple[int, int]:
 
 
 def uses_uneven_sync(train: Any) -> bool:
-    """Any of the uneven-worker options away from its default (the outer sync of diloco_uneven.py)."""
+    """Any of the uneven-worker options away from its default (the outer sync of diloco_uneven.py), or
+    DiLoCo's replicas re-splitting their batches by speed (batch_balance="dynamic": replicas then see
+    different row counts per round, and pseudo-gradients must be weighted by them, as DyLU's are)."""
     return train.local_updates != "fixed" or train.outer_optimizer != "nesterov" or \
-        staleness_bounds(train.max_staleness)[1] > 0
+        staleness_bounds(train.max_staleness)[1] > 0 or \
+        (train.sync == "diloco" and getattr(train, "batch_balance", "equal") == "dynamic")
 
 
 def check_uneven_workers(train: Any) -> None:
@@ -45,7 +48,8 @@ def check_uneven_workers(train: Any) -> None:
                 (("fragments", 1), ("fragment_sync_delay", 0), ("fragment_update_alpha", 0.0), ("islands", 0))
                 if getattr(train, key) != default]
     if streamed:
-        raise ConfigError(f"train.local_updates/outer_optimizer/max_staleness work on plain DiLoCo, but "
+        raise ConfigError(f"train.local_updates/outer_optimizer/max_staleness/batch_balance='dynamic' work on plain "
+                          f"DiLoCo, but "
                           f"{', '.join('train.' + s for s in streamed)} streams it",
                           hint="max_staleness overlaps whole rounds (it replaces fragment_sync_delay): leave "
                                "fragments, fragment_sync_delay, fragment_update_alpha and islands at their defaults")

@@ -200,11 +200,11 @@ def build_strategy(ctx: WorkerContext) -> Strategy:
 
 
 def _rebalancer(ctx: WorkerContext, strategy: Strategy, resume: Resume | None) -> Rebalancer | None:
-    """batch_balance="dynamic" on data parallel or sharded over several ranks stepping together
-    (not DiLoCo's ranks, which step alone): from the speeds a checkpoint remembers, else equal."""
+    """batch_balance="dynamic" on data parallel (DiLoCo's replicas too: their rounds then take about
+    as long on every replica, DyLU's aim, with pseudo-gradients weighted by rows) or sharded: from the
+    speeds a checkpoint remembers, else the declared ones, else equal."""
     train = ctx.spec.train
-    if train.batch_balance != "dynamic" or ctx.world_size < 2 or train.sync != "allreduce" \
-            or train.strategy not in ("data_parallel", "sharded"):
+    if train.batch_balance != "dynamic" or ctx.world_size < 2 or train.strategy not in ("data_parallel", "sharded"):
         return None
     remembered = resume.progress.get("rank_speeds") if resume is not None else None
     return Rebalancer.start(ctx.comm, train.rebalance_every, remembered, ctx.world.executors or ctx.world.hosts,

@@ -55,3 +55,14 @@ def test_a_resumed_run_starts_from_the_measured_shares(spark, digits_df, tmp_pat
     # (step 10) has no measurement yet, and steps 10 and 11 would move nothing.
     fast, slow = record["batch_rows_per_rank"]
     assert fast > 1.8 * slow and record["rows_moved"] > 3 * (64 - slow), record
+
+
+def test_diloco_replicas_share_rows_by_speed_and_weigh_pseudo_gradients_by_them(spark, digits_df) -> None:  # type: ignore[no-untyped-def]
+    df = digits_df.limit(1792).repartition(2).cache()
+    model = TorchEstimator(**dict(COMMON, lr=0.2), epochs=2, sync="diloco", sync_every=4, batch_balance="dynamic",
+                           rebalance_every=2, loss=SLOW).fit(df)
+    first, last = model.history
+    fast, slow = last["batch_rows_per_rank"]
+    assert fast > 1.8 * slow and last["rows_moved"] > 0, last
+    assert first["samples"] == last["samples"] == 1792  # every row once per epoch
+    assert last["loss"] < first["loss"]
