@@ -96,9 +96,10 @@ def test_a_noisy_neighbour_applies_its_schedule_and_restores_the_capacity() -> N
         groups.remove()
 
 
-def test_why_not_says_why_when_no_hierarchy_offers_cpu(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(cpu_capacity, "_mounts", lambda: [("/sys/fs/cgroup/unified", "cgroup2", {"rw"})])
-    monkeypatch.setattr(cpu_capacity.Path, "read_text", lambda self: "memory pids")
-    monkeypatch.setattr(cpu_capacity.Path, "exists", lambda self: True)
+def test_why_not_says_why_when_no_hierarchy_offers_cpu(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "cgroup.controllers").write_text("memory pids\n")  # a cgroup2 mount without cpu, as here
+    monkeypatch.setattr(cpu_capacity, "_mounts", lambda: [(str(tmp_path), "cgroup2", {"rw"})])
     reason = cpu_capacity.why_not()
     assert reason is not None and "offers no cpu controller" in reason and "memory pids" in reason, reason
+    monkeypatch.setattr(cpu_capacity, "_mounts", lambda: [])
+    assert "no cgroup hierarchy with the cpu controller is mounted" in str(cpu_capacity.why_not())
