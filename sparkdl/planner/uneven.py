@@ -76,8 +76,8 @@ def drift(calibrated: Sequence[float], measured: Sequence[float], bound: float =
     moved = _moved(calibrated[worst] / base_c, measured[worst] / base_m)
     if moved <= bound:
         return None
-    return (f"rank {worst} runs at {measured[worst] / base_m:.2f}x the median's speed, calibrated at "
-            f"{calibrated[worst] / base_c:.2f}x ({moved:.1f}x apart, bound {bound:g}x)")
+    return (f"rank {worst} runs at {measured[worst] / base_m:.2f}x the median's speed, "
+            f"{calibrated[worst] / base_c:.2f}x at the start ({moved:.1f}x apart, bound {bound:g}x)")
 
 
 def _moved(before: float, after: float) -> float:
