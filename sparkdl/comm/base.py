@@ -36,6 +36,12 @@ def blocked_seconds() -> float:
     return float(getattr(_BLOCKED, "seconds", 0.0))
 
 
+def blocking(wait: Callable[[], Any]) -> Any:
+    """Run `wait` (a backend's own collective outside the Communicator, e.g. Horovod's
+    DistributedOptimizer.synchronize) counted as time blocked in collectives."""
+    return _timed(lambda _: wait())(None)
+
+
 def _blocking(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """call(*args, **kwargs), its time added to this thread's blocked_seconds unless an outer
     collective already counts it."""

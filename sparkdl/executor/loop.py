@@ -20,7 +20,7 @@ from sparkdl.executor.checkpoint_async import RunCheckpoints
 from sparkdl.executor.context import WorkerContext
 from sparkdl.executor.memory import mark_model_start, peak_memory, reset_cuda_peak
 from sparkdl.comm.base import blocked_seconds
-from sparkdl.executor.pace import pace_figures, slow_ranks, wait_fraction
+from sparkdl.executor.pace import pace_figures, slow_ranks_in_groups, wait_fraction
 from sparkdl.executor.rebalance import Rebalancer
 from sparkdl.model.objectives import build_model, build_optimizer, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
@@ -337,7 +337,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     if ctx.spec.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     gathered = _gather_metrics(ctx, local)
-    record.update(_pace(gathered, ctx.world.hosts, strategy.uniform_ranks))
+    record.update(_pace(gathered, ctx.world.hosts, strategy.peer_groups()))
     for name, values in gathered.items():
         if name in ("step_seconds", "rows", "wait_seconds"):
             continue  # in the pace figures
@@ -352,13 +352,13 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Ep
     return record
 
 
-def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], uniform: bool) -> dict[str, Any]:
-    """Each rank's compute time, waits and speed; with `uniform` ranks (the same work on every rank:
-    not pipeline stages) the ranks that hold the others back, named with their hosts."""
+def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], groups: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Each rank's compute time, waits and speed, and the ranks that hold the others back, named with
+    their hosts: each held against the ranks doing the same work (`groups`: Strategy.peer_groups)."""
     steps, waits = gathered["step_seconds"], gathered["wait_seconds"]
     figures: dict[str, Any] = pace_figures(steps, waits, gathered["rows"])
     figures["wait_fraction"] = wait_fraction(steps, waits)
-    slow = slow_ranks(figures["rows_per_compute_s_by_rank"], hosts) if uniform else []
+    slow = slow_ranks_in_groups(figures["rows_per_compute_s_by_rank"], hosts, groups)
     if slow:
         figures["slow_ranks"] = slow
     return figures

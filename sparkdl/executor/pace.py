@@ -41,6 +41,19 @@ def slow_ranks(speeds: Sequence[float], hosts: Sequence[str], factor: float = SL
     return sorted(slow, key=lambda entry: -entry["slower"])
 
 
+def slow_ranks_in_groups(speeds: Sequence[float], hosts: Sequence[str], groups: Sequence[Sequence[int]],
+                         factor: float = SLOW_FACTOR) -> list[dict[str, Any]]:
+    """slow_ranks within each group of ranks doing the same work (a pipeline stage's replicas),
+    with the ranks' own numbers; slowest first."""
+    slow: list[dict[str, Any]] = []
+    for group in groups:
+        members = [r for r in group if r < len(speeds)]
+        for entry in slow_ranks([speeds[r] for r in members], [hosts[r] if r < len(hosts) else "?" for r in members],
+                                factor):
+            slow.append({**entry, "rank": members[entry["rank"]]})
+    return sorted(slow, key=lambda entry: -entry["slower"])
+
+
 def slow_rank_message(entry: dict[str, Any], waiting: float) -> str:
     return (f"sparkdl: rank {entry['rank']} on host {entry['host']} computes {entry['slower']:.1f}x slower than "
             f"the median; {100 * waiting:.0f}% of step time is spent waiting for it")

@@ -23,9 +23,11 @@ class Strategy(abc.ABC):
 
     name: str = ""
     requires: frozenset[str] = frozenset()
-    # Every rank does the same work per row, so a rank's speed can be held against the median's
-    # (executor/pace.py names slow ranks); pipeline stages do different work and are not compared.
-    uniform_ranks: bool = True
+    # executor/pace.py names a rank much slower than the median of the ranks doing its work.
+    def peer_groups(self) -> list[list[int]]:
+        """Groups of ranks doing the same work per row, whose speeds are compared with each other:
+        every rank (pipelines: each stage's replicas)."""
+        return [list(range(self.comm.size))]
 
     def __init__(self, comm: Communicator, layout: StrategyLayout = None, train: TrainConfig | None = None, *,
                  loss_weight: float = 1.0, compute_speed: float = 1.0, schedule: ScheduleFactory | None = None

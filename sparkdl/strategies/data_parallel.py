@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator
+from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator, blocking
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.diloco import build_outer_sync
 from sparkdl.strategies.diloco_uneven import UnevenOuterSync
@@ -166,7 +166,8 @@ class DataParallel(Strategy):
             return loss.detach()
         if self._backend_averages:
             self.comm.record_allreduce(self._grad_bytes)
-            self._optimizer.synchronize()  # Horovod: average first, then unscale and clip, then step
+            # Horovod: average first, then unscale and clip, then step; its wait counts as this rank's wait
+            blocking(self._optimizer.synchronize)
             with self._optimizer.skip_synchronize():
                 self.steps.step(self._optimizer, self._params)
             return loss.detach()

@@ -79,7 +79,8 @@ class _Receives:
 class Hybrid(Strategy):
     name = "hybrid"
     requires = frozenset({ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP})
-    uniform_ranks = False  # stages run different layers: their speeds are not compared
+    def peer_groups(self) -> list[list[int]]:  # stages run different layers: a stage's replicas compared
+        return [[self.layout.grid[d][k] for d in range(self.layout.replicas)] for k in range(self.layout.stages)]
 
     layout: HybridLayout
 

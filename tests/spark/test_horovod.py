@@ -155,3 +155,15 @@ def test_streaming_diloco_fragments_with_quantized_syncs_on_horovod_match_torch(
         assert torch.allclose(with_torch[name], with_horovod[name], atol=2e-2), name
     with pytest.raises(ConfigError, match="fragment_sync_delay=1 overlaps"):
         train("horovod", fragment_sync_delay=1)
+
+
+def test_horovod_waits_are_measured_and_a_slow_rank_is_named(rows_df) -> None:  # type: ignore[no-untyped-def]
+    from slow_rank import SlowOnRank
+
+    # Horovod averages inside its DistributedOptimizer, outside the Communicator: its wait still counts.
+    model = TorchEstimator(model=factory, feature_cols=[f"f{i}" for i in range(6)], label_col="label",
+                           loss=SlowOnRank(rank=1, seconds=0.05), batch_size=8, epochs=1, num_workers=2,
+                           backend="horovod", strategy="data_parallel", tracking=False, progress=False).fit(rows_df)
+    record = model.history[-1]
+    assert record["wait_seconds_by_rank"][0] > 0.15, record  # 5 steps, rank 0 waits ~0.05 s in each
+    assert [entry["rank"] for entry in record["slow_ranks"]] == [1], record

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from sparkdl.driver.monitor import pace_points
-from sparkdl.executor.pace import pace_figures, slow_rank_message, slow_ranks, wait_fraction
+from sparkdl.executor.pace import pace_figures, slow_rank_message, slow_ranks, slow_ranks_in_groups, wait_fraction
 
 
 def test_compute_is_step_time_less_the_collective_waits() -> None:
@@ -23,6 +23,10 @@ def test_a_rank_more_than_one_and_a_half_times_slower_than_the_median_is_named_w
     assert slow_ranks([100.0, 100.0, 100.0, 70.0], hosts) == []  # 1.43x: within the bound
     assert [e["rank"] for e in slow_ranks([100.0, 20.0, 100.0, 40.0], hosts)] == [1, 3]  # slowest first
     assert slow_ranks([100.0], hosts[:1]) == [] and slow_ranks([0.0, 5.0], hosts[:2]) == []
+    # Pipeline stages do different work: a rank is held against its own stage's replicas only.
+    speeds, four = [100.0, 10.0, 90.0, 3.0], ["h0", "h1", "h2", "h3"]
+    assert slow_ranks_in_groups(speeds, four, [[0, 2], [1, 3]]) == [{"rank": 3, "host": "h3", "slower": 6.5 / 3.0}]
+    assert slow_ranks_in_groups(speeds, four, [[0], [1], [2], [3]]) == []  # no peers: nobody to compare with
     message = slow_rank_message({"rank": 2, "host": "10.0.0.3", "slower": 2.94}, 0.41)
     assert message == ("sparkdl: rank 2 on host 10.0.0.3 computes 2.9x slower than the median; 41% of step time "
                        "is spent waiting for it")
@@ -71,3 +75,13 @@ def test_every_backends_collectives_count_once_as_this_threads_blocked_time(monk
     other.start()
     other.join()
     assert blocked_seconds() - before == 2.0  # another thread's collective is not this thread's wait
+
+
+def test_a_backends_own_collective_counts_as_a_wait() -> None:
+    import time
+
+    from sparkdl.comm.base import blocked_seconds, blocking
+
+    before = blocked_seconds()
+    assert blocking(lambda: time.sleep(0.05) or "done") == "done"  # Horovod's synchronize(), say
+    assert blocked_seconds() - before >= 0.05
