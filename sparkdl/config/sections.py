@@ -173,18 +173,7 @@ class TrainConfig:
         choice("train.sync", self.sync, SYNC_MODES)
         choice("train.sync_dtype", self.sync_dtype, SYNC_DTYPES)
         choice("train.ist_scale", self.ist_scale, IST_SCALES)
-        choice("train.batch_balance", self.batch_balance, BATCH_BALANCES)
-        if self.batch_balance == "speed" and self.implied_strategy not in ("data_parallel", "auto"):
-            raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
-                              f"{self.implied_strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
-        if self.batch_balance == "dynamic" and (self.implied_strategy not in ("data_parallel", "sharded", "auto")
-                                                or (self.sync != "allreduce" and self.implied_strategy == "sharded")):
-            raise ConfigError(f"train.batch_balance='dynamic' re-splits the batch of data-parallel ranks (data_parallel "
-                              f"with sync='allreduce' or 'diloco', or sharded), but train.strategy="
-                              f"{self.implied_strategy!r}" + (f" with sync={self.sync!r}" if self.sync != "allreduce"
-                                                              else ""),
-                              hint="use strategy='data_parallel' or 'sharded'")
-        positive_int("train.rebalance_every", self.rebalance_every)
+        self._validate_balance()
         positive_int("train.sync_every", self.sync_every)
         check_outer_sync(self)
         positive_int("train.ist_sync_every", self.ist_sync_every)
@@ -223,6 +212,20 @@ class TrainConfig:
         check_training_essentials(self)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"train.seed must be an integer, got {self.seed!r}")
+
+    def _validate_balance(self) -> None:
+        choice("train.batch_balance", self.batch_balance, BATCH_BALANCES)
+        strategy = self.implied_strategy
+        if self.batch_balance == "speed" and strategy not in ("data_parallel", "auto"):
+            raise ConfigError(f"train.batch_balance='speed' shares a data-parallel batch, but train.strategy="
+                              f"{strategy!r}", hint="use strategy='data_parallel' (or 'auto')")
+        if self.batch_balance == "dynamic" and (strategy not in ("data_parallel", "sharded", "auto")
+                                                or (self.sync != "allreduce" and strategy == "sharded")):
+            raise ConfigError(f"train.batch_balance='dynamic' re-splits the batch of data-parallel ranks (data_parallel "
+                              f"with sync='allreduce' or 'diloco', or sharded), but train.strategy={strategy!r}"
+                              + (f" with sync={self.sync!r}" if self.sync != "allreduce" else ""),
+                              hint="use strategy='data_parallel' or 'sharded'")
+        positive_int("train.rebalance_every", self.rebalance_every)
 
     def _validate_kept_plan(self) -> None:
         for key, what in (("plan_from_run", "an MLflow run id"), ("plan_file", "a path")):

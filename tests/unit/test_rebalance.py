@@ -111,3 +111,22 @@ def test_a_rank_slowing_far_from_the_start_is_recorded_as_drift() -> None:
     drift = results[0]["counts"].get("speed_drift", "")
     assert drift.startswith("rank 2 runs at") and "bound 2x" in drift, results[0]["counts"]
     assert all(r["counts"].get("speed_drift") == drift for r in results)
+
+
+def test_dynamic_balance_is_checked_before_any_job() -> None:
+    from sparkdl.config import RunConfig
+    from sparkdl.errors import ConfigError
+
+    def config(**options: Any) -> Any:
+        return RunConfig.from_kwargs(feature_cols=["a"], batch_balance="dynamic", **options).validate()
+
+    for ok in ({"strategy": "data_parallel"}, {"strategy": "sharded"}, {"sync": "diloco"}, {"strategy": "auto"}):
+        assert config(**ok).train.batch_balance == "dynamic"
+    with pytest.raises(ConfigError, match="train.batch_balance='dynamic' re-splits .* train.strategy='ist'"):
+        config(strategy="ist")
+    with pytest.raises(ConfigError, match="backend='horovod' cannot"):
+        config(strategy="data_parallel", backend="horovod")
+    with pytest.raises(ConfigError, match="train.rebalance_every"):
+        config(strategy="data_parallel", rebalance_every=0)
+    with pytest.raises(ConfigError, match="fragments"):
+        config(sync="diloco", fragments=2, sync_every=10)
