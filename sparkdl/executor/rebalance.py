@@ -237,7 +237,7 @@ class Rebalancer:
             if destination == me:
                 buffer = torch.empty(n * _row_bytes(tensors), dtype=torch.uint8, device=self.comm.device)
                 receiving.append((source, buffer, self.comm.irecv(buffer, source, tag)))
-        kept = _rows_of(batch, 0, keep)
+        kept = batch if keep == counts[me] else _rows_of(batch, 0, keep)  # steady shares: nothing to cut
         return _Exchange(step, kept, receiving, sends, targets[me], sum(counts))
 
     def _complete(self, exchange: _Exchange) -> Triple:
