@@ -29,11 +29,13 @@ it reaches the target at its last epoch; DDP and auto differ in rows per step or
 Ratios (medians over rounds):
   auto_vs_ddp            DDP's time to target / auto's (> 1: auto is faster)
   dynamic_vs_lockstep    lockstep's time / dynamic's
-  dynamic_vs_ideal       ideal / dynamic's time, where ideal is the time of a perfect split of the
-                         same work over the scenario's capacities: the even scenario's lockstep time
-                         (every host at C) x (n x C) / (sum of the hosts' mean capacities in the
-                         scenario); the noisy host's mean over its applied schedule for that row.
-                         1.0 = as fast as the capacities allow, 0.5 = twice the ideal time.
+  dynamic_vs_ideal       ideal / dynamic's time (also per row: "vs_ideal"), where ideal is the time
+                         of a perfect split of the same work over the capacities the row trained
+                         on: the even scenario's lockstep time (every host at C) x (n x C) / (sum
+                         of the hosts' mean capacities while the row trained; the noisy host's is
+                         the mean of its applied schedule over the row's last train_s seconds
+                         before the neighbour stopped, less TAIL_S). 1.0 = as fast as the
+                         capacities allow, 0.5 = twice the ideal time.
                          Without an even round: lockstep's time x n x min(c) / sum(c) (a lock-step
                          step is set by the slowest host; the same bound, from the same run)
   even_overhead          on even hosts, each row's time to target / lockstep's (the cost of
@@ -58,6 +60,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 import multihost  # noqa: E402
 from bed_controller import Controller  # noqa: E402
+from cpu_capacity import mean_cores  # noqa: E402
 
 DRIVER = HERE / "stragglers_driver.py"
 
@@ -92,9 +95,10 @@ class CpuController(Controller):
                 self.neighbour = self.bed.noisy_neighbour(host, self.seed, self.cores / 4, self.cores, self.interval_s)
                 return {"host": host.address}
             neighbour, self.neighbour = self.neighbour, None
+            stopped_s = time.time() - neighbour.started_at
             neighbour.stop()
             return {"host": host.address, "seed": self.seed, "schedule": [[t, c] for t, _, c in neighbour.schedule],
-                    "mean_cores": round(neighbour.mean_capacity(time.time() - neighbour.started_at), 4)}
+                    "stopped_s": round(stopped_s, 3), "mean_cores": round(neighbour.mean_capacity(stopped_s), 4)}
         return super()._do(asked)
 
 
@@ -103,6 +107,20 @@ def time_to(curve: list[list[float]], target: float, tolerance: float) -> float 
         if loss <= target * (1 + tolerance):
             return seconds
     return None
+
+
+TAIL_S = 1.0  # from a row's last training step to the driver's answer (model back, processes ended)
+
+
+def row_cores(row: dict[str, Any]) -> list[float]:
+    """The hosts' mean capacities while `row` trained: the scenario's, with the noisy host's mean
+    over the row's training window (its last train_s seconds before TAIL_S of the neighbour's stop)."""
+    cores = list(row.get("capacities", {}).get("cores", []))
+    noisy = row.get("noisy")
+    if cores and noisy and noisy.get("schedule"):
+        end = noisy.get("stopped_s", row.get("row_s", 0.0)) - TAIL_S
+        cores[-1] = mean_cores([(t, c) for t, c in noisy["schedule"]], max(0.0, end - row["train_s"]), end)
+    return cores
 
 
 def median(values: list[float | None]) -> float | None:
@@ -117,9 +135,10 @@ def summarise(raw: dict[str, Any], tolerance: float) -> dict[str, Any]:
     for entry in rounds:
         per_round.setdefault((entry["repeat"], entry["scenario"]), {})[entry["row"]] = entry
     times: dict[tuple[str, str], list[float | None]] = {}
-    ideal: dict[str, list[float | None]] = {}
+    ideals: dict[tuple[str, str], list[float | None]] = {}
     for (repeat, scenario), rows in per_round.items():
         target = rows.get("lockstep", {}).get("eval_loss")
+        even_lockstep = per_round.get((repeat, "even"), {}).get("lockstep", {})
         for name, row in rows.items():
             if "error" in row:
                 table.setdefault(scenario, {})[name] = {"error": row["error"][:300]}
@@ -135,22 +154,23 @@ def summarise(raw: dict[str, Any], tolerance: float) -> dict[str, Any]:
                 figures["chose"] = f"{row['plan']} {json.dumps(row.get('options', {}))}"
             if row.get("pace"):
                 figures["last_pace"] = row["pace"]
+            cores = row_cores(row)
             if row.get("noisy"):
-                figures.setdefault("noisy_mean_cores", []).append(row["noisy"].get("mean_cores"))
-        # ideal for dynamic in this round: capacities of the scenario (noisy: dynamic's own mean)
-        dynamic = rows.get("dynamic", {})
-        cores = list(rows.get("lockstep", dynamic).get("capacities", {}).get("cores", []))
-        if cores and dynamic.get("noisy"):
-            cores[-1] = dynamic["noisy"]["mean_cores"]
-        even_lockstep = per_round.get((repeat, "even"), {}).get("lockstep", {})
-        if cores and even_lockstep.get("train_s"):
-            even_cores = even_lockstep["capacities"]["cores"]
-            ideal.setdefault(scenario, []).append(even_lockstep["train_s"] * sum(even_cores) / sum(cores))
-        elif cores and rows.get("lockstep", {}).get("train_s"):
-            ideal.setdefault(scenario, []).append(rows["lockstep"]["train_s"] * len(cores) * min(cores) / sum(cores))
+                figures.setdefault("noisy_mean_cores", []).append(round(cores[-1], 4))
+            # the time a perfect split of the same work over these capacities would take
+            ideal = None
+            if cores and even_lockstep.get("train_s"):
+                ideal = even_lockstep["train_s"] * sum(even_lockstep["capacities"]["cores"]) / sum(cores)
+            elif cores and rows.get("lockstep", {}).get("train_s"):
+                lockstep_cores = row_cores(rows["lockstep"])
+                ideal = rows["lockstep"]["train_s"] * len(lockstep_cores) * min(lockstep_cores) / sum(cores)
+            ideals.setdefault((scenario, name), []).append(ideal)
+            figures.setdefault("ideal_s", []).append(None if ideal is None else round(ideal, 3))
+            figures.setdefault("vs_ideal", []).append(round(ideal / reached, 3) if ideal and reached else None)
     for scenario, rows in table.items():
         for figures in rows.values():
-            for key in ("time_to_target_s", "train_s", "eval_loss", "fit_wall_s", "noisy_mean_cores"):
+            for key in ("time_to_target_s", "train_s", "eval_loss", "fit_wall_s", "noisy_mean_cores", "ideal_s",
+                        "vs_ideal"):
                 if key in figures:
                     figures[key] = {"median": median(figures[key]), "all": figures[key]}
     ratios: dict[str, dict[str, Any]] = {}
@@ -162,9 +182,10 @@ def summarise(raw: dict[str, Any], tolerance: float) -> dict[str, Any]:
             r["auto_vs_ddp"] = round(t("torchdistributor_ddp") / t("auto"), 3)
         if t("dynamic") and t("lockstep"):
             r["dynamic_vs_lockstep"] = round(t("lockstep") / t("dynamic"), 3)
-        if t("dynamic") and median(ideal.get(scenario, [])):
-            r["ideal_s"] = median(ideal[scenario])
-            r["dynamic_vs_ideal"] = round(median(ideal[scenario]) / t("dynamic"), 3)
+        ideal = median(ideals.get((scenario, "dynamic"), []))
+        if t("dynamic") and ideal:
+            r["dynamic_ideal_s"] = ideal
+            r["dynamic_vs_ideal"] = round(ideal / t("dynamic"), 3)
         if scenario == "even" and t("lockstep"):
             r["even_overhead"] = {name: round(t(name) / t("lockstep"), 3) for name in ("dynamic", "auto",
                                   "torchdistributor_ddp") if t(name)}
@@ -174,17 +195,19 @@ def summarise(raw: dict[str, Any], tolerance: float) -> dict[str, Any]:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    lines = ["| scenario | row | time to lockstep's loss (s) | train s | final eval loss | fit wall s |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| scenario | row | time to lockstep's loss (s) | ideal s | ideal / time | final eval loss | fit wall s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for scenario, rows in summary["table"].items():
         for name, f in rows.items():
             if "error" in f:
-                lines.append(f"| {scenario} | {name} | error: {f['error'][:80]} | | | |")
+                lines.append(f"| {scenario} | {name} | error: {f['error'][:80]} | | | | | |")
                 continue
             reached = f["time_to_target_s"]["median"]
-            label = name + (f" ({f['chose']})" if f.get("chose") else "")
+            label = name + (f" (chose {f['chose']})" if f.get("chose") and name == "auto" else "")
+            ideal, share = f["ideal_s"]["median"], f["vs_ideal"]["median"]
             lines.append(f"| {scenario} | {label} | {'never' if reached is None else f'{reached:.1f}'} | "
-                         f"{f['train_s']['median']:.1f} | {f['eval_loss']['median']:.4f} | {f['fit_wall_s']['median']:.1f} |")
+                         f"{'' if ideal is None else f'{ideal:.1f}'} | {'' if share is None else f'{share:.2f}'} | "
+                         f"{f['eval_loss']['median']:.4f} | {f['fit_wall_s']['median']:.1f} |")
     lines += ["", "| scenario | ratios |", "|---|---|"]
     lines += [f"| {s} | {json.dumps(r)} |" for s, r in summary["ratios"].items()]
     return "\n".join(lines)
@@ -202,7 +225,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="rows per rank and step")
     parser.add_argument("--rebalance-every", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1, help="the noisy neighbour's")
-    parser.add_argument("--noisy-interval-s", type=float, default=3.0)
+    parser.add_argument("--noisy-interval-s", type=float, default=1.0)
     parser.add_argument("--tolerance", type=float, default=0.005)
     parser.add_argument("--quick", action="store_true", help="3 hosts, 2 epochs, 12288 rows: a few minutes")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON (with the raw rounds) here")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -61,7 +62,9 @@ def sparkdl_row(train: Any, evaluation: Any, options: dict[str, Any], args: argp
             "pace": {k: last[k] for k in ("rows_per_compute_s_by_rank", "wait_fraction", "slow_ranks") if k in last},
             "plan": plan.strategy if plan is not None else "",
             "options": {k: v for k, v in (plan.options if plan is not None else {}).items()
-                        if isinstance(v, (int, float, str, bool))}}
+                        if isinstance(v, (int, float, str, bool))},
+            # what auto measured of the hosts (each rank's speed) and priced
+            "explain": plan.explain()[-2500:] if plan is not None and plan.auto is not None else ""}
 
 
 def ddp_train(train_path: str, eval_path: str, epochs: int, batch: int, steps_per_epoch: int, width: int) -> Any:
@@ -172,6 +175,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for scenario in [s for s in args.scenarios.split(",") if s]:
                 capacities = bed_driver.ask({"do": "cpu", "scenario": scenario})
+                # auto calibrates these capacities afresh (the cache is keyed by executors, not CPU limits)
+                os.environ["SPARKDL_CACHE_DIR"] = str(args.shared / f"calibration-{scenario}-{repeat}")
                 rows: dict[str, Any] = {}
                 # lock-step first (its final loss is the target), the others in an order rotating by round
                 others = [n for n in names if n != "lockstep"]

@@ -329,16 +329,20 @@ class NoisyNeighbour:
         if self.groups.parent.exists() and self.groups.path(self.name).exists():
             self.groups.set(self.name, self._before)
 
-    def mean_capacity(self, until_s: float | None = None) -> float:
-        """The time-weighted mean capacity (cores) over the applied schedule up to `until_s` (default:
-        its last change)."""
-        points = [(t, c) for t, _, c in self.schedule]
-        if not points:
-            return float("nan")
-        end = until_s if until_s is not None else points[-1][0]
-        total = spent = 0.0
-        for (t, c), nxt in zip(points, [p[0] for p in points[1:]] + [end]):
-            span = max(0.0, min(nxt, end) - t)
-            total += c * span
-            spent += span
-        return total / spent if spent > 0 else points[0][1]
+    def mean_capacity(self, until_s: float | None = None, since_s: float = 0.0) -> float:
+        """The time-weighted mean capacity (cores) of the applied schedule between `since_s` and
+        `until_s` seconds from its start (default: its last change)."""
+        return mean_cores([(t, c) for t, _, c in self.schedule], since_s, until_s)
+
+
+def mean_cores(changes: list[tuple[float, float]], since_s: float = 0.0, until_s: float | None = None) -> float:
+    """The time-weighted mean of a step function of (seconds, cores) changes over [since_s, until_s]."""
+    if not changes:
+        return float("nan")
+    end = until_s if until_s is not None else changes[-1][0]
+    if end <= since_s:  # an empty window: the capacity in force at its start
+        return next((c for t, c in reversed(changes) if t <= since_s), changes[0][1])
+    total = 0.0
+    for (t, c), nxt in zip(changes, [p[0] for p in changes[1:]] + [max(end, changes[-1][0])]):
+        total += c * max(0.0, min(nxt, end) - max(t, since_s))
+    return total / (end - max(since_s, changes[0][0])) if end > max(since_s, changes[0][0]) else changes[0][1]

@@ -103,3 +103,11 @@ def test_why_not_says_why_when_no_hierarchy_offers_cpu(monkeypatch, tmp_path) ->
     assert reason is not None and "offers no cpu controller" in reason and "memory pids" in reason, reason
     monkeypatch.setattr(cpu_capacity, "_mounts", lambda: [])
     assert "no cgroup hierarchy with the cpu controller is mounted" in str(cpu_capacity.why_not())
+
+
+def test_the_mean_capacity_over_a_window_weighs_each_change_by_its_time() -> None:
+    changes = [(0.0, 1.0), (2.0, 0.5), (4.0, 0.25)]
+    assert cpu_capacity.mean_cores(changes) == pytest.approx(0.75)  # to the last change
+    assert cpu_capacity.mean_cores(changes, 0.0, 6.0) == pytest.approx(3.5 / 6)
+    assert cpu_capacity.mean_cores(changes, 1.0, 3.0) == pytest.approx(0.75)
+    assert cpu_capacity.mean_cores(changes, 5.0, 8.0) == pytest.approx(0.25)
