@@ -114,12 +114,14 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
 def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
                cluster: ClusterInfo, backend_ops: frozenset[str], num_rows: int | None = None) -> Plan:
     """Price every candidate at each end of the calibration and decide (planner/plan.py `decide`):
-    an approximate strategy must win at both ends, and data parallel with batches shared by speed is
-    offered only when the ranks are unequal at both."""
+    an approximate strategy must win at both ends. Data parallel with rows re-split by speed is
+    offered when the ranks are unequal as measured (medians): it changes no update, so it needs no
+    robustness across the ends, and the optimistic end (best repeats) sees a CPU-quota'd host at
+    full speed (one short matrix product fits in its quota slice)."""
     budget = rank_memory_budget(launch, cluster)
     ends = calibration_ends(cluster, launch, island_groups(cluster, train.islands, launch,
                                                                    backend_ops))
-    unequal = all(max(end.speeds) > HETEROGENEOUS * min(end.speeds) for end in ends)
+    unequal = max(ends[0].speeds) > HETEROGENEOUS * min(ends[0].speeds)
     # DiLoCo's H from the measured end's compute and sync times, the same at both ends (decide
     # compares the same candidates).
     measured_work = _workload(data, train, launch, costs, ends[0])[0]
@@ -243,8 +245,9 @@ def _notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, costs: 
         notes.append(f"calibration's optimistic end (best of each measurement's repeats): {min(best.speeds) / 1e9:.1f} "
                      f"GFLOP/s per rank, ring of {ring_latency * 1e3:.3g} ms and {ring_bandwidth * 8 / 1e9:.3g} Gbit/s "
                      "per hop; an approximate strategy must win at both ends"
-                     + ("" if unequal or max(measured.speeds) <= HETEROGENEOUS * slowest else
-                        "; the ranks are equal there, so batches are not shared by speed"))
+                     + ("; the ranks are equal there (a short probe may fit in a throttled host's CPU quota: "
+                        "the measured speeds decide balancing)"
+                        if unequal and max(best.speeds) <= HETEROGENEOUS * min(best.speeds) else ""))
     if cluster.probes > 1:
         notes.append(f"calibration: best of {cluster.probes} probes (the first one's ends disagreed)")
     if decision.hinge:

@@ -149,8 +149,9 @@ def test_a_noisy_calibration_keeps_exact_updates_and_explain_says_why() -> None:
     assert "the network term decides" in text and "decision hinged on" in text and robust.hinge
     ist = next(c for c in robust.candidates if c.strategy == "ist")
     assert "does not hold at both ends" in ist.reason
-    # the ranks are equal at the optimistic end: batches are not shared by speed
-    assert not any(c.label == "data_parallel(batch_balance=dynamic)" for c in robust.candidates)
+    # equal at the optimistic end, unequal as measured: balancing changes no update, so the measured
+    # speeds decide it (a CPU-quota'd host runs a short probe at full speed)
+    assert any(c.label == "data_parallel(batch_balance=dynamic)" for c in robust.candidates)
     assert "the ranks are equal there" in text
     assert robust.as_params()["plan.hinge"] == robust.hinge
 
