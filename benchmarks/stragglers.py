@@ -223,6 +223,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=256, help="rows per rank and step")
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width (W)")
     parser.add_argument("--rebalance-every", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1, help="the noisy neighbour's")
     parser.add_argument("--noisy-interval-s", type=float, default=1.0)
@@ -247,6 +248,7 @@ def main() -> None:
                                                "--scenarios", args.scenarios, "--rows", args.rows,
                                                "--repeats", str(args.repeats), "--epochs", str(args.epochs),
                                                "--train-rows", str(args.train_rows), "--batch", str(args.batch),
+                                               "--width", str(args.width),
                                                "--rebalance-every", str(args.rebalance_every)], timeout=3 * 60 * 60)
             sys.stderr.write(done.stderr[-6000:])
             if not out.exists():
@@ -257,7 +259,7 @@ def main() -> None:
     summary = summarise(raw, args.tolerance)
     result = {"benchmark": "stragglers", "hosts": f"{args.hosts} worker hosts (1 rank each, {args.cores} cores at "
               "full speed) + master + driver, network namespaces on one 2-core machine",
-              "model": f"MLP 16-1024-1024-3 ({raw.get('params')} parameters)", "steps_per_epoch": raw.get("steps_per_epoch"),
+              "model": f"MLP 16-{args.width}-{args.width}-3 ({raw.get('params')} parameters)", "steps_per_epoch": raw.get("steps_per_epoch"),
               "epochs": args.epochs, "batch_per_rank": args.batch, "repeats": args.repeats,
               "noisy": {"seed": args.seed, "low": args.cores / 4, "high": args.cores, "mean_interval_s": args.noisy_interval_s},
               **summary, "seconds": round(time.time() - started, 1),
