@@ -226,7 +226,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width (W)")
     parser.add_argument("--rebalance-every", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1, help="the noisy neighbour's")
-    parser.add_argument("--noisy-interval-s", type=float, default=1.0)
+    parser.add_argument("--noisy-interval-s", type=float, default=3.0)
     parser.add_argument("--tolerance", type=float, default=0.005)
     parser.add_argument("--quick", action="store_true", help="3 hosts, 2 epochs, 12288 rows: a few minutes")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON (with the raw rounds) here")

@@ -112,7 +112,7 @@ class TrainConfig:
     approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
     # (once, at the start), or "dynamic" (also sharded): re-split every rebalance_every steps, rows moved, exact
-    rebalance_every: int = 8  # batch_balance="dynamic": steps between agreements on the ranks' measured speeds
+    rebalance_every: int = 4  # batch_balance="dynamic": steps between agreements on the ranks' measured speeds
     checkpoint_dir: str | None = None  # local path or pyarrow filesystem URI; None: no checkpoints
     checkpoint_every: int = 0  # steps between checkpoints (0: at epoch ends only)
     keep_checkpoints: int = 2  # complete checkpoints kept

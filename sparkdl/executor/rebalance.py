@@ -6,7 +6,8 @@ Every step keeps the rows the even split gives it (`batch_balance="equal"`: the 
 the same global batch per step, every row of an epoch once), so the update is exactly the even
 split's; what follows the ranks' measured speeds is *who computes* those rows. Each rank measures
 its own compute seconds per row (step time less its waits in collectives); every `rebalance_every`
-steps the ranks agree on their smoothed speeds in one small allreduce, and when the lock-step time
+steps (and after the run's 2nd and 4th: until the first agreement a slow rank holds every step back)
+the ranks agree on their smoothed speeds in one small allreduce, and when the lock-step time
 they predict improves by more than HYSTERESIS the step's rows are re-split in proportion to speed
 (never below a floor, so a slow rank's speed stays measured). A slower rank then sends the tail of
 its batch to faster ones, point to point, one step ahead: the rows of step t+1 travel while step t
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from sparkdl.data.epochs import EpochPlan
 
 HYSTERESIS = 0.05  # re-split only when the predicted step time drops by more than this share
+EARLY_AGREEMENTS = (2, 4)  # global steps of extra agreements: a slow rank costs every step until the first
 SMOOTHING = 0.5  # weight of the newest measurement in each rank's speed
 FLOOR_DIVISOR = 8  # a rank keeps at least 1/8 of its even share (at least one row)
 TAG_BASE = 1 << 20  # point-to-point tags of the exchange, clear of the pipeline's
@@ -197,7 +199,7 @@ class Rebalancer:
 
     def _maybe_agree(self, global_step: int, plan: "EpochPlan") -> None:
         """Every `every` steps: the ranks' speeds agreed in one allreduce, and perhaps a new split."""
-        if global_step == 0 or global_step % self.every:
+        if global_step == 0 or (global_step % self.every and global_step not in EARLY_AGREEMENTS):
             return
         if self._seconds > 0 and self._rows > 0:
             measured = self._rows / self._seconds
