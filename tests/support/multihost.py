@@ -25,13 +25,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyspark
 
 import cpu_capacity
+from bed_cpu import BedCpu
 from standalone import descendants
 
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
@@ -91,7 +92,7 @@ def tbf_burst_bytes(rate_bps: int) -> int:
     return max(rate_bps // 8 // 1000, 2 * 1514)
 
 
-class Bed:
+class Bed(BedCpu):
     """`Bed(root, workers=3).start()`; `bed.run_on(bed.driver, [...])`; `bed.stop()` (also a
     context manager). `rates` sets worker host n's link (n from 1, bits/s), default 1 Gbit/s. Besides
     the master, the driver and the workers, a `client` host (for a Spark Connect client, say).
@@ -231,54 +232,6 @@ class Bed:
                     _run("ip", "-n", host.namespace, "rule", "add" if on else "del", "to", f"{other.address}/32",
                          *match, "prohibit", "priority", "100", check=on)
 
-    # -- CPU capacity ----------------------------------------------------------------------------
-    def set_cpu(self, host: Host, cores: float | None) -> None:
-        """`host`'s CPU capacity: `cores` cores (a fraction of one, or several), None for no limit.
-        Its processes (a Spark Worker, the executors and Python workers under it) join the host's
-        group now; what starts there later (a new Worker, executors) joins it too."""
-        if self._cpu_groups is None:
-            self._cpu_groups = cpu_capacity.CpuGroups(f"sparkdl-bed-{self.tag}")
-        self._cpu_groups.set(host.name, cores)
-        self._join_cpu_group(host)
-
-    def cpu_of(self, host: Host) -> float | None:
-        """`host`'s CPU capacity in cores as the kernel holds it now (None: no limit)."""
-        groups = self._cpu_groups
-        return groups.get(host.name) if groups is not None and host.name in groups.capacity else None
-
-    def cpu_throttled(self, host: Host) -> dict[str, float]:
-        """How often `host`'s capacity held it back (cpu_capacity.CpuGroups.throttled); {} without a group."""
-        groups = self._cpu_groups
-        return groups.throttled(host.name) if groups is not None and host.name in groups.capacity else {}
-
-    def cpu_pids(self, host: Host) -> list[int]:
-        """The processes in `host`'s CPU group now."""
-        return self._cpu_groups.pids(host.name) if self._cpu_groups is not None else []
-
-    def noisy_neighbour(self, host: Host, seed: int, low: float, high: float, mean_interval_s: float,
-                        duration_s: float = 3600.0) -> cpu_capacity.NoisyNeighbour:
-        """A neighbour on `host` taking a share of its CPU at random times: its capacity set to a
-        uniform draw in [low, high] cores at exponential gaps of mean `mean_interval_s`, all from
-        random.Random(seed), until stopped (the bed stops it; `stop()` earlier puts back the capacity
-        it had). The returned controller's `schedule` records [(seconds, host, cores)] as applied."""
-        if self._cpu_groups is None or host.name not in self._cpu_groups.capacity:
-            self.set_cpu(host, None)
-        assert self._cpu_groups is not None
-        neighbour = cpu_capacity.NoisyNeighbour(self._cpu_groups, host.name, seed, low, high, mean_interval_s,
-                                                duration_s)
-        self._neighbours.append(neighbour)
-        return neighbour.start()
-
-    def _join_cpu_group(self, host: Host, pid: int | None = None) -> None:
-        """Move `pid` (with its descendants), or every process started on `host`, into its group."""
-        groups = self._cpu_groups
-        if groups is None or host.name not in groups.capacity:
-            return
-        roots = [pid] if pid is not None else [s.process.pid for s in self._started
-                                                 if s.host == host and s.process.poll() is None]
-        for root in roots:
-            groups.add(host.name, [root, *descendants(root)])
-
     def host_named(self, name: str) -> Host:
         """The host whose host name (or address) is `name`."""
         return next(h for h in self.hosts if name in (h.name, h.address))
@@ -387,9 +340,7 @@ class Bed:
                                     "--webui-port", "8081", self.master_url], f"worker-{count}" if count else "worker")
 
     def stop(self) -> None:
-        for neighbour in self._neighbours:
-            neighbour.stop()
-        self._neighbours.clear()
+        self._stop_cpu()
         # Executor JVMs (and their Python workers) run in sessions of their own under the workers:
         # found by parent PID first, then stopped by PID with everything else.
         for started in self._started:
@@ -404,9 +355,7 @@ class Bed:
         for name in reversed(self._namespaces):
             _run("ip", "netns", "del", name, check=False)
         self._namespaces.clear()
-        if self._cpu_groups is not None:  # after the processes: leftovers go to the machine's group first
-            self._cpu_groups.remove()
-            self._cpu_groups = None
+        self._remove_cpu_groups()
 
 
 def _kept_under_tmp() -> list[str]:
