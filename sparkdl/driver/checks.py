@@ -240,7 +240,13 @@ def check_backend(train: TrainConfig, launch: LaunchConfig) -> None:
         raise ConfigError(f"train.strategy={train.strategy!r} needs {', '.join(sorted(missing))}, which "
                           f"launch.backend={launch.backend!r} does not provide",
                           hint="use backend='torch' (torch.distributed has point-to-point and subgroups)")
-    train = train
+    from sparkdl.config.uneven import staleness_bounds
+
+    if train.sync == "diloco" and staleness_bounds(train.max_staleness)[1] > 0 \
+            and SUBGROUP not in backend_class(launch.backend).ops:
+        raise ConfigError(f"train.max_staleness={train.max_staleness!r} overlaps whole rounds' syncs with training on "
+                          f"a second process group, which launch.backend={launch.backend!r} cannot make",
+                          hint="use backend='torch', or max_staleness=0")
     if train.sync == "diloco" and train.fragment_sync_delay and SUBGROUP not in backend_class(launch.backend).ops:
         raise ConfigError(f"train.fragment_sync_delay={train.fragment_sync_delay} overlaps each fragment's sync "
                           "with training on a second process group, which launch.backend="

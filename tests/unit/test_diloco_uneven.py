@@ -285,3 +285,16 @@ def test_uneven_options_are_checked() -> None:
         config(sync="diloco", outer_optimizer="delayed_nesterov", outer_momentum_every=-1)
     config(sync="diloco", local_updates="dynamic", max_staleness=[3, 15], outer_optimizer="delayed_nesterov")
     assert RunConfig().with_overrides(["train.max_staleness=[1, 4]"]).train.max_staleness == (1, 4)
+
+
+def test_a_staleness_bound_on_horovod_is_refused_before_any_job() -> None:
+    from sparkdl.config import RunConfig
+    from sparkdl.driver.checks import check_backend
+    from sparkdl.errors import ConfigError
+
+    horovod = RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", max_staleness=2,
+                                    backend="horovod")
+    with pytest.raises(ConfigError, match="train.max_staleness=2 overlaps whole rounds' syncs.*'horovod'"):
+        check_backend(horovod.train, horovod.launch)
+    torch_backend = RunConfig.from_kwargs(feature_cols=["a"], strategy="data_parallel", sync="diloco", max_staleness=2)
+    check_backend(torch_backend.train, torch_backend.launch)
