@@ -6,6 +6,7 @@ sparkdl but errors, so every layer may use them.
 from __future__ import annotations
 
 import difflib
+import math
 
 try:
     import tomllib
@@ -103,10 +104,25 @@ def check_types(section: str, part: Any) -> None:
             expected = base + (" or None" if optional else "")
             raise ConfigError(f"{section}.{f.name} must be of type {expected}, got {value!r}",
                               hint=f"see conf/defaults.toml for {section}.{f.name}")
+        check_finite(f"{section}.{f.name}", value)
     if section == "train":
         for key in ("momentum", "weight_decay"):
             if getattr(part, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(part, key)!r}")
+
+
+# Numbers whose infinity means something (approximate_min_speedup=inf: never an approximate strategy).
+INFINITY_ALLOWED = frozenset({"train.approximate_min_speedup"})
+
+
+def check_finite(key: str, value: Any) -> None:
+    """NaN is never an option's value, nor infinity but where it means something: refused before any
+    job, naming the option (a NaN timeout or learning rate otherwise fails deep in the workers)."""
+    if not isinstance(value, float) or math.isfinite(value):
+        return
+    if math.isinf(value) and key in INFINITY_ALLOWED:
+        return
+    raise ConfigError(f"{key} must be a finite number, got {value!r}", hint=f"see conf/defaults.toml for {key}")
 
 
 def coerce(part: Any, name: str, value: Any) -> Any:

@@ -1,0 +1,25 @@
+"""Issue 44 (part): a NaN or infinite numeric option is refused before any Spark job, the message
+naming the option (they used to pass validation and fail deep in the workers, or not at all)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sparkdl.config import RunConfig
+from sparkdl.errors import ConfigError
+
+
+@pytest.mark.parametrize("option, value", [
+    ("timeout_s", math.nan), ("slot_wait_s", math.inf), ("lr", math.inf), ("lr", math.nan),
+    ("grad_clip", math.nan), ("weight_decay", math.nan), ("momentum", -math.inf), ("outer_lr", math.nan),
+    ("min_lr", math.inf), ("validation_fraction", math.nan), ("peer_failure_delay_s", math.inf),
+    ("replacement_wait_s", math.nan), ("approximate_min_speedup", math.nan)])
+def test_a_non_finite_option_is_refused_by_name(option: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=rf"\.{option} must be a finite number, got {value!r}"):
+        RunConfig.from_kwargs(feature_cols=["a"], **{option: value}).validate()
+
+
+def test_infinity_where_it_means_something_stays_allowed() -> None:
+    # approximate_min_speedup=inf: never an approximate strategy (conf/defaults.toml)
+    assert RunConfig.from_kwargs(feature_cols=["a"], approximate_min_speedup=math.inf).validate()
