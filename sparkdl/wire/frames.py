@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from sparkdl.wire.handshake import TAG_BYTES, FrameSeal, proof, proof_holds
@@ -27,7 +27,9 @@ class ChannelAddress:
 
     host: str
     port: int
-    secret: str  # per run, secrets.token_hex(32): only this run's tasks can talk to the driver
+    # per run, secrets.token_hex(32): only this run's tasks can talk to the driver; never in a repr
+    # (a TrainSpec printed in a log or an error text would hand it out)
+    secret: str = field(repr=False)
 
 
 class FrameError(Exception):

@@ -23,3 +23,12 @@ def test_a_non_finite_option_is_refused_by_name(option: str, value: float) -> No
 def test_infinity_where_it_means_something_stays_allowed() -> None:
     # approximate_min_speedup=inf: never an approximate strategy (conf/defaults.toml)
     assert RunConfig.from_kwargs(feature_cols=["a"], approximate_min_speedup=math.inf).validate()
+
+
+def test_the_run_secret_is_in_no_repr() -> None:
+    """Issue 44 (part): a TrainSpec or channel address printed in a log or an error keeps the secret."""
+    from sparkdl.wire.frames import ChannelAddress
+
+    address = ChannelAddress("10.0.0.1", 7000, "s3cr3t-token")
+    assert "s3cr3t-token" not in repr(address) and "s3cr3t-token" not in str(address)
+    assert address.secret == "s3cr3t-token" and "10.0.0.1" in repr(address)
