@@ -22,6 +22,8 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _NAMES = {torch_name: code for code, torch_name in _DTYPES.items()}
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class TensorFileError(ValueError):
@@ -115,10 +117,29 @@ def read_header(stream: Any) -> Header:
         try:
             begin, end = (int(v) for v in spec["data_offsets"])
             entries.append(Entry(name, _DTYPES[spec["dtype"]], tuple(int(d) for d in spec["shape"]), begin, end))
-        except (KeyError, TypeError, ValueError):
+            item = _ITEM_BYTES[spec["dtype"]]
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise TensorFileError(f"not a tensor file (bad entry {name!r})") from None
+        _check_entry(entries[-1], item)
     entries.sort(key=lambda e: e.begin)
+    for before, after in zip(entries, entries[1:]):
+        if after.begin < before.end:
+            raise TensorFileError(f"not a tensor file (tensors {before.name!r} and {after.name!r} overlap)")
     return Header(tuple(entries), dict(metadata), _HEADER_LENGTH.size + size)
+
+
+def _check_entry(entry: Entry, item_bytes: int) -> None:
+    """A header's word is checked before anything is allocated for it: a corrupt or hostile header
+    must not make the reader allocate a tensor of its shape (issue 44)."""
+    elements = 1
+    for size in entry.shape:
+        if size < 0:
+            raise TensorFileError(f"not a tensor file (tensor {entry.name!r} has shape {list(entry.shape)})")
+        elements *= size
+    if entry.begin < 0 or entry.end < entry.begin or entry.end - entry.begin != elements * item_bytes:
+        raise TensorFileError(f"not a tensor file (tensor {entry.name!r}: {entry.dtype}{list(entry.shape)} needs "
+                              f"{elements * item_bytes} bytes, its offsets [{entry.begin}, {entry.end}] give "
+                              f"{entry.end - entry.begin})")
 
 
 def read_tensors(stream: Any, target: Callable[[Entry], Any] | None = None) -> Iterator[tuple[str, Any]]:
