@@ -329,11 +329,10 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
                 net: cost.Network, budget: float | None, backend_ops: frozenset[str], profile: ModelProfile,
                 subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None,
                 diloco_every: tuple[int, int] = (H_MIN, H_MIN)) -> list[Candidate]:
-    """`diloco_every`: H of plain and of streamed DiLoCo, chosen on the measured calibration."""
     """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible);
-    `islands`: the islands the measured links form (an islands candidate is priced on them)."""
+    `islands`: the islands the measured links form (an islands candidate is priced on them);
+    `diloco_every`: H of plain and of streamed DiLoCo, chosen on the measured calibration."""
     from sparkdl.strategies.diloco import layer_groups
-    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
 
     out: list[Candidate] = []
 
@@ -379,17 +378,25 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
             cuts = balanced_cuts([layer.seconds for layer in profile.layers], stages)
             add("hybrid", options, cost.hybrid(work, net, cuts, micro, train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
-    if workers >= 2 and ist_refused:
-        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, cost.Estimate(math.inf, 0, 0, math.inf, math.inf),
-            False, ist_refused)
-    elif workers >= 2:
-        try:
-            narrow = narrow_layers(ist_layout(model, workers, IST_R, "scale", 0))
-            # Too few neurons per worker cost accuracy (IST/GIST papers); the step time would not show it.
-            eligible, why = (False, f"{narrow[0]} < {MIN_NEURONS_PER_RANK} x {workers}: accuracy risk") if narrow \
-                else (True, "")
-        except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
-            eligible, why = False, str(exc).splitlines()[0][:120]
-        estimate = cost.ist(work, net, IST_R, subnet) if eligible else cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
-        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, estimate, eligible, why)
+    if workers >= 2:
+        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *_ist_estimate(model, work, net, subnet, ist_refused))
     return out
+
+
+def _ist_estimate(model: nn.Module, work: cost.Workload, net: cost.Network, subnet: tuple[cost.LayerCost, ...] | None,
+                  refused: str) -> tuple[cost.Estimate, bool, str]:
+    """IST's estimate, whether it may run and why not: refused for the run (`refused`), or for a model
+    too narrow per worker (IST/GIST papers: accuracy drops; the step time would not show it)."""
+    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
+
+    unpriced = cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
+    if refused:
+        return unpriced, False, refused
+    workers = work.world
+    try:
+        narrow = narrow_layers(ist_layout(model, workers, IST_R, "scale", 0))
+        eligible, why = (False, f"{narrow[0]} < {MIN_NEURONS_PER_RANK} x {workers}: accuracy risk") if narrow \
+            else (True, "")
+    except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
+        eligible, why = False, str(exc).splitlines()[0][:120]
+    return (cost.ist(work, net, IST_R, subnet) if eligible else unpriced), eligible, why
