@@ -128,13 +128,15 @@ def test_a_model_never_loaded_on_the_driver_is_logged_from_the_files_and_loads_o
     model = TorchEstimator(model=small_net, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64, num_workers=2,
                            tracking_uri=mlflow_server.uri, progress=False, load_model=False).fit(df)
     assert not model.loaded and model.model_uri
+    # Fixed rows: a limit evaluated twice may keep other rows (it did under load).
+    sample = spark.createDataFrame(df.limit(20).collect(), df.schema)
     mlflow.set_tracking_uri(mlflow_server.uri)
     try:
-        served = mlflow.pyfunc.load_model(model.model_uri).predict(df.limit(20).toPandas()[list(DIGITS_FEATURE_COLS)])
+        served = mlflow.pyfunc.load_model(model.model_uri).predict(sample.toPandas()[list(DIGITS_FEATURE_COLS)])
     finally:
         mlflow.set_tracking_uri(None)
     assert not model.loaded  # logging and serving never needed the weights in this process
-    predicted = [r.prediction for r in model.transform(df.limit(20)).collect()]
+    predicted = [r.prediction for r in model.transform(sample).collect()]
     assert model.loaded and list(served["prediction"]) == predicted
     assert all(not t.is_meta for t in model.torch_module().state_dict().values())
     assert isinstance(model.torch_module()[0].weight, torch.nn.Parameter)
