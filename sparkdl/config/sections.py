@@ -33,6 +33,7 @@ SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
 IST_SCALES = ("scale", "batchnorm")
+NONFINITE_LOSS_MODES = ("raise", "skip")  # train.nonfinite_loss (executor/loss_watch.py)
 BATCH_BALANCES = ("equal", "speed", "dynamic")
 BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
@@ -109,6 +110,9 @@ class TrainConfig:
     ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
+    # a NaN/inf training loss: "raise" (a TrainingError naming the step, rank and last finite loss) or "skip"
+    # (such steps are left out, as AMP's GradScaler does: no update where an averaged gradient is not finite)
+    nonfinite_loss: str = "raise"
     approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
     # (once, at the start), or "dynamic" (also sharded): re-split every rebalance_every steps, rows moved, exact
@@ -187,6 +191,7 @@ class TrainConfig:
                               hint="DiLoCo uses 0.9")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
+        choice("train.nonfinite_loss", self.nonfinite_loss, NONFINITE_LOSS_MODES)
         if not isinstance(self.overlap_grads, bool):
             raise ConfigError(f"train.overlap_grads must be true or false, got {self.overlap_grads!r}")
         if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \

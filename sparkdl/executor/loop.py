@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -18,9 +18,10 @@ from sparkdl.data.epochs import accumulation, optimizer_steps
 from sparkdl.executor.checkpoint import CheckpointStore, Position, Resume
 from sparkdl.executor.checkpoint_async import RunCheckpoints
 from sparkdl.executor.context import WorkerContext
-from sparkdl.executor.memory import mark_model_start, peak_memory, reset_cuda_peak
+from sparkdl.executor.epoch_record import EpochTotals, epoch_record
+from sparkdl.executor.loss_watch import LossWatch
+from sparkdl.executor.memory import mark_model_start, reset_cuda_peak
 from sparkdl.comm.base import blocked_seconds
-from sparkdl.executor.pace import pace_figures, slow_ranks_in_groups, wait_fraction
 from sparkdl.executor.rebalance import Rebalancer
 from sparkdl.model.objectives import build_model, build_optimizer, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
@@ -30,23 +31,6 @@ from sparkdl.strategies.inputs import batch_rows, to_device
 from sparkdl.strategies.lr_schedule import build_scheduler
 
 History = list[dict[str, Any]]
-
-
-@dataclass
-class _EpochTotals:
-    """One epoch's running sums on this rank (the loss on device: no sync per step)."""
-
-    loss_sum: torch.Tensor
-    samples: int
-    step: int
-    global_step: int
-    transform_started: float = 0.0  # ctx.transform_seconds when the epoch began
-    data_seconds: float = 0.0  # waiting for the next batch (spool read, assembly, transform_fn not hidden by prefetch)
-    step_seconds: float = 0.0  # in train_step: compute and the strategy's collectives (executor/pace.py)
-    wait_seconds: float = 0.0  # of those, blocked in collectives on this thread (comm.base.blocked_seconds)
-    balancer: Rebalancer | None = None  # batch_balance="dynamic": who computes which rows of a step
-    first_step_s: float | None = None  # task start to the end of the run's first step (a fresh run's epoch 0)
-    checkpoint: dict[str, float] = field(default_factory=dict)  # CheckpointTimings.take() of the epoch
 
 
 def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointStore | None = None
@@ -88,13 +72,17 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
     metrics = run_metrics(ctx)
     _report_start(ctx)
     global_step = start.global_step
+    watch = LossWatch(spec.train.nonfinite_loss, ctx.rank, ctx.world.hosts[ctx.rank] if ctx.world.hosts else "",
+                      ctx.comm.device)
     for epoch in range(start.epoch, spec.train.epochs):
         resuming = resume is not None and epoch == start.epoch
         bytes_before, started = ctx.comm.bytes_sent, time.perf_counter()
-        totals = _EpochTotals(torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0,
+        totals = EpochTotals(torch.tensor(float(progress.get("loss_sum", 0.0)) if resuming else 0.0,
                                            dtype=torch.float64, device=ctx.comm.device),
                               int(progress.get("samples", 0)) if resuming else 0,
-                              start.step if resuming else 0, global_step, ctx.transform_seconds, balancer=balancer)
+                              start.step if resuming else 0, global_step, ctx.transform_seconds, balancer=balancer,
+                             watch=watch)
+        watch.start_epoch(global_step)
         run_epoch(ctx, strategy, epoch, totals, checkpoints, history, stopper)
         global_step = totals.global_step
         last = epoch == spec.train.epochs - 1
@@ -103,10 +91,12 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
         strategy.end_epoch()
         if checkpoints is not None:
             totals.checkpoint = checkpoints.timings.take()
+        totals.skipped = watch.end_epoch(epoch, totals.step - (start.step if resuming else 0))
         record = epoch_record(ctx, strategy, epoch, totals, time.perf_counter() - started,
                               ctx.comm.bytes_sent - bytes_before)
         if resuming:
             record["resumed_from_step"] = start.global_step
+            record.update(resume.history_fields())  # a fall-back past damaged checkpoints, named
             if resume.written_by:  # an elastic run's new size: the driver adds who left or joined
                 record["resized_from_workers"] = resume.written_by
         record.update(validate(ctx, strategy, loss_fn, metrics, _triples(ctx, ctx.validation_batches())))
@@ -233,7 +223,7 @@ def _report_start(ctx: WorkerContext) -> None:
                        rank_hosts=list(ctx.world.hosts), device=str(ctx.comm.device), gpus=list(ctx.world.gpus))
 
 
-def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals,
+def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: EpochTotals,
               checkpoints: RunCheckpoints | None, history: History, stopper: "_Stopper") -> None:
     """Train the epoch's steps from `totals.step` on (earlier ones ran before the checkpoint; the
     batches of an epoch are deterministic, and the earlier ones are not even made), reporting and
@@ -261,10 +251,12 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         totals.wait_seconds += waited
         if balancer is not None:
             balancer.record(rows, step_s - waited)
-        totals.loss_sum += loss.double() * strategy.loss_rows(rows)
         totals.samples += rows
         totals.step += 1
         totals.global_step += 1
+        if totals.watch is not None:  # a NaN/inf loss raises here (or is left out: nonfinite_loss="skip")
+            loss = totals.watch.observe(loss, rows, totals.global_step, epoch)
+        totals.loss_sum += loss.double() * strategy.loss_rows(rows)
         if totals.global_step == 1 and ctx.task_started:
             totals.first_step_s = time.perf_counter() - ctx.task_started
         if reporter is not None and reporter.due(totals.global_step, totals.step == steps):
@@ -276,6 +268,8 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _Epoch
         save_due = save_due or (checkpoints is not None and checkpoints.due(totals.global_step))
         if save_due and micro.last and totals.step < steps:
             save_due = False
+            if totals.watch is not None:
+                totals.watch.check(epoch)  # never a checkpoint of weights a bad step already touched
             checkpoints.save(Position(epoch, totals.step, totals.global_step),  # type: ignore[union-attr]
                              _progress(ctx, strategy, history, float(totals.loss_sum.cpu()), totals.samples, stopper,
                                        balancer))
@@ -297,73 +291,6 @@ def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator
 
 
 # The checkpoint figures too: a save's stall is the slowest rank's (the next collective waits for it).
-SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds",
-                "checkpoint_saves", "checkpoint_stall_s", "checkpoint_write_s")
-# Kept per rank too (what sharding saves shows rank by rank); the baselines the peak grew from only so.
-PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")
-BASELINES = ("start_rss_bytes", "model_start_rss_bytes")
-
-
-def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: _EpochTotals, seconds: float,
-                 bytes_sent: int) -> dict[str, Any]:
-    """The epoch's history record, the same on every rank: sums over ranks, per-rank maxima."""
-    sums = torch.tensor([float(totals.loss_sum.cpu()), float(totals.samples)], dtype=torch.float64)
-    ctx.comm.allreduce(sums, op="sum")
-    record: dict[str, Any] = {
-        "epoch": epoch,
-        "loss": float(sums[0] / max(sums[1], 1.0)),
-        "samples": int(sums[1]),
-        "steps": totals.step,
-        "seconds": seconds,
-        "samples_per_sec": float(sums[1]) / seconds if seconds > 0 else 0.0,
-        "bytes_sent": bytes_sent,
-        "lr": strategy.learning_rate(),
-        "workers": ctx.world_size,
-    }
-    if ctx.batch_shares:
-        record["batch_rows_per_rank"] = list(ctx.batch_shares)
-    if totals.balancer is not None:  # the split the epoch ended with, and how much it moved
-        record["batch_rows_per_rank"] = totals.balancer.full_step_rows(ctx.epoch)
-        record.update(totals.balancer.take_epoch_counts())
-    record.update(strategy.epoch_record())
-    local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
-                 step_seconds=totals.step_seconds, rows=float(totals.samples), **peak_memory(ctx.comm.device),
-                 **totals.checkpoint)
-    # Collectives timed on this thread; a strategy's own figure also holds waits for its background
-    # sync thread (DiLoCo's outer syncs not hidden behind training): the larger is this rank's wait.
-    local["wait_seconds"] = max(totals.wait_seconds, float(local.get("comm_wait_s", 0.0)))
-    if totals.first_step_s is not None:  # every rank's first step is in the same epoch (equal steps)
-        local.update(time_to_first_step_s=totals.first_step_s, spool_seconds=ctx.partition_seconds)
-    if ctx.spec.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
-        local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
-    gathered = _gather_metrics(ctx, local)
-    record.update(_pace(gathered, ctx.world.hosts, strategy.peer_groups()))
-    for name, values in gathered.items():
-        if name in ("step_seconds", "rows", "wait_seconds"):
-            continue  # in the pace figures
-        if name == "bytes_sent":
-            record["bytes_sent_all_ranks"] = int(sum(values))  # "bytes_sent" is rank 0's own
-        elif name in SLOWEST_RANK:  # the slowest rank holds every rank back
-            record[name] = max(values)
-        elif name not in BASELINES:
-            record[f"max_{name}_per_rank"] = max(values)
-        if name in PER_RANK:
-            record[f"{name}_by_rank"] = [int(v) for v in values]
-    return record
-
-
-def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], groups: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Each rank's compute time, waits and speed, and the ranks that hold the others back, named with
-    their hosts: each held against the ranks doing the same work (`groups`: Strategy.peer_groups)."""
-    steps, waits = gathered["step_seconds"], gathered["wait_seconds"]
-    figures: dict[str, Any] = pace_figures(steps, waits, gathered["rows"])
-    figures["wait_fraction"] = wait_fraction(steps, waits)
-    slow = slow_ranks_in_groups(figures["rows_per_compute_s_by_rank"], hosts, groups)
-    if slow:
-        figures["slow_ranks"] = slow
-    return figures
-
-
 def _progress(ctx: WorkerContext, strategy: Strategy, history: History, loss_sum: float, samples: int,
               stopper: _Stopper, balancer: Rebalancer | None = None) -> dict[str, Any]:
     """This rank's part of a checkpoint besides the strategy's state: running sums, history (rank 0),
@@ -372,8 +299,3 @@ def _progress(ctx: WorkerContext, strategy: Strategy, history: History, loss_sum
     return {"loss_sum": loss_sum, "samples": samples, "history": history if ctx.rank == 0 else [],
             "batch_shares": list(ctx.batch_shares or []), **({"rank_speeds": speeds} if speeds else {}),
             **stopper.progress(ctx, strategy)}
-
-
-def _gather_metrics(ctx: WorkerContext, local: dict[str, float]) -> dict[str, list[float]]:
-    gathered = ctx.comm.allgather_object(local)
-    return {name: [float(m.get(name, 0.0)) for m in gathered] for name in local}

@@ -33,6 +33,9 @@ class OptimizerSteps:
     def __init__(self, train: Any, device: Any, schedule: ScheduleFactory | None = None) -> None:
         self.precision = str(getattr(train, "precision", "32"))
         self.grad_clip = float(getattr(train, "grad_clip", 0.0))
+        # train.nonfinite_loss="skip": no update from a non-finite averaged gradient (the scaler's own rule
+        # under precision "16"); the same decision on every rank holding the same averaged gradient
+        self.skip_nonfinite = getattr(train, "nonfinite_loss", "raise") == "skip"
         self.device_type = torch.device(device).type if device is not None else "cpu"
         if self.precision == "16" and self.device_type != "cuda":
             raise ConfigError(f"train.precision='16' needs CUDA GPUs, but this rank trains on {self.device_type}",
@@ -77,12 +80,15 @@ class OptimizerSteps:
         """Unscale, clip to grad_clip, step (skipped by the scaler on inf/NaN gradients), then the lr.
         `sum_over_ranks`: the gradients are shards of one model (sharded data parallel): the norm
         clipped is the whole model's, from the shards' squared norms summed over the ranks."""
+        params = list(params)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+        elif self.skip_nonfinite and not finite_gradients(params, sum_over_ranks):
+            return  # as the scaler does: no step, no lr step; the next step's zero_grad clears them
         if self.grad_clip > 0 and sum_over_ranks is not None:
-            clip_sharded(list(params), self.grad_clip, sum_over_ranks)
+            clip_sharded(params, self.grad_clip, sum_over_ranks)
         elif self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(params), self.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         stepped = True
         if self.scaler is not None:
             scale = self.scaler.get_scale()
@@ -112,6 +118,19 @@ class OptimizerSteps:
                 group["lr"] = lr
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def finite_gradients(params: list[torch.Tensor],
+                     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+    """Every gradient finite (elementwise: a norm of large finite values could overflow); with
+    `sum_over_ranks` (shards of one model's gradient) the answer is agreed over the ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flags = [torch.isfinite(g).all() for g in grads]
+    finite = torch.stack(flags).all() if flags else torch.tensor(True)
+    if sum_over_ranks is None:
+        return bool(finite)
+    bad = (~finite).float().reshape(1).to(grads[0].device if grads else "cpu")
+    return float(sum_over_ranks(bad)[0]) == 0.0
 
 
 def clip_sharded(shards: list[torch.Tensor], max_norm: float, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
