@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, EmptyDataError, SparkdlError
 from sparkdl.spark.session import facts
+from sparkdl.tracking.redaction import redact_text
 
 FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".orc": "orc"}
 # Per-worker batch 32 on 2 workers is a global batch of 64: lr 1e-3 stops at ~0.927 test accuracy
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run_submit(argv[1:])
         except SparkdlError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {redact_text(str(exc))}", file=sys.stderr)
             return 2
     try:
         args = parser().parse_args(argv)
@@ -317,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args))
-    except SparkdlError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except SparkdlError as exc:  # scheduled jobs keep stderr in their logs: no URL password or key there
+        print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sparkdl.errors import ConfigError
+from sparkdl.tracking.redaction import redact_command
 
 USAGE = ("usage: sparkdl submit [spark-submit options] -- {train,plan} [sparkdl options]\n"
          "  e.g. sparkdl submit --master spark://host:7077 --executor-memory 4g -- train --conf job.toml")
@@ -59,7 +60,8 @@ def submit_command(argv: Sequence[str]) -> list[str]:
 
 def run_submit(argv: Sequence[str]) -> int:
     command = submit_command(argv)
-    print("sparkdl submit: " + " ".join(command), file=sys.stderr, flush=True)
+    # --conf values such as spark.hadoop.fs.s3a.secret.key and URL passwords are masked in what is shown
+    print("sparkdl submit: " + " ".join(redact_command(command)), file=sys.stderr, flush=True)
     env = {**os.environ, "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
            # pyspark's scripts (find-spark-home, ...) are found through PATH, next to this Python
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}

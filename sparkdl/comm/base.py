@@ -129,9 +129,10 @@ class Communicator(abc.ABC):
                 setattr(cls, name, _timed(cls.__dict__[name]))
 
     @classmethod
-    def listen(cls, timeout_s: float) -> tuple[int, Any] | None:
-        """Rank 0, before the rendezvous: open what the others will connect to and return (its
-        port, a handle for the constructor), so that no rank connects before anything listens.
+    def listen(cls, timeout_s: float, own_address: str = "") -> tuple[int, Any] | None:
+        """Rank 0, before the rendezvous: open what the others will connect to (on `own_address`,
+        its executor's address, where the others dial) and return (its port, a handle for the
+        constructor), so that no rank connects before anything listens.
         None (the default): rank 0 announces a free port and the backend binds it itself."""
         return None
 
@@ -195,18 +196,19 @@ class Communicator(abc.ABC):
         return torch.cat(self.allgather(shard), out=out)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Small picklable objects from every rank, built on allgather of byte tensors."""
-        import pickle
-
+        """Small plain objects from every rank (comm/object_codec.py: typed, no pickle between ranks),
+        built on allgather of byte tensors."""
         import torch
 
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        from sparkdl.comm.object_codec import decode_object, encode_object
+
+        payload = torch.frombuffer(bytearray(encode_object(obj)), dtype=torch.uint8)
         sizes = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64))
         longest = int(max(int(s.item()) for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         gathered = self.allgather(padded)
-        return [pickle.loads(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
+        return [decode_object(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
 
     def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Work:
         """Start sending `tensor` to rank dst (asynchronous); keep the tensor unchanged until wait()."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Any, Sequence
 
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from sparkdl.comm.base import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator,
                                PendingReduce, Work, WorldInfo)
 from sparkdl.comm.interfaces import (GLOO_INTERFACE_ENV, check_not_loopback_across_hosts, gloo_interface_env,
-                                     restore_environment, set_environment, spans_hosts)
+                                     interface_of, resolved, restore_environment, set_environment, spans_hosts)
 from sparkdl.comm.reachability import PROBE_DEADLINE_S, PeerProbe, dial_one, dial_peers
 from sparkdl.errors import ConfigError
 
@@ -35,6 +36,34 @@ def _start_allreduce(tensor: torch.Tensor, op: str, size: int, group: Any = None
     return PendingReduce(tensor, work, (lambda done: done.div_(size)) if op == "avg" else None)
 
 
+def store_bind_address(own_address: str) -> str:
+    """Where rank 0's TCPStore listens: the executor's own address when an interface here holds it
+    (the address its peers dial: nothing else on the host need hear it), else every interface (an
+    address behind a NAT or proxy, or none given)."""
+    return resolved(own_address) if own_address and interface_of(own_address) is not None else "0.0.0.0"
+
+
+def store_server(bind: str, port: int, timeout: datetime.timedelta) -> Any:
+    """A TCPStore server on a socket sparkdl bound: TCPStore's own server listens on every interface
+    whatever host name it is given; handed a listening descriptor it serves that one (and owns it)."""
+    listener = socket.create_server((bind, port), backlog=1024)
+    descriptor = listener.detach()
+    try:
+        return dist.TCPStore(bind, listener_port(descriptor), None, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=descriptor, use_libuv=True)
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def listener_port(descriptor: int) -> int:
+    probe = socket.socket(fileno=os.dup(descriptor))  # a view of it, closed on its own
+    try:
+        return int(probe.getsockname()[1])
+    finally:
+        probe.close()
+
+
 def _store_gather(store: Any, world: WorldInfo, key: str, value: str, timeout: datetime.timedelta) -> list[str]:
     """Every rank's `value`, in rank order, through the group's store."""
     store.set(f"{key}/{world.rank}", value)
@@ -48,12 +77,11 @@ class TorchDistCommunicator(Communicator):
     listens = True
 
     @classmethod
-    def listen(cls, timeout_s: float) -> tuple[int, Any]:
+    def listen(cls, timeout_s: float, own_address: str = "") -> tuple[int, Any]:
         """A TCPStore server on a port the OS picks, opened before the rendezvous: a rank that
         connected before rank 0 listened waited for the store client's 1 s retry (one second of
         every fit's start on this machine), and the free port picked beforehand could be taken."""
-        store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        store = store_server(store_bind_address(own_address), 0, datetime.timedelta(seconds=timeout_s))
         return int(store.port), store
 
     def __init__(self, world: WorldInfo, timeout_s: float, listening: Any = None) -> None:
@@ -81,8 +109,11 @@ class TorchDistCommunicator(Communicator):
                          min(timeout_s, PROBE_DEADLINE_S), wait_for_listener=True)
             # Rank 0 serves the store it opened in listen(); the others connect to it. Kept alive with
             # the group (the store must outlive it).
-            self._store = listening if world.rank == 0 and listening is not None else \
-                dist.TCPStore(world.master_addr, world.master_port, world.size, world.rank == 0, timeout=timeout)
+            if world.rank == 0:
+                self._store = listening if listening is not None else \
+                    store_server(store_bind_address(own), world.master_port, timeout)
+            else:
+                self._store = dist.TCPStore(world.master_addr, world.master_port, world.size, False, timeout=timeout)
             if spans_hosts(world.hosts):
                 self._probe = PeerProbe(own)
                 endpoints = _store_gather(self._store, world, "sparkdl/probe", self._probe.address, timeout)

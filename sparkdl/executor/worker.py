@@ -6,7 +6,6 @@ Spark object it touches is the BarrierTaskContext.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import traceback
 from contextlib import ExitStack, closing
@@ -226,7 +225,9 @@ def _rendezvous(spec: TrainSpec, context: Any, client: Any) -> tuple[WorldInfo, 
 
     launch = spec.launch
     backend = comm_registry.backend_class(launch.backend)
-    listening = backend.listen(launch.timeout_s) if backend.listens and context.partitionId() == 0 else None
+    own_address = context.getTaskInfos()[context.partitionId()].address.rsplit(":", 1)[0]
+    listening = backend.listen(launch.timeout_s, own_address) if backend.listens and context.partitionId() == 0 \
+        else None
     port = listening[0] if listening else 0
     if backend.listens and launch.backend not in comm_registry.BOOTSTRAPS_THROUGH_SPARK:
         # Not joined here: every rank's request is in by the time any rank trained, so the barrier is
@@ -316,7 +317,10 @@ def _spool_writer(spec: TrainSpec, clock: Any) -> Any:
     from sparkdl.data.batches import Spool
     from sparkdl.data.spool_space import spool_bytes
 
-    directory = spec.data.spool_dir or os.path.join(tempfile.gettempdir(), "sparkdl-spool")
+    from sparkdl.storage.private_dirs import private_root
+
+    # data.spool_dir is the user's; the default is this user's own 0700 root, never a shared name.
+    directory = spec.data.spool_dir or private_root("spool")
     expected = spool_bytes(spec.layout, -(-spec.rows // spec.world_size))
     return lambda batches, check=True: Spool.write(batches, spec.layout, directory,
                                                    expected_bytes=expected if check else 0, clock=clock)

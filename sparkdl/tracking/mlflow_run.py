@@ -12,12 +12,13 @@ import io
 import logging
 import os
 import platform
-import re
 import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from sparkdl.tracking.redaction import redact_params, redact_text
 
 log = logging.getLogger("sparkdl")
 
@@ -126,9 +127,12 @@ class RunTracker:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self._active():
-            self._guard("set tags", lambda: [self._client.set_tag(self.run_id, k, str(v)) for k, v in tags.items()])
+            self._guard("set tags", lambda: [self._client.set_tag(self.run_id, k, redact_text(str(v)))
+                                             for k, v in tags.items()])
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        """Every text artifact (failure.txt, the rank-0 log, plan.txt) redacted: error texts echo URIs."""
+        text = redact_text(text)
         if self._active():
             self._guard(f"log {artifact_file}", lambda: self._client.log_text(self.run_id, text, artifact_file))
 
@@ -321,22 +325,11 @@ def loss_curve_png(history: Sequence[Mapping[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
-_CREDENTIALS_IN_URL = re.compile(r"(?P<scheme>[a-zA-Z][\w+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
-_SECRET_NAMES = ("password", "secret", "token", "credential", "api_key", "apikey", "access_key")
-
-
 def redact(params: dict[str, Any]) -> dict[str, Any]:
-    """Params safe to log: passwords in URLs (user:password@host) and values of options whose names
-    say secret, token, password, ... are replaced by '***'. Environment variables are never logged."""
-    safe: dict[str, Any] = {}
-    for key, value in params.items():
-        if any(word in key.lower() for word in _SECRET_NAMES):
-            safe[key] = "***"
-        elif isinstance(value, str):
-            safe[key] = _CREDENTIALS_IN_URL.sub(lambda m: f"{m['scheme']}{m['user']}:***@", value)
-        else:
-            safe[key] = value
-    return safe
+    """Params safe to log (tracking/redaction.py): values of options whose names say secret, token,
+    password, key, ... masked whole; URL passwords and credential query parameters masked in the rest.
+    Environment variables are never logged."""
+    return redact_params(params)
 
 
 def read_run_artifact(run_id: str, artifact_file: str, tracking_uri: str | None = None) -> str:

@@ -183,8 +183,8 @@ def test_a_failed_run_is_marked_failed_with_the_log_tail(spark, mlflow_server) -
         def forward(self, x):  # type: ignore[no-untyped-def]
             self.calls += 1
             if self.training and self.calls > 3:
-                print("about to fail on purpose")
-                raise ArithmeticError("exploded at step 3")
+                print("about to fail on purpose; password=hunter2")
+                raise ArithmeticError("exploded at step 3 reading s3://AKIAX:p@ss@bucket/x?sig=SAS123&p=1")
             return self.layer(x)
 
     estimator = TorchEstimator(model=Exploding, feature_cols=DIGITS_FEATURE_COLS, epochs=1, batch_size=64,
@@ -202,6 +202,9 @@ def test_a_failed_run_is_marked_failed_with_the_log_tail(spark, mlflow_server) -
     report = client.download_artifacts(run.info.run_id, "failure.txt")
     text = open(report).read()
     assert "exploded at step 3" in text and "about to fail on purpose" in text
+    # error texts echo URIs: their passwords, credential query parameters and secret=... are masked
+    assert "s3://AKIAX:***@bucket/x?sig=***&p=1" in text and "password=***" in text
+    assert not any(secret in text for secret in ("p@ss", "SAS123", "hunter2"))
 
 
 def test_training_goes_on_when_the_server_dies_mid_run(spark, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
