@@ -91,6 +91,7 @@ class RunMonitor:
         point.update(pace_points(record))
         self._name_slow_ranks(record)
         self._say_drift(record)
+        self._say_fallback(record)
         if "wait_fraction" in record:
             self._wait_fraction = float(record["wait_fraction"])
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
@@ -119,6 +120,16 @@ class RunMonitor:
         self._say(f"sparkdl: measured speeds left the run's starting point ({drift}); the batch is re-split "
                   f"by measured speed (batch_balance='dynamic'): rows per rank now {record.get('batch_rows_per_rank')}",
                   "speed_drift.txt")
+
+    def _say_fallback(self, record: dict[str, Any]) -> None:
+        """A resume that skipped damaged checkpoints (executor/checkpoint_report.py): said, kept as a
+        text artifact and tagged, so the lost steps are not mistaken for a slow run."""
+        from sparkdl.executor.checkpoint_report import fallback_report
+
+        report = fallback_report(record)
+        if report is not None:
+            self._say(report.line, report.artifact)
+            self.tracker.set_tags(report.tags)
 
     def _say(self, line: str, artifact: str) -> None:
         if self._bar is not None:

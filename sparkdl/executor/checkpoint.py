@@ -25,6 +25,13 @@ rank); at another one it is refused with a CheckpointError, unless the run may c
 (launch.min_workers / max_workers), when executor/reshape.py carries the state over.
 The format before the manifest (a COMPLETE marker per step) is not read: run ids
 are new for every fit, so no fit resumes another version's checkpoints.
+
+Integrity: the manifest records each part's SHA-256, taken while the part is written, and every
+read checks it (executor/checkpoint_verify.py); the manifest is read strictly (types, ranges), and
+the same text by every rank. When the newest recorded step cannot be read by every rank (a part
+truncated, changed or missing, a damaged entry), all ranks agree to resume from the newest older
+step that all can read (executor/checkpoint_fallback.py), and say so in the history and MLflow.
+Manifests written before checksums are read as before (no checksums, no check).
 """
 from __future__ import annotations
 
@@ -34,13 +41,15 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from sparkdl.storage import files as storage
-from sparkdl.errors import CheckpointError
+from sparkdl.errors import CheckpointError, SparkdlError
+from sparkdl.executor.checkpoint_fallback import Skipped, fallback_fields, fallback_line, first_readable
+from sparkdl.executor.checkpoint_verify import FORMAT, PartDigest, StepFields, manifest_error, parse_manifest, verify
 
 if TYPE_CHECKING:
     import torch
 
 MANIFEST = "manifest.json"
-FORMAT = 1  # the manifest's format version
+__all__ = ["FORMAT", "MANIFEST", "CheckpointStore", "Manifest", "Position", "Resume", "StepRecord", "find_resume"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class StepRecord:
     ranks: tuple[int, ...]
     strategy_ranks: tuple[int, ...]
     world_size: int = 0  # the world that wrote it (0: the manifest's, as before elastic runs)
+    checksums: tuple[str, ...] = ()  # "sha256:<hex>" of each rank's part, as `ranks` (none before checksums)
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,8 @@ class Manifest:
 
     world_size: int
     steps: tuple[StepRecord, ...] = field(default_factory=tuple)
+    # Entries that cannot be used, each after this many of `steps` (resuming falls back past them).
+    damaged: tuple[tuple[int, Skipped], ...] = ()
 
     @property
     def latest(self) -> StepRecord | None:
@@ -82,20 +94,46 @@ class Manifest:
         steps = (*self.steps, record)
         return Manifest(self.world_size, steps[-keep:]), [s.step for s in steps[:-keep]]
 
+    def newest_first(self) -> list[StepRecord | Skipped]:
+        """The steps to try when resuming, newest first, damaged entries where they stood."""
+        order: list[StepRecord | Skipped] = []
+        for count in range(len(self.steps), -1, -1):
+            order += [skipped for after, skipped in reversed(self.damaged) if after == count]
+            if count:
+                order.append(self.steps[count - 1])
+        return order
+
     def to_json(self, run_id: str) -> str:
         return json.dumps({"format": FORMAT, "run_id": run_id, "world_size": self.world_size,
-                           "steps": [{"step": s.step, "ranks": list(s.ranks), "strategy_ranks": list(s.strategy_ranks),
-                                      "world_size": self.written_by(s)} for s in self.steps]}, indent=1)
+                           "steps": [_entry(s, self.written_by(s)) for s in self.steps]}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
-        data = json.loads(text)
-        if int(data.get("format", 0)) > FORMAT:
-            raise CheckpointError(f"checkpoint manifest format {data.get('format')} is newer than this sparkdl reads "
-                                  f"({FORMAT})", hint="resume with the sparkdl version that wrote the checkpoints")
-        return cls(int(data["world_size"]), tuple(
-            StepRecord(int(s["step"]), tuple(s["ranks"]), tuple(s["strategy_ranks"]), int(s.get("world_size", 0)))
-            for s in data["steps"]))
+    def from_json(cls, text: str, where: str = MANIFEST) -> "Manifest":
+        """The manifest in `text`, strictly checked (checkpoint_verify.parse_manifest): a damaged
+        top level is a CheckpointError naming `where`, a damaged entry one of `damaged`."""
+        try:
+            parsed = parse_manifest(text, where)
+        except SparkdlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never a bare TypeError: every rank must raise the same error
+            raise manifest_error(where, f"{type(exc).__name__}: {exc}") from None
+        steps: list[StepRecord] = []
+        damaged: list[tuple[int, Skipped]] = []
+        for entry in parsed.entries:
+            if isinstance(entry, StepFields):
+                steps.append(StepRecord(entry.step, entry.ranks, entry.strategy_ranks, entry.world_size,
+                                        entry.checksums))
+            else:
+                damaged.append((len(steps), Skipped(entry.step, entry.reason)))
+        return cls(parsed.world_size, tuple(steps), tuple(damaged))
+
+
+def _entry(record: StepRecord, world_size: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"step": record.step, "ranks": list(record.ranks),
+                             "strategy_ranks": list(record.strategy_ranks), "world_size": world_size}
+    if record.checksums:
+        entry["checksums"] = list(record.checksums)
+    return entry
 
 
 class CheckpointStore:
@@ -107,6 +145,7 @@ class CheckpointStore:
         self.rank = rank
         self.keep = max(1, keep)
         self.manifest: Manifest | None = None  # as agreed by find_resume; RunCheckpoints goes on from it
+        self.checksums: dict[tuple[int, int], str] = {}  # (step, rank) -> what the agreed manifest recorded
 
     # -- parts ----------------------------------------------------------------------------------
     def step_dir(self, step: int) -> storage.Location:
@@ -116,8 +155,9 @@ class CheckpointStore:
         return self.step_dir(step).child(f"rank-{rank}.pt")
 
     def write_part(self, step: int, state: dict[str, Any] | bytes | memoryview,
-                   after_piece: Callable[[int], None] | None = None) -> None:
-        """This rank's state for `step`, atomically. `after_piece(bytes so far)` runs between the
+                   after_piece: Callable[[int], None] | None = None) -> str:
+        """This rank's state for `step`, atomically; returns its checksum for the manifest, taken
+        piece by piece as the bytes are written. `after_piece(bytes so far)` runs between the
         pieces of the write (the file exists only under its temporary name then): a test seam."""
         import torch
 
@@ -127,25 +167,40 @@ class CheckpointStore:
             buffer = io.BytesIO()
             torch.save(state, buffer)
             view, written = buffer.getbuffer(), 0
+        digest = PartDigest()
         with storage.atomic_output(self.part(step, self.rank)) as stream:
             while written < len(view):
                 piece = view[written: written + storage.WRITE_PIECE_BYTES]
                 stream.write(piece)
+                digest.update(piece)
                 written += len(piece)
                 if after_piece is not None:
                     after_piece(written)
+        return digest.value
 
     def read_part(self, step: int, rank: int) -> dict[str, Any]:
+        """A part, its checksum checked when the agreed manifest recorded one (a CheckpointError
+        naming the file when it does not match), read with weights_only=True."""
         import torch
 
-        return torch.load(io.BytesIO(storage.read_all(self.part(step, rank))), map_location="cpu", weights_only=True)
+        where = self.part(step, rank)
+        data = storage.read_all(where)
+        expected = self.checksums.get((step, rank))
+        if expected is not None:
+            verify(data, expected, repr(where.path))
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
     # -- the manifest ---------------------------------------------------------------------------
-    def read_manifest(self) -> Manifest | None:
+    def read_manifest_text(self) -> str | None:
+        """The manifest's text as stored, or None when the run has none."""
         where = self.root.child(MANIFEST)
         if not storage.exists(where):
             return None
-        return Manifest.from_json(storage.read_all(where).decode("utf-8"))
+        return storage.read_all(where).decode("utf-8")
+
+    def read_manifest(self) -> Manifest | None:
+        text = self.read_manifest_text()
+        return None if text is None else Manifest.from_json(text, self.root.child(MANIFEST).path)
 
     def write_manifest(self, manifest: Manifest) -> None:
         storage.write_atomic(self.root.child(MANIFEST), manifest.to_json(self.run_id).encode("utf-8"))
@@ -186,12 +241,17 @@ class Resume:
     strategy_state: dict[str, Any]
     rng: "torch.Tensor"  # torch's CPU generator state (torch.get_rng_state())
     written_by: int = 0  # another world size that wrote it (executor/reshape.py); 0: this one
+    skipped: tuple[Skipped, ...] = ()  # newer steps no rank could use (checkpoint_fallback.py)
 
     def apply(self, strategy: Any) -> None:
         import torch
 
         strategy.load_checkpoint_state(self.strategy_state)
         torch.set_rng_state(self.rng)
+
+    def history_fields(self) -> dict[str, Any]:
+        """What the resumed epoch's history record says of a fall-back past damaged steps."""
+        return fallback_fields(self.skipped)
 
 
 def open_store(spec: Any, rank: int) -> CheckpointStore | None:
@@ -203,47 +263,75 @@ def open_store(spec: Any, rank: int) -> CheckpointStore | None:
 
 
 def find_resume(store: CheckpointStore, comm: Any, reshape: Callable[..., Resume] | None = None) -> Resume | None:
-    """The latest complete checkpoint, or None when the run has none (a first attempt). One verdict
-    for all ranks, from rank 0's reading of the manifest (a collective: every rank calls it); steps
-    the manifest does not list are deleted (a killed attempt's half-written ones). A checkpoint of
-    another world size is refused, unless `reshape` (executor/reshape.py, elastic runs) carries it over."""
+    """The newest complete checkpoint every rank can read, or None when the run has none (a first
+    attempt). A collective (every rank calls it), with one verdict for all ranks: the manifest is
+    rank 0's text, parsed alike everywhere; a step some rank cannot read (checksums checked) sends
+    every rank back to the previous one (checkpoint_fallback.first_readable). Steps the manifest
+    does not keep are deleted (a killed attempt's half-written ones, and damaged ones skipped). A
+    checkpoint of another world size is refused, unless `reshape` (executor/reshape.py, elastic
+    runs) carries it over."""
     manifest = _agreed_manifest(store, comm)
-    written_by = manifest.written_by(manifest.latest) if manifest is not None and manifest.latest else comm.size
-    if written_by != comm.size and reshape is None:
-        raise _world_size_error(store, manifest, comm.size)
-    # New steps record this world; the earlier ones keep theirs.
-    store.manifest = Manifest(comm.size, tuple(replace(s, world_size=manifest.written_by(s)) for s in manifest.steps)) \
-        if manifest is not None and manifest.steps else Manifest(comm.size)
-    recorded = {s.step for s in store.manifest.steps}
-    store.delete_steps([s for s in store.step_dirs() if s not in recorded])
-    latest = store.manifest.latest
-    if latest is None:
+    if manifest is None or not manifest.newest_first():
+        store.manifest = Manifest(comm.size)
+        store.delete_steps(store.step_dirs())
         return None
+    if manifest.latest is not None and manifest.written_by(manifest.latest) != comm.size and reshape is None:
+        raise _world_size_error(store, manifest, comm.size)
+    store.checksums = {(s.step, rank): c for s in manifest.steps for rank, c in zip(s.ranks, s.checksums)}
+    chosen, resume, skipped = first_readable(comm, manifest.newest_first(),
+                                             lambda record: _load(store, manifest, record, comm, reshape),
+                                             store.root.path)
+    # New steps record this world; the earlier ones keep theirs. Steps after the chosen one are dropped.
+    kept = tuple(replace(s, world_size=manifest.written_by(s)) for s in manifest.steps if s.step <= chosen.step)
+    store.manifest = Manifest(comm.size, kept)
+    store.delete_steps([s for s in store.step_dirs() if s not in {k.step for k in kept}])
+    if skipped and comm.rank == 0:
+        print(fallback_line(skipped, store.root.path, chosen.step), flush=True)
+    return replace(resume, skipped=skipped)
+
+
+def _load(store: CheckpointStore, manifest: Manifest, record: StepRecord, comm: Any,
+          reshape: Callable[..., Resume] | None) -> Resume:
+    """This rank's Resume from `record`'s parts (an exception when any cannot be read)."""
+    written_by = manifest.written_by(record)
     if written_by != comm.size:
-        return reshape(store, latest, written_by, comm)
-    own = store.read_part(latest.step, comm.rank)
+        if reshape is None:  # an older step of an elastic run's other size
+            raise _world_size_error(store, Manifest(manifest.world_size, (record,)), comm.size)
+        return reshape(store, record, written_by, comm)
+    own = _read(store, record.step, comm.rank)
     training = own.get("strategy")
     if training is None:  # replicated: one rank (rank 0) saved it for everyone
-        training = store.read_part(latest.step, latest.strategy_ranks[0])["strategy"]
+        training = _read(store, record.step, record.strategy_ranks[0])["strategy"]
     epoch, step, global_step = own["position"]
     return Resume(Position(int(epoch), int(step), int(global_step)), dict(own["progress"]), training, own["rng"])
 
 
+def _read(store: CheckpointStore, step: int, rank: int) -> dict[str, Any]:
+    """A part, any failure to read it named with the file."""
+    try:
+        return store.read_part(step, rank)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.load's errors do not say which file
+        raise CheckpointError(f"{store.part(step, rank).path!r}: {type(exc).__name__}: {exc}") from None
+
+
 def _agreed_manifest(store: CheckpointStore, comm: Any) -> Manifest | None:
-    """Rank 0's manifest, or the same CheckpointError on every rank when it cannot be read (a rank
-    raising alone would leave the others waiting in the next collective)."""
+    """Rank 0's manifest, parsed by every rank from the same text (the same Manifest, or the same
+    CheckpointError, everywhere: a rank raising alone would leave the others waiting in the next
+    collective)."""
     view: tuple[str | None, str | None] = (None, None)
     if comm.rank == 0:
         try:
-            manifest = store.read_manifest()
-            view = (manifest.to_json(store.run_id) if manifest else None, None)
-        except (OSError, ValueError, KeyError, CheckpointError) as exc:
+            view = (store.read_manifest_text(), None)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
             view = (None, f"{type(exc).__name__}: {exc}")
     text, error = comm.allgather_object(view)[0]
+    where = store.root.child(MANIFEST).path
     if error is not None:
-        raise CheckpointError(f"cannot read the checkpoint manifest under {store.root.path!r}: {error}",
+        raise CheckpointError(f"cannot read the checkpoint manifest {where!r}: {error}",
                               hint="check that checkpoint_dir is readable from every executor")
-    return Manifest.from_json(text) if text else None
+    return Manifest.from_json(text, where) if text is not None else None
 
 
 def _world_size_error(store: CheckpointStore, manifest: Manifest, world_size: int) -> CheckpointError:

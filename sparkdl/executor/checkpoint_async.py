@@ -4,7 +4,8 @@ A save serialises this rank's state into memory on the training thread (tensors,
 state and history: the bytes are the copy training cannot mutate) and hands the write to one
 background thread; training continues. At the next save (or `finish()`, after the last epoch) every rank waits for its
 write, and the ranks agree in one allgather whether every write of that step succeeded; rank 0 then
-records the step in the manifest (executor/checkpoint.py), in the background too. Collectives happen
+records the step in the manifest (executor/checkpoint.py), in the background too, with every
+rank's part checksum (taken by the writer as it wrote). Collectives happen
 only here, on the training thread, at the same points on every rank (saves fall due at the same
 global steps everywhere); the background thread does file I/O only.
 
@@ -59,9 +60,10 @@ def snapshot(value: Any) -> Any:
 
 
 class _Job:
-    def __init__(self, work: Callable[[], None]) -> None:
+    def __init__(self, work: Callable[[], Any]) -> None:
         self.work, self.done, self.seconds = work, threading.Event(), 0.0
         self.error: BaseException | None = None
+        self.result: Any = None  # what the work returned (a part's write: its checksum)
 
 
 class BackgroundWriter:
@@ -73,7 +75,7 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         _WRITERS.add(self)
 
-    def submit(self, work: Callable[[], None]) -> _Job:
+    def submit(self, work: Callable[[], Any]) -> _Job:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="sparkdl-checkpoint-writer", daemon=True)
             self._thread.start()
@@ -91,7 +93,7 @@ class BackgroundWriter:
         while (job := self._jobs.get()) is not None:
             started = time.perf_counter()
             try:
-                job.work()
+                job.result = job.work()
             except BaseException as exc:  # noqa: BLE001 - reported to every rank at the next agreement
                 job.error = exc
             job.work = _done  # the job's closure holds the state copy: freed now, not at the next save
@@ -201,10 +203,13 @@ class RunCheckpoints:
 
     def _agree(self) -> None:
         pending, self._pending = self._pending, None
-        report: dict[str, Any] = {"step": None, "error": None, "strategy": False, "manifest_error": None}
+        report: dict[str, Any] = {"step": None, "error": None, "strategy": False, "manifest_error": None,
+                                  "checksum": None}
         if pending is not None:
             report.update(step=pending.step, error=self._error_of(pending.job, self.timeout_s),
                           strategy=pending.has_strategy)
+            if isinstance(pending.job.result, str):
+                report["checksum"] = pending.job.result
             self.timings.write_s += pending.job.seconds
         if self._manifest_job is not None:  # queued before the write above: done by now
             report["manifest_error"] = self._error_of(self._manifest_job, self.timeout_s)
@@ -217,7 +222,8 @@ class RunCheckpoints:
         self._unconfirmed = pending is not None
         if pending is not None:
             record = StepRecord(pending.step, tuple(range(len(gathered))),
-                                tuple(rank for rank, seen in enumerate(gathered) if seen["strategy"]), len(gathered))
+                                tuple(rank for rank, seen in enumerate(gathered) if seen["strategy"]), len(gathered),
+                                _checksums(gathered))
             self._manifest, dropped_now = self._manifest.with_step(record, self.store.keep)
             self._dropped += dropped_now
             if self.comm.rank == 0:
@@ -234,6 +240,13 @@ class RunCheckpoints:
 def _hook(step: int) -> Callable[[int], None] | None:
     hook = WRITE_HOOK
     return None if hook is None else (lambda written: hook(step, written))
+
+
+def _checksums(gathered: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Every rank's part checksum for the manifest; none at all unless every rank has one (a
+    step without checksums is read as before checksums)."""
+    sums = tuple(seen.get("checksum") for seen in gathered)
+    return sums if all(isinstance(s, str) for s in sums) else ()  # type: ignore[return-value]
 
 
 def _raise_failures(gathered: list[dict[str, Any]]) -> None:

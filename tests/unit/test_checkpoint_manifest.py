@@ -4,6 +4,7 @@ in the manifest; pruning follows the manifest on every rank (host-local director
 reads only recorded steps, deletes the rest, and refuses another world size."""
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -97,8 +98,11 @@ def test_a_step_is_recorded_at_the_next_save_once_every_rank_wrote_it(tmp_path: 
     run_dir = tmp_path / "run"
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["format"] == 1
+    checksums = [step.pop("checksums") for step in manifest["steps"]]  # each part's, as written
     assert manifest["steps"] == [{"step": 9, "ranks": [0, 1], "strategy_ranks": [0], "world_size": 2},
                                  {"step": 12, "ranks": [0, 1], "strategy_ranks": [0], "world_size": 2}]
+    assert checksums == [["sha256:" + hashlib.sha256((run_dir / f"step-{step:09d}" / f"rank-{r}.pt").read_bytes())
+                          .hexdigest() for r in (0, 1)] for step in (9, 12)]
     # pruned consistently: only the kept steps' directories, each with both ranks' parts
     assert sorted(p.name for p in run_dir.iterdir()) == ["manifest.json", "step-000000009", "step-000000012"]
     assert sorted(p.name for p in (run_dir / "step-000000012").iterdir()) == ["rank-0.pt", "rank-1.pt"]
