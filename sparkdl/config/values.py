@@ -94,9 +94,10 @@ def check_types(section: str, part: Any) -> None:
         optional = annotation.endswith("|None")
         base = annotation[: -len("|None")] if optional else annotation
         allowed = _SIMPLE_TYPES.get(base)
-        if allowed is None:
-            continue
         value = getattr(part, f.name)
+        if allowed is None:  # a table or a list: its numbers are options too
+            check_finite(f"{section}.{f.name}", value)
+            continue
         if value is None and optional:
             continue
         bad_bool = isinstance(value, bool) and base != "bool"
@@ -117,7 +118,16 @@ INFINITY_ALLOWED = frozenset({"train.approximate_min_speedup"})
 
 def check_finite(key: str, value: Any) -> None:
     """NaN is never an option's value, nor infinity but where it means something: refused before any
-    job, naming the option (a NaN timeout or learning rate otherwise fails deep in the workers)."""
+    job, naming the option (a NaN timeout or learning rate otherwise fails deep in the workers).
+    Tables and lists are looked into (emulate_network's gbps, early_stopping's min_delta, ...)."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            check_finite(f"{key}.{name}", item)
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_finite(f"{key}[{index}]", item)
+        return
     if not isinstance(value, float) or math.isfinite(value):
         return
     if math.isinf(value) and key in INFINITY_ALLOWED:

@@ -241,3 +241,16 @@ def test_an_empty_partition_is_rebalanced_not_a_failing_rank(spark) -> None:  # 
     assert df.rdd.getNumPartitions() == 2 and min(len(p) for p in df.rdd.glom().collect()) == 0
     model = estimator(tracking=False, progress=False).fit(df)
     assert model.history[0]["steps"] > 0
+
+
+@pytest.mark.parametrize("options", [
+    {"lr": float("nan")}, {"timeout_s": float("nan")}, {"slot_wait_s": float("inf")}, {"grad_clip": float("nan")},
+    {"weight_decay": float("nan")}, {"emulate_network": {"latency_ms": 1.0, "gbps": float("inf")}},
+    {"early_stopping": {"metric": "val_loss", "min_delta": float("nan")}}])
+def test_a_non_finite_option_is_refused_before_any_spark_job(spark, small_df, options) -> None:  # type: ignore[no-untyped-def]
+    small_df.count()  # the frame's own jobs, if any, before counting
+    jobs_before = spark.sparkContext._jsc.sc().dagScheduler().nextJobId()
+    name = next(iter(options))
+    with pytest.raises(ConfigError, match=rf"\.{name}(\.\w+)? must be a finite number"):
+        estimator(**options).fit(small_df)
+    assert spark.sparkContext._jsc.sc().dagScheduler().nextJobId() == jobs_before

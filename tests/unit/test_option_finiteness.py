@@ -32,3 +32,13 @@ def test_the_run_secret_is_in_no_repr() -> None:
     address = ChannelAddress("10.0.0.1", 7000, "s3cr3t-token")
     assert "s3cr3t-token" not in repr(address) and "s3cr3t-token" not in str(address)
     assert address.secret == "s3cr3t-token" and "10.0.0.1" in repr(address)
+
+
+@pytest.mark.parametrize("option, value, named", [
+    ("emulate_network", {"latency_ms": math.nan, "gbps": 1.0}, "launch.emulate_network.latency_ms"),
+    ("emulate_network", {"latency_ms": 1.0, "gbps": math.inf}, "launch.emulate_network.gbps"),
+    ("early_stopping", {"metric": "val_loss", "min_delta": math.nan}, "train.early_stopping.min_delta"),
+    ("emulate_speed", [1.0, math.nan], "launch.emulate_speed[1]")])
+def test_non_finite_values_inside_tables_and_lists_are_named(option: str, value: object, named: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{named.replace('[', '.').replace(']', '.')} must be a finite number"):
+        RunConfig.from_kwargs(feature_cols=["a"], num_workers=2, **{option: value}).validate()
