@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -29,11 +28,14 @@ from sparkdl.data.layout import FIXED, FeedLayout
 from sparkdl.data.epochs import BatchOptions, EpochPlan, check_batch_size, epoch_plan
 from sparkdl.data.spool_space import check_free_space, out_of_space
 from sparkdl.errors import EmptyDataError
+from sparkdl.storage.private_dirs import HeldDirectory, hold_new_directory, make_dirs, open_no_follow, open_private
 from sparkdl.tracking.phases import Clock, maybe_timed
 
 
 _GROUP_BYTES = 1 << 19  # shuffled rows gathered per numpy call, see _gathered
 _GROUP_BYTES_MAX = 16 << 20
+SPOOL_PREFIX = "sparkdl-spool-"  # a worker's own directory under the spool root (private_dirs)
+SPOOL_FILE = "rows.arrow"
 
 
 def steps_per_epoch(row_counts: Sequence[int], batch_size: int, drop_last: bool) -> int:
@@ -181,19 +183,23 @@ class Spool:
     """One partition's rows in a local, memory-mapped Arrow IPC file, built by `Spool.write`.
     `close()` (or leaving a `with` block, or garbage collection) unmaps and deletes the file."""
 
-    def __init__(self, path: str | Path, layout: FeedLayout) -> None:
+    def __init__(self, path: str | Path, layout: FeedLayout, held: HeldDirectory | None = None) -> None:
+        """`held`: the directory `path` lives in, removed (and its lock let go) with the file."""
         self._path = Path(path)
         self._layout = layout
-        self._file = open(self._path, "rb")  # noqa: SIM115 - owned until close()
         try:
+            self._file = open_no_follow(self._path)
             rows = _map_rows(self._file, layout)
             self._num_rows: int | None = rows.num_rows
             self.chunk_count = rows.chunk_count
             self.chunk_rows = rows.chunk_rows  # 0 unless the chunks are equal (all but the last)
         except BaseException:
-            self._file.close()
+            if hasattr(self, "_file"):
+                self._file.close()
+            if held is not None:
+                held.close()
             raise
-        self._release = weakref.finalize(self, _close_and_delete, self._file, self._path)
+        self._release = weakref.finalize(self, _close_and_delete, self._file, self._path, held)
 
     @classmethod
     def write(cls, batches: Iterable[pa.RecordBatch], layout: FeedLayout, directory: str | Path, *,
@@ -203,32 +209,18 @@ class Spool:
         space first, and a disk that fills up anyway is named (SpoolSpaceError). `clock` sums the
         seconds of the free-space check, the conversion and the writes (phases.Clock)."""
         with maybe_timed(clock, "space_check"):
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            if expected_bytes:
-                check_free_space(directory, expected_bytes)
-        final = Path(directory) / f"sparkdl-spool-{uuid.uuid4().hex}.arrow"
-        # A task killed mid-write leaves a .tmp name, never a truncated file that looks complete.
-        partial = final.with_name(final.name + ".tmp")
+            # A directory of this worker's own (0700, random name, held by a lock while it lives;
+            # private_dirs sweeps those of dead workers first) inside the user's or the private root.
+            held = hold_new_directory(make_dirs(directory), SPOOL_PREFIX)
         try:
-            with pa.OSFile(str(partial), "wb") as sink, \
-                    pa.ipc.new_file(sink, spool_schema(layout)) as out:
-                chunks = ChunkWriter(out, layout, chunk_bytes)
-                for batch in batches:
-                    with maybe_timed(clock, "conversion"):
-                        arrays = incoming_arrays(batch, layout)
-                    with maybe_timed(clock, "spool_write"):
-                        chunks.add(*arrays)
-                with maybe_timed(clock, "spool_write"):
-                    chunks.flush()
-            os.replace(partial, final)
-        except BaseException as exc:
-            written = partial.stat().st_size if partial.exists() else 0
-            partial.unlink(missing_ok=True)
-            full = out_of_space(exc, directory, expected_bytes, written)
-            if full is not None:
-                raise full from None
+            if expected_bytes:
+                with maybe_timed(clock, "space_check"):
+                    check_free_space(directory, expected_bytes)
+            final = _write_spool_file(batches, layout, Path(held.path), chunk_bytes, expected_bytes, directory, clock)
+        except BaseException:
+            held.close()
             raise
-        return cls(final, layout)
+        return cls(final, layout, held)
 
     @property
     def path(self) -> Path:
@@ -295,6 +287,34 @@ class Spool:
         self.close()
 
 
+def _write_spool_file(batches: Iterable[pa.RecordBatch], layout: FeedLayout, where: Path, chunk_bytes: int,
+                      expected_bytes: int, directory: str | Path, clock: Clock | None) -> Path:
+    """The rows as an Arrow IPC file in `where`, a held directory of this worker's own."""
+    final = where / SPOOL_FILE
+    # A task killed mid-write leaves a .tmp name, never a truncated file that looks complete.
+    partial = final.with_name(final.name + ".tmp")
+    try:
+        # Created exclusive, 0600, not through a link (the rows are the user's data).
+        with open_private(partial) as sink, pa.ipc.new_file(sink, spool_schema(layout)) as out:
+            chunks = ChunkWriter(out, layout, chunk_bytes)
+            for batch in batches:
+                with maybe_timed(clock, "conversion"):
+                    arrays = incoming_arrays(batch, layout)
+                with maybe_timed(clock, "spool_write"):
+                    chunks.add(*arrays)
+            with maybe_timed(clock, "spool_write"):
+                chunks.flush()
+        os.replace(partial, final)
+    except BaseException as exc:
+        written = partial.stat().st_size if partial.exists() else 0
+        partial.unlink(missing_ok=True)
+        full = out_of_space(exc, directory, expected_bytes, written)
+        if full is not None:
+            raise full from None
+        raise
+    return final
+
+
 class RowsInMemory:
     """A spool's interface over record batches held in memory (validation rows under spool="none")."""
 
@@ -335,10 +355,12 @@ def _map_rows(stream: Any, layout: FeedLayout) -> _Rows:
     return _rows_of(map(reader.get_batch, range(reader.num_record_batches)), layout)
 
 
-def _close_and_delete(stream: Any, path: Path) -> None:
+def _close_and_delete(stream: Any, path: Path, held: HeldDirectory | None) -> None:
     # Mappings made from the file stay valid after it is closed and unlinked (POSIX).
     stream.close()
     path.unlink(missing_ok=True)
+    if held is not None:
+        held.close()
 
 
 def table_batches(table: pa.Table, layout: FeedLayout, epoch: int, *, batch_size: int, steps: int,

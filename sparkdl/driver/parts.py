@@ -10,8 +10,9 @@ from typing import Any
 
 from sparkdl.config import LaunchConfig
 from sparkdl.errors import ConfigError, TrainingError
-from sparkdl.wire.model_transfer import ModelSink, PartReceiver, part_name, parts_directory
+from sparkdl.wire.model_transfer import ModelSink, PartReceiver, part_name, parts_directory, remove_directory
 from sparkdl.storage.files import is_local_path
+from sparkdl.storage.private_dirs import open_private
 from sparkdl.model.trained import ModelParts, remove_files
 
 log = logging.getLogger("sparkdl")
@@ -120,7 +121,9 @@ def gather_parts(opened: OpenSink, parts: dict[str, Any]) -> ModelParts:
             files.append(str(record["uri"]))
         if how not in ("channel", "storage"):
             path = os.path.join(opened.directory, part_name(rank))
-            with open(path, "wb") as out:
+            if os.path.lexists(path):  # the receiver's copy, when the rank missed its confirmation
+                os.unlink(path)
+            with open_private(path) as out:  # 0600, like the parts the receiver writes
                 while chunks:
                     out.write(chunks.pop(0))
             files.append(path)
@@ -143,6 +146,8 @@ def child_results(opened: OpenSink | None, parts: dict[str, Any], world_size: in
     payloads = parts.pop("payload", [])
     values = loads_every_result({"payload": [p for p in payloads if p[0] not in sent]}, world_size)
     if not sent:
+        if opened is not None:  # no rank sent a file: the attempt's directory is not needed
+            remove_directory(opened.directory)
         return values
     if opened is None:
         raise TrainingError("a rank sent its return value as a file, but no receiver was open")

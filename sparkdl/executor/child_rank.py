@@ -84,7 +84,7 @@ def run_children(call: ChildCall, envs: list[dict[str, str]], workdir: str, rank
 
     def one(i: int) -> None:
         directory = os.path.join(workdir, f"rank-{ranks[i]}")
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # inside a 0700 TemporaryDirectory
         prefix = f"[rank {ranks[i]}] " if len(envs) > 1 or prefix_always else ""
         outcome = run_child(call, envs[i], directory,
                             lambda stream, line: print(prefix + line, file=getattr(sys, stream), flush=True), stop)

@@ -3,9 +3,11 @@
 One module for every file sparkdl writes or reads outside Spark's own writers. Paths are local paths
 or pyarrow filesystem URIs (file://, s3://?endpoint_override=..., gs://, abfs://, hdfs:// where
 libhdfs is installed). Writes are atomic on local disks: a file goes to a temporary name, is flushed,
-fsynced and renamed (the directory fsynced too). An object store's upload becomes visible once
-complete; one that fails is deleted again, so the window where a reader could list half an object is
-short, and sparkdl's readers never go by listing alone (a manifest, metadata written last).
+fsynced and renamed (the directory fsynced too); local files are created exclusive, not through a
+link, mode 0600, and the directories sparkdl makes for them 0700 (storage/private_dirs.py). An
+object store's upload becomes visible once complete; one that fails is deleted again, so the window
+where a reader could list half an object is short, and sparkdl's readers never go by listing alone
+(a manifest, metadata written last).
 
 Spark ML's metadata (DefaultParamsWriter) still goes through the session (Hadoop on a classic driver,
 sparkdl/spark/session.py): PipelineModel.load reads it there. Worker-side: no pyspark import at module level.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
 
 from sparkdl.errors import SparkdlError
+from sparkdl.storage.private_dirs import make_dirs, open_private
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -80,7 +83,9 @@ def is_local_path(uri: str) -> bool:
 def atomic_output(where: Location) -> Iterator[BinaryIO]:
     """A stream whose bytes appear at `where` only when the block ends without an exception."""
     directory = where.path.rsplit("/", 1)[0]
-    if directory:
+    if directory and where.local:
+        make_dirs(directory)  # what sparkdl makes is 0700; the user's own directories stay as they are
+    elif directory:
         where.fs.create_dir(directory, recursive=True)
     if not where.local:
         # An object store makes an object visible only when its upload completes. pyarrow completes
@@ -98,7 +103,9 @@ def atomic_output(where: Location) -> Iterator[BinaryIO]:
         return
     temporary = f"{where.path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with open(temporary, "wb") as stream:
+        # 0600, exclusive and not through a link: checkpoints hold the model and optimizer state, and
+        # a checkpoint directory may be shared; the rename then replaces a link at the name, not its target.
+        with open_private(temporary) as stream:
             yield stream  # type: ignore[misc]
             stream.flush()
             os.fsync(stream.fileno())

@@ -24,7 +24,6 @@ import secrets
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -242,7 +241,9 @@ def _copy_exactly(conn: socket.socket, path: str, size: int, tag: StreamTag) -> 
     buffer = bytearray(min(RECEIVE_PIECE_BYTES, max(size, 1)))
     view = memoryview(buffer)
     left = size
-    with open(path, "wb", buffering=0) as out:
+    from sparkdl.storage.private_dirs import open_private
+
+    with open_private(path, buffering=0) as out:  # 0600, exclusive, never through a planted link
         while left:
             got = conn.recv_into(view[: min(left, len(view))])
             if not got:
@@ -254,15 +255,24 @@ def _copy_exactly(conn: socket.socket, path: str, size: int, tag: StreamTag) -> 
             left -= got
 
 
+PARTS_PREFIX = "parts-"
+
+
 def parts_directory(run_id: str) -> str:
-    """A new directory on the driver's disk for one attempt's parts."""
-    root = os.path.join(tempfile.gettempdir(), "sparkdl-models")
-    os.makedirs(root, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{run_id}-", dir=root)
+    """A new directory on the driver's disk for one attempt's parts:
+    `<tempdir>/sparkdl-<uid>/models/parts-<run id>-<random>`, 0700 in this user's private root,
+    held by a lock while this driver lives (storage/private_dirs.py); the directories of a driver
+    that died (its lock released by the kernel) are swept first."""
+    from sparkdl.storage.private_dirs import hold_new_directory, private_root
+
+    return hold_new_directory(private_root("models"), PARTS_PREFIX, f"{run_id}-").path
 
 
 def remove_directory(directory: str) -> None:
-    shutil.rmtree(directory, ignore_errors=True)
+    from sparkdl.storage.private_dirs import release
+
+    if not release(directory):  # a held one goes with its lock file; any other as it is
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def record_bytes(record: dict[str, Any]) -> bytes:

@@ -244,11 +244,11 @@ def test_close_removes_file_and_keeps_handed_out_batches_valid(tmp_path: Path) -
     spool, features, _ = spool_of(tmp_path, 100)
     path = spool.path
     assert path.exists() and path.suffix == ".arrow"
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no .tmp left behind
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no .tmp left behind
     x, _ = next(spool.batches(0, batch_size=10, steps=1, shuffle=False, seed=0, rank=0, drop_last=True))
     spool.close()
     spool.close()  # idempotent
-    assert not path.exists()
+    assert not path.exists() and not list(tmp_path.iterdir())  # its directory and lock file too
     np.testing.assert_array_equal(x.numpy(), features[:10])  # Arrow keeps the region mapped
     with pytest.raises(ValueError, match="closed"):
         spool.num_rows  # noqa: B018
