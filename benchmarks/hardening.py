@@ -8,7 +8,7 @@ local[2] session: one warm-up fit, then --fits measured fits of each kind:
   fixed_cost_s     a warm 1-epoch digits fit (tracking on, a sqlite MLflow store): the whole
                    TorchEstimator.fit wall time (channel admission, private spool, redaction, typed
                    allgather, the store bound to one address, the non-finite check);
-  epoch_s          the median epoch of a 4-epoch fit with checkpoints every 8 steps (checksums taken
+  epoch_s          the median epoch of a 4-epoch fit on 4 x the digits with checkpoints every 8 steps (checksums taken
                    while parts are written, 0600 files, the manifest checked on every read).
 The figures are medians over rounds x fits; `ratio` is this tree over the baseline (1.0 = no cost).
 Prints one JSON object as the last line. Nothing here asserts a timing; say the machine's load.
@@ -41,15 +41,20 @@ def child(repeats: int) -> dict[str, list[float]]:
     spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
     df = digits_dataframe(spark).repartition(2).cache()
     df.count()
+    digits = df
+    for _ in range(2):  # 4 x the digits (7,188 rows): epochs long enough to time, still a small fit
+        digits = digits.union(digits)
+    long_df = digits.repartition(2).cache()
+    long_df.count()
     work = Path(tempfile.mkdtemp(prefix="sparkdl-bench-hardening-"))
 
     def mlp() -> Any:
         return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
-    def fit(epochs: int, **options: Any) -> tuple[float, Any]:
+    def fit(epochs: int, frame: Any = df, **options: Any) -> tuple[float, Any]:
         started = time.perf_counter()
         model = TorchEstimator(model=mlp, feature_cols=DIGITS_FEATURE_COLS, epochs=epochs, batch_size=32, num_workers=2,
-                               strategy="data_parallel", progress=False, **options).fit(df)
+                               strategy="data_parallel", progress=False, **options).fit(frame)
         return time.perf_counter() - started, model
 
     tracked = {"tracking_uri": f"sqlite:///{work}/mlflow.db", "experiment": "sparkdl-bench-hardening"}
@@ -57,7 +62,7 @@ def child(repeats: int) -> dict[str, list[float]]:
     figures: dict[str, list[float]] = {"fixed_cost_s": [], "epoch_s": []}
     for index in range(repeats):
         figures["fixed_cost_s"].append(fit(1, **tracked)[0])
-        _, model = fit(4, tracking=False, checkpoint_dir=str(work / f"ckpt-{index}"), checkpoint_every=8)
+        _, model = fit(4, long_df, tracking=False, checkpoint_dir=str(work / f"ckpt-{index}"), checkpoint_every=8)
         figures["epoch_s"].append(statistics.median(h["seconds"] for h in model.history))
     spark.stop()
     return figures
@@ -71,7 +76,8 @@ def baseline_tree(revision: str) -> Path:
 
 
 def run_child(tree: Path, fits: int) -> dict[str, list[float]]:
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYSPARK_PYTHON": sys.executable,
+           "PYSPARK_DRIVER_PYTHON": sys.executable}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hardening.py"), "--child", "--fits", str(fits)],
                           cwd=str(tree), env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
