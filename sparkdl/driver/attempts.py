@@ -60,7 +60,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
     jvm.drain_events(spark)  # only this job's events explain its failure
     cut_off: dict[int, str] = {}  # of the last failed attempt
     try:
-        with open_channel(spark, spec.launch.channel, monitor.on_message) as channel:
+        with open_channel(spark, spec.launch.channel, monitor.on_message, spec.world_size) as channel:
             try:
                 attempt = 0
                 while True:
@@ -137,15 +137,17 @@ class NoChannel:
         return None
 
 
-def open_channel(spark: Any, channel: str, on_message: Any) -> Any:
+def open_channel(spark: Any, channel: str, on_message: Any, ranks: int = 0) -> Any:
     """The driver channel of launch.channel: on the session's own address ("auto"), on a given host,
-    or none ("off")."""
+    or none ("off"); room for `ranks` hellos at once (wire/admission.py)."""
     if channel == "off":
         return NoChannel()
     from sparkdl.driver.channel import DriverChannel
     from sparkdl.spark.session import facts
+    from sparkdl.wire.admission import AdmissionLimits
 
-    return DriverChannel(facts(spark).channel_host() if channel == "auto" else channel, on_message)
+    return DriverChannel(facts(spark).channel_host() if channel == "auto" else channel, on_message,
+                         limits=AdmissionLimits().for_ranks(ranks))
 
 
 def silent_ranks(errors: dict[int, dict[str, Any]], world_size: int) -> list[int]:

@@ -14,13 +14,13 @@ import time
 from contextlib import suppress
 from typing import Any, Callable
 
+from sparkdl.wire.admission import Admission, AdmissionLimits, Pending, read_hello, where
 from sparkdl.wire.frames import (MAX_FRAME_BYTES, PURPOSE, ChannelAddress, FrameError, check_hello,
                                  encode_frame, frame_body, frame_fits, pack_frame, read_frame)
 from sparkdl.wire.handshake import TO_DRIVER, TO_PEER, FrameSeal, new_challenge
 
 log = logging.getLogger("sparkdl")
 _STOP = object()  # queue sentinel of the consumer thread
-HELLO_TIMEOUT_S = 5.0  # a connection that sends no hello in this time is closed
 
 
 class _Reply:
@@ -55,8 +55,10 @@ class DriverChannel:
     handler never stalls a socket reader."""
 
     def __init__(self, host: str, on_message: Callable[[dict[str, Any]], None], *,
-                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, limits: AdmissionLimits = AdmissionLimits()) -> None:
         self._on_message, self._max = on_message, max_frame_bytes
+        # what a connection may hold before its hello proves the secret (wire/admission.py)
+        self._admission = Admission("driver channel", limits)
         try:
             family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
             self._server = socket.create_server((host, 0), family=family, backlog=128)
@@ -64,7 +66,8 @@ class DriverChannel:
             self._server = socket.create_server(("", 0), backlog=128)
         self._server.settimeout(0.1)  # how often the accept loop looks for close()
         self._address = ChannelAddress(host, self._server.getsockname()[1], secrets.token_hex(32))
-        self.refused = self.handler_errors = 0
+        log.debug("sparkdl driver channel: listening on %s:%d", host, self._address.port)
+        self.handler_errors = 0
         self._lock, self._idle, self._closing = threading.Lock(), threading.Condition(), threading.Event()
         self._closed = False
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections and their reader threads
@@ -78,6 +81,11 @@ class DriverChannel:
     @property
     def address(self) -> ChannelAddress:
         return self._address
+
+    @property
+    def refused(self) -> int:
+        """Connections refused: over the pending cap, no thread for them, or no valid hello in time."""
+        return self._admission.refused
 
     def _accept_loop(self) -> None:
         while True:
@@ -96,21 +104,26 @@ class DriverChannel:
                     return
                 time.sleep(0.1)
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True, name="sparkdl-channel-conn")
-            with self._lock:
-                self._conns = {c: t for c, t in self._conns.items() if t.is_alive()}
-                self._conns[conn] = thread
-            thread.start()
+            # admit() has started the thread: registering it after is safe, close() joins this loop first
+            thread = self._admission.admit(conn, peer, self._serve, "sparkdl-channel-conn")
+            if thread is not None:
+                with self._lock:
+                    self._conns = {c: t for c, t in self._conns.items() if t.is_alive()}
+                    self._conns[conn] = thread
 
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        where, rank, stream = f"{peer[0]}:{peer[1]}", -1, conn.makefile("rb")
-        challenge = new_challenge()
+    def _serve(self, conn: socket.socket, peer: Any, pending: Pending) -> None:
+        rank, stream, challenge = -1, conn.makefile("rb"), new_challenge()
         # Shared with this connection's _Reply objects; conn None once closed.
         state: list[Any] = [threading.Lock(), conn, FrameSeal(self._address.secret, challenge, TO_PEER)]
+        limits = self._admission.limits
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)  # a silent peer must not hold a thread forever
+            deadline = time.monotonic() + limits.hello_deadline_s  # for the whole hello, not per recv
+            conn.settimeout(limits.hello_deadline_s)
             conn.sendall(encode_frame({"challenge": challenge.hex()}))
-            rank = self._check_hello(read_frame(stream, self._max), challenge)
+            # off the socket itself, not the buffered stream, which reads the frames after it
+            hello = read_hello(conn, deadline, min(limits.max_hello_bytes, self._max))
+            rank = self._check_hello(hello, challenge)
+            pending.release()  # a rank now: no longer counted against the pending cap
             inbound = FrameSeal(self._address.secret, challenge, TO_DRIVER)
             conn.settimeout(None)
             if sys.platform != "win32":  # 5 s per send(): a worker that stops reading must not hold the
@@ -127,13 +140,11 @@ class DriverChannel:
             if self._closing.is_set():
                 pass  # close() interrupted us: not the peer's fault
             elif rank < 0:
-                with self._lock:
-                    self.refused += 1
-                reason = f"no hello within {HELLO_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else e
-                log.warning("sparkdl driver channel: refused a connection from %s: %s", where, reason)
+                self._admission.hello_failed(peer, pending, e)
             else:
-                log.warning("sparkdl driver channel: closed the connection from %s (rank %d): %s", where, rank, e)
+                log.warning("sparkdl driver channel: closed the connection from %s (rank %d): %s", where(peer), rank, e)
         finally:
+            pending.release()
             with state[0]:  # never in the middle of a reply (nor can the fd be reused under one)
                 state[1] = None
                 stream.close()
@@ -181,6 +192,7 @@ class DriverChannel:
             thread.join(5.0)
         self._queue.put(_STOP)
         self._consumer.join(10.0)
+        self._admission.flush()
 
     def __enter__(self) -> DriverChannel:
         return self

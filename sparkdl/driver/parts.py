@@ -10,6 +10,7 @@ from typing import Any
 
 from sparkdl.config import LaunchConfig
 from sparkdl.errors import ConfigError, TrainingError
+from sparkdl.wire.admission import AdmissionLimits
 from sparkdl.wire.model_transfer import ModelSink, PartReceiver, part_name, parts_directory, remove_directory
 from sparkdl.storage.files import is_local_path
 from sparkdl.storage.private_dirs import open_private
@@ -73,7 +74,8 @@ def open_sink(spark: Any, spec: Any, cleanup: ExitStack) -> OpenSink:
     explicit = launch.model_transfer != "auto"
     if mode == "channel":
         channel = launch.channel
-        receiver = PartReceiver(facts(spark).channel_host() if channel == "auto" else channel, directory, timeout)
+        receiver = PartReceiver(facts(spark).channel_host() if channel == "auto" else channel, directory, timeout,
+                                AdmissionLimits().for_ranks(spec.world_size))
         cleanup.callback(receiver.close)
         cleanup.push(_remove_on_failure(directory, None))
         return OpenSink(ModelSink("channel", receiver.address, timeout_s=timeout, fallback=not explicit), directory,

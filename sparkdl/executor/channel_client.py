@@ -11,6 +11,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
+from sparkdl.wire.admission import Refused, with_retries
 from sparkdl.wire.frames import (MAX_FRAME_BYTES, PURPOSE, ChannelAddress, FrameError, challenge_of, frame_body,
                                  frame_fits, hello_frame, pack_frame, read_frame)
 from sparkdl.wire.handshake import TO_DRIVER, TO_PEER, FrameSeal
@@ -49,6 +50,8 @@ class _Replies:
         self._deadline, self._pos = deadline, 0
         frame = read_frame(self, MAX_FRAME_BYTES)  # type: ignore[arg-type]
         del self._buf[:self._pos]
+        if frame is None:  # no place for us now (wire/admission.py): _run tries again
+            raise Refused("the driver closed the connection before its challenge")
         return challenge_of(frame)
 
     def reply_to(self, rid: int, deadline: float) -> dict[str, Any] | None:
@@ -140,9 +143,7 @@ class ChannelClient:
         try:
             while (item := self._queue.get()) is not _STOP:
                 if self._sock is None:
-                    self._sock = socket.create_connection((self._address.host, self._address.port), self._timeout)
-                    replies = _Replies(self._sock)
-                    seal = self._hello(self._sock, replies)
+                    self._sock, replies, seal = with_retries(self._connect, self._timeout)
                 self._sock.sendall(pack_frame(item.body if isinstance(item, _Urgent) else item, seal))
                 if isinstance(item, _Urgent):
                     if item.rid is not None:
@@ -164,6 +165,15 @@ class ChannelClient:
         finally:
             if self._sock is not None:
                 self._sock.close()
+
+    def _connect(self) -> tuple[socket.socket, _Replies, FrameSeal]:
+        sock = socket.create_connection((self._address.host, self._address.port), self._timeout)
+        try:
+            replies = _Replies(sock)
+            return sock, replies, self._hello(sock, replies)
+        except BaseException:
+            sock.close()
+            raise
 
     def _hello(self, sock: socket.socket, replies: _Replies) -> FrameSeal:
         """Answer the driver's challenge; the seal of the frames this client sends after it (that of

@@ -18,6 +18,9 @@ from sparkdl.wire.handshake import TAG_BYTES, FrameSeal, proof, proof_holds
 
 log = logging.getLogger("sparkdl")
 MAX_FRAME_BYTES = 1 << 20
+# A real hello is ~130 bytes ({"hello":2,"rank":r,"proof":<64 hex>}, plus "bytes" to the model
+# receiver); a peer that has not proved the secret yet gets no more than this (wire/admission.py).
+MAX_HELLO_BYTES = 4 << 10
 FRAME_HEADER = struct.Struct(">I")
 
 
@@ -75,6 +78,11 @@ def read_frame(stream: BinaryIO, max_bytes: int, seal: FrameSeal | None = None) 
         tag, body = body[:TAG_BYTES], body[TAG_BYTES:]
         if len(tag) < TAG_BYTES or not seal.opens(tag, body):
             raise FrameError("frame fails its authentication tag (forged, altered, replayed or out of order)")
+    return decode_body(body)
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A frame's JSON object; FrameError when it is not one."""
     try:
         obj = json.loads(body.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError is a ValueError too

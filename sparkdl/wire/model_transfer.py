@@ -25,10 +25,12 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from sparkdl.wire.admission import Admission, AdmissionLimits, Pending, Refused, read_hello, with_retries
 from sparkdl.wire.frames import (FRAME_HEADER, ChannelAddress, FrameError, challenge_of, check_hello, encode_frame,
                                  hello_frame, read_frame)
 from sparkdl.wire.handshake import TAG_BYTES, TO_PEER, FrameSeal, StreamTag, new_challenge
@@ -105,9 +107,8 @@ def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadat
     address = sink.address
     assert address is not None
     total, pieces = tensor_pieces(state, metadata)
-    with socket.create_connection((address.host, address.port), CONNECT_TIMEOUT_S) as sock:
-        sock.settimeout(sink.timeout_s)
-        challenge = challenge_of(_raw_frame(sock))
+    sock, challenge = with_retries(lambda: _connect(address, sink.timeout_s), CONNECT_TIMEOUT_S)
+    with sock:
         sock.sendall(hello_frame(address.secret, PURPOSE, challenge, rank, bytes=total))
         tag = StreamTag(address.secret, challenge)  # the receiver keeps the part only if it holds
         for piece in pieces:
@@ -121,14 +122,31 @@ def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadat
     return total
 
 
+def _connect(address: ChannelAddress, timeout_s: float) -> tuple[socket.socket, bytes]:
+    """A connection to the receiver and its challenge; Refused when the receiver closes it first
+    (no place for one more connection waiting for its hello: wire/admission.py)."""
+    sock = socket.create_connection((address.host, address.port), CONNECT_TIMEOUT_S)
+    try:
+        sock.settimeout(timeout_s)
+        if not sock.recv(1, socket.MSG_PEEK):
+            raise Refused("the driver closed the connection before its challenge")
+        return sock, challenge_of(_raw_frame(sock))
+    except BaseException:
+        sock.close()
+        raise
+
+
 # -- driver side ----------------------------------------------------------------------------------
 class PartReceiver:
     """The driver's end of "channel": one thread per rank's connection writes its part to
     `<directory>/rank-<r>.safetensors` (a temporary name until complete), then confirms."""
 
-    def __init__(self, host: str, directory: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, host: str, directory: str, timeout_s: float = 600.0,
+                 limits: AdmissionLimits = AdmissionLimits()) -> None:
         os.makedirs(directory, exist_ok=True)
         self.directory, self._timeout = directory, timeout_s
+        # what a connection may hold before its hello proves the secret (wire/admission.py)
+        self._admission = Admission("model receiver", limits)
         try:
             family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
             self._server = socket.create_server((host, 0), family=family, backlog=128)
@@ -136,6 +154,7 @@ class PartReceiver:
             self._server = socket.create_server(("", 0), backlog=128)
         self._server.settimeout(0.2)
         self.address = ChannelAddress(host, self._server.getsockname()[1], secrets.token_hex(32))
+        log.debug("sparkdl model receiver: listening on %s:%d", host, self.address.port)
         self.errors: dict[int, str] = {}
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -143,29 +162,46 @@ class PartReceiver:
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True, name="sparkdl-part-receiver")
         self._accepter.start()
 
+    @property
+    def refused(self) -> int:
+        """Connections refused: over the pending cap, no thread for them, or no valid hello in time."""
+        return self._admission.refused
+
     def _accept_loop(self) -> None:
         while not self._closing.is_set():
             try:
-                conn, _ = self._server.accept()
+                conn, peer = self._server.accept()
             except (TimeoutError, BlockingIOError):
                 continue
-            except OSError:
+            except OSError:  # e.g. out of file descriptors: not a busy loop
                 if self._closing.is_set():
                     return
+                time.sleep(0.1)
                 continue
-            thread = threading.Thread(target=self._receive, args=(conn,), daemon=True, name="sparkdl-part")
+            self._open.add(conn)  # before its thread runs: that thread's end discards it
+            thread = self._admission.admit(conn, peer, self._receive, "sparkdl-part")
+            if thread is None:
+                self._open.discard(conn)
+                continue
+            self._threads = [t for t in self._threads if t.is_alive()]  # refused peers' threads are not kept
             self._threads.append(thread)
-            self._open.add(conn)
-            thread.start()
 
-    def _receive(self, conn: socket.socket) -> None:
+    def _receive(self, conn: socket.socket, peer: Any, pending: Pending) -> None:
         rank, temporary, challenge = -1, "", new_challenge()
-        secret = self.address.secret
+        secret, limits = self.address.secret, self._admission.limits
         try:
-            conn.settimeout(CONNECT_TIMEOUT_S)
+            deadline = time.monotonic() + limits.hello_deadline_s  # for the whole hello, not per recv
+            conn.settimeout(limits.hello_deadline_s)
             conn.sendall(encode_frame({"challenge": challenge.hex()}))
-            hello = _raw_frame(conn)
-            rank = check_hello(hello, secret, PURPOSE, challenge)
+            try:
+                hello = read_hello(conn, deadline, limits.max_hello_bytes)
+                rank = check_hello(hello, secret, PURPOSE, challenge)
+            except (OSError, FrameError) as exc:
+                if not self._closing.is_set():
+                    self._admission.hello_failed(peer, pending, exc)
+                return  # nothing to tell a peer that is no rank
+            pending.release()  # a rank now: no longer counted against the pending cap
+            assert hello is not None  # check_hello refuses None
             size = int(hello["bytes"])
             if size < 0:
                 raise ValueError(f"a part of {size} bytes")
@@ -187,6 +223,7 @@ class PartReceiver:
             except OSError:
                 pass
         finally:
+            pending.release()
             self._open.discard(conn)
             conn.close()
 
@@ -202,6 +239,7 @@ class PartReceiver:
                 pass
         for thread in self._threads:
             thread.join(10.0)
+        self._admission.flush()
 
     def __enter__(self) -> "PartReceiver":
         return self

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from sparkdl.driver.channel import DriverChannel
+from sparkdl.wire.admission import AdmissionLimits
 from sparkdl.wire.frames import PURPOSE, ChannelAddress, challenge_of, encode_frame, hello_frame, read_frame
 from sparkdl.wire.handshake import TO_DRIVER, TO_PEER, FrameSeal
 from sparkdl.executor.channel_client import ChannelClient
@@ -145,10 +146,10 @@ def test_wrong_secret_is_refused_and_logged(channel: DriverChannel, inbox: Inbox
 
 
 @pytest.mark.parametrize("payload, reason", [
-    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "exceeds max_frame_bytes"),  # "GET " read as a length
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "exceeds max_hello_bytes"),  # "GET " read as a length
     (struct.pack(">I", 5) + b"\xff\xfe{}}", "not UTF-8 JSON"),
     (encode_frame({"kind": "metric", "loss": 1.0}), "not a hello"),
-    (struct.pack(">I", 2_000_000), "exceeds max_frame_bytes"),
+    (struct.pack(">I", 2_000_000), "exceeds max_hello_bytes"),
 ])
 def test_garbage_and_oversized_frames_are_refused_without_killing_the_server(
         channel: DriverChannel, inbox: Inbox, caplog: pytest.LogCaptureFixture, payload: bytes, reason: str) -> None:
@@ -374,11 +375,10 @@ def test_a_frame_altered_replayed_or_reordered_on_a_live_connection_closes_it(
     assert [m["loss"] for m in inbox.messages] == ([] if tamper == "reordered" else [1.0])
 
 
-def test_silent_peer_is_refused_after_hello_timeout(monkeypatch: pytest.MonkeyPatch, inbox: Inbox,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("sparkdl.driver.channel.HELLO_TIMEOUT_S", 0.2)  # a constant, so the test stays < 2 s
+def test_silent_peer_is_refused_after_hello_timeout(inbox: Inbox, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="sparkdl")
-    with DriverChannel("127.0.0.1", inbox) as ch, raw_connect(ch.address) as sock:
+    with DriverChannel("127.0.0.1", inbox, limits=AdmissionLimits(hello_deadline_s=0.2)) as ch, \
+            raw_connect(ch.address) as sock:
         assert_closed_by_peer(sock)
         wait_until(lambda: ch.refused == 1)
     assert any("no hello within 0.2 s" in r.getMessage() for r in caplog.records)
