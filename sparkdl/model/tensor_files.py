@@ -102,7 +102,10 @@ def write_tensors(stream: BinaryIO, tensors: Mapping[str, Any], metadata: Mappin
 
 
 def read_header(stream: Any) -> Header:
-    """The header of a tensor file open at its start (any object with read())."""
+    """The header of a tensor file open at its start (any object with read()). Where the stream
+    says how many bytes it holds (a file, a pyarrow file, a seekable buffer), the tensors' offsets
+    must lie within them: a truncated file or a hostile header allocates nothing."""
+    available = _bytes_left(stream)
     raw = _read_exactly(stream, _HEADER_LENGTH.size)
     (size,) = _HEADER_LENGTH.unpack(raw)
     if not 2 <= size <= _MAX_HEADER_BYTES:
@@ -125,7 +128,36 @@ def read_header(stream: Any) -> Header:
     for before, after in zip(entries, entries[1:]):
         if after.begin < before.end:
             raise TensorFileError(f"not a tensor file (tensors {before.name!r} and {after.name!r} overlap)")
-    return Header(tuple(entries), dict(metadata), _HEADER_LENGTH.size + size)
+    data_start = _HEADER_LENGTH.size + size
+    needed = data_start + max((e.end for e in entries), default=0)
+    if available is not None and needed > available:
+        raise TensorFileError(f"a truncated tensor file (its header places tensors up to byte {needed}, the "
+                              f"file holds {available})")
+    return Header(tuple(entries), dict(metadata), data_start)
+
+
+def _bytes_left(stream: Any) -> int | None:
+    """Bytes from the stream's position to its end, or None where the stream cannot say (a socket,
+    a pyarrow input stream). Any failure to tell is "cannot say": the check is a bound, not a read."""
+    import os
+
+    probes = (lambda: stream.size(),  # pyarrow's random-access files
+              lambda: os.fstat(stream.fileno()).st_size)
+    try:
+        position = int(stream.tell())
+    except Exception:  # noqa: BLE001 - streams raise many types for "not supported"
+        return None
+    for probe in probes:
+        try:
+            return int(probe()) - position
+        except Exception:  # noqa: BLE001
+            continue
+    try:
+        end = int(stream.seek(0, os.SEEK_END))
+        stream.seek(position)
+        return end - position
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _check_entry(entry: Entry, item_bytes: int) -> None:

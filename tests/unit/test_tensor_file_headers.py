@@ -39,3 +39,19 @@ def test_a_good_file_still_reads() -> None:
 def test_a_bad_header_is_refused_before_any_allocation(header: dict, message: str) -> None:
     with pytest.raises(TensorFileError, match=message):
         list(read_tensors(_file(header, bytes(16))))
+
+
+def test_a_truncated_file_with_a_consistent_header_is_refused_from_its_header(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A header that agrees with itself but not with the file (1 GiB announced, 16 bytes there): the
+    header read refuses it, so no tensor of that shape is ever made."""
+    from sparkdl.model.tensor_files import read_header
+
+    header = {"w": {"dtype": "F32", "shape": [1 << 28], "data_offsets": [0, 1 << 30]}}
+    with pytest.raises(TensorFileError, match="a truncated tensor file"):
+        read_header(_file(header, b"\x00" * 16))
+    path = tmp_path / "cut.safetensors"
+    stream = io.BytesIO()
+    write_tensors(stream, {"w": torch.ones(1024)})
+    path.write_bytes(stream.getvalue()[:-100])  # a real file cut short
+    with open(path, "rb") as cut, pytest.raises(TensorFileError, match="a truncated tensor file"):
+        list(read_tensors(cut))
