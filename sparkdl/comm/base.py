@@ -200,15 +200,21 @@ class Communicator(abc.ABC):
         built on allgather of byte tensors."""
         import torch
 
-        from sparkdl.comm.object_codec import decode_object, encode_object
+        from sparkdl.comm.object_codec import decode_object, encode_object, encode_refusal, raise_refusals
 
-        payload = torch.frombuffer(bytearray(encode_object(obj)), dtype=torch.uint8)
+        try:
+            encoded = encode_object(obj)
+        except TypeError as exc:  # still join the collectives: peers must not wait out the timeout
+            encoded = encode_refusal(self.rank, str(exc))
+        payload = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         sizes = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64))
         longest = int(max(int(s.item()) for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         gathered = self.allgather(padded)
-        return [decode_object(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
+        values = [decode_object(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
+        raise_refusals(values)  # one rank's unsendable value: the same TypeError on every rank
+        return values
 
     def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Work:
         """Start sending `tensor` to rank dst (asynchronous); keep the tensor unchanged until wait()."""

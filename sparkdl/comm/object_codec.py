@@ -12,7 +12,7 @@ import base64
 import json
 from typing import Any
 
-_TUPLE, _DICT, _BYTES, _ARRAY = "$t", "$d", "$b", "$a"
+_TUPLE, _DICT, _BYTES, _ARRAY, _REFUSED = "$t", "$d", "$b", "$a", "$refused"
 _ARRAY_KINDS = frozenset("biuf")  # bool, signed, unsigned, float: never object or structured dtypes
 
 
@@ -22,6 +22,23 @@ def encode_object(obj: Any) -> bytes:
 
 def decode_object(data: bytes) -> Any:
     return _value(json.loads(data.decode("utf-8")))
+
+
+class Refusal:
+    """What a rank sent in place of a value it could not encode (gathered, then raised everywhere)."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        self.rank, self.reason = rank, reason
+
+
+def encode_refusal(rank: int, reason: str) -> bytes:
+    return json.dumps({_REFUSED: [int(rank), str(reason)]}).encode("utf-8")
+
+
+def raise_refusals(values: list[Any]) -> None:
+    refused = [v for v in values if isinstance(v, Refusal)]
+    if refused:
+        raise TypeError(f"rank {refused[0].rank}: {refused[0].reason}")
 
 
 def _plain(obj: Any) -> Any:
@@ -78,6 +95,8 @@ def _value(plain: Any) -> Any:
         return base64.b64decode(body)
     if tag == _ARRAY:
         return _array(*body)
+    if tag == _REFUSED:
+        return Refusal(int(body[0]), str(body[1]))
     raise ValueError(f"allgather_object: a malformed message from a peer (unknown tag {tag!r})")
 
 

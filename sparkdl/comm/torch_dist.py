@@ -38,30 +38,24 @@ def _start_allreduce(tensor: torch.Tensor, op: str, size: int, group: Any = None
 
 def store_bind_address(own_address: str) -> str:
     """Where rank 0's TCPStore listens: the executor's own address when an interface here holds it
-    (the address its peers dial: nothing else on the host need hear it), else every interface (an
-    address behind a NAT or proxy, or none given)."""
-    return resolved(own_address) if own_address and interface_of(own_address) is not None else "0.0.0.0"
+    (the address its peers dial: nothing else on the host need hear it), else every interface (""
+    : an address behind a NAT or proxy, or none given)."""
+    return resolved(own_address) if own_address and interface_of(own_address) is not None else ""
 
 
 def store_server(bind: str, port: int, timeout: datetime.timedelta) -> Any:
     """A TCPStore server on a socket sparkdl bound: TCPStore's own server listens on every interface
-    whatever host name it is given; handed a listening descriptor it serves that one (and owns it)."""
-    listener = socket.create_server((bind, port), backlog=1024)
-    descriptor = listener.detach()
-    try:
-        return dist.TCPStore(bind, listener_port(descriptor), None, True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=descriptor, use_libuv=True)
-    except BaseException:
-        os.close(descriptor)
-        raise
-
-
-def listener_port(descriptor: int) -> int:
-    probe = socket.socket(fileno=os.dup(descriptor))  # a view of it, closed on its own
-    try:
-        return int(probe.getsockname()[1])
-    finally:
-        probe.close()
+    whatever host name it is given; handed a listening descriptor it serves that one. It gets a
+    duplicate it owns; ours is closed here whatever happens (no double close of a reused number)."""
+    if bind:
+        listener = socket.create_server((bind, port), backlog=1024)
+    elif socket.has_dualstack_ipv6():  # every interface, IPv6 clusters included (as TCPStore's own)
+        listener = socket.create_server(("", port), family=socket.AF_INET6, backlog=1024, dualstack_ipv6=True)
+    else:
+        listener = socket.create_server(("", port), backlog=1024)
+    with listener:
+        return dist.TCPStore(bind or "localhost", int(listener.getsockname()[1]), None, True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()), use_libuv=True)
 
 
 def _store_gather(store: Any, world: WorldInfo, key: str, value: str, timeout: datetime.timedelta) -> list[str]:

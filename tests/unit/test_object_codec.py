@@ -54,3 +54,25 @@ def test_other_types_are_refused_at_the_sender() -> None:
         encode_object({"x": {1, 2}})
     with pytest.raises(TypeError, match="cannot cross"):
         encode_object(np.array([object()], dtype=object))
+
+
+def _gather_with_one_bad_rank(comm):  # type: ignore[no-untyped-def]
+    value = {"speeds": {1.5}} if comm.rank == 1 else {"speed": 1.5}  # a set cannot cross
+    try:
+        comm.allgather_object(value)
+    except TypeError as exc:
+        after = comm.allgather_object(comm.rank)  # the ranks are still in step
+        return f"{exc}", after
+    return "no error", None
+
+
+def test_one_ranks_unsendable_value_is_the_same_error_on_every_rank_not_a_hang() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from gloo_world import run_world
+
+    results = run_world(2, _gather_with_one_bad_rank, timeout=60)
+    for message, after in results:
+        assert message.startswith("rank 1: allgather_object: a set cannot cross") and after == [0, 1]

@@ -44,7 +44,17 @@ def test_the_store_answers_on_its_address_and_nowhere_else() -> None:
 
 
 def test_an_address_no_interface_holds_listens_everywhere() -> None:
-    # A NAT or proxy address: peers dial it, the packets arrive on some interface here.
-    assert store_bind_address("198.18.0.250") == "0.0.0.0"
-    assert store_bind_address("") == "0.0.0.0"
+    # A NAT or proxy address: peers dial it, the packets arrive on some interface here ("": all).
+    assert store_bind_address("198.18.0.250") == ""
+    assert store_bind_address("") == ""
     assert store_bind_address("127.0.0.1") == "127.0.0.1"
+
+
+def test_with_no_address_the_store_answers_everywhere() -> None:
+    port, store = TorchDistCommunicator.listen(5.0, "")
+    try:
+        assert _answers("127.0.0.1", port)
+        own = _non_loopback_ipv4()
+        assert own is None or _answers(own, port)
+    finally:
+        del store
