@@ -22,8 +22,11 @@ _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s?#]*):(?P<password>[^/\s?#]*)@(?=[^@/\s?#]*(?:[/\s?#'\"]|$))")
 # ?account_key=...&sig=... and the like in URIs, and key=value / key: value pairs in free text.
 _QUERY_SECRET = re.compile(r"(?P<head>[?&;](?P<name>[\w.%-]+)=)(?P<value>[^&;\s#'\"]*)")
-_TEXT_SECRET = re.compile(r"(?i)(?P<head>\b(?P<name>[\w.-]*(?:" + "|".join(sorted(SECRET_WORDS)) + r")[\w.-]*)"
-                          r"\s*[=:]\s*)(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;&'\"]+)")
+# name=value, name: value, and quoted names as in a dict's repr or JSON ({'password': 'x'}).
+_TEXT_SECRET = re.compile(r"(?i)(?P<head>(?P<quote>['\"]?)\b(?P<name>[\w.-]*(?:" + "|".join(sorted(SECRET_WORDS)) +
+                          r")[\w.-]*)(?P=quote)\s*[=:]\s*)(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;&'\"}]+)")
+# An Authorization header's value is a scheme and its credentials ("Bearer abc"): masked to the line's end.
+_AUTHORIZATION = re.compile(r"(?i)(?P<head>\b(?:proxy-)?authorization['\"]?\s*[=:]\s*['\"]?)(?P<value>[^\r\n'\"]+)")
 
 
 def is_secret_name(name: str) -> bool:
@@ -36,12 +39,24 @@ def redact_text(text: str) -> str:
     """`text` with URL passwords, credential query parameters and secret-named key=value pairs masked."""
     text = _URL_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
     text = _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}" if is_secret_name(m["name"]) else m[0], text)
-    return _TEXT_SECRET.sub(lambda m: f"{m['head']}{MASK}" if _secret_in_text(m["name"], m["value"]) else m[0], text)
+    text = _AUTHORIZATION.sub(lambda m: f"{m['head']}{MASK}", text)
+    return _TEXT_SECRET.sub(_masked_pair, text)
+
+
+def _masked_pair(match: re.Match[str]) -> str:
+    value = match["value"]
+    if not _secret_in_text(match["name"], value):
+        return match[0]
+    quote = value[0] if value[:1] in ("'", '"') else ""  # a JSON text stays JSON
+    return f"{match['head']}{quote}{MASK}{quote}"
 
 
 def _secret_in_text(name: str, value: str) -> bool:
-    # "KeyError: 'x'" is an exception's name and its message, not a key and its value.
-    return is_secret_name(name) and value != MASK and not name.endswith(("Error", "Exception", "Warning"))
+    # "KeyError: 'x'" is an exception's name and its message, not a key and its value; a traceback's
+    # source line (key = self._keys[i], sig = inspect.signature(f)) is code, not a secret.
+    if not is_secret_name(name) or value.strip("'\"") == MASK or name.endswith(("Error", "Exception", "Warning")):
+        return False
+    return not (any(c in value for c in "()[]") or value.startswith("self."))
 
 
 def redact_value(name: str, value: Any) -> Any:

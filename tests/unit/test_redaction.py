@@ -24,6 +24,11 @@ from sparkdl.tracking.redaction import is_secret_name, redact_command, redact_te
     ("KeyError: 'label'", "KeyError: 'label'"),  # an exception and its message, not a key and its value
     ("hdfs://user@nn:8020/p", "hdfs://user@nn:8020/p"),  # a user without a password is no secret
     ("lr=0.1 train.sync_every=50", "lr=0.1 train.sync_every=50"),
+    ("{'password': 'x1', 'user': 'u'}", "{'password': '***', 'user': 'u'}"),  # a dict's repr
+    ('{"secret_key": "x1", "n": 2}', '{"secret_key": "***", "n": 2}'),  # JSON stays JSON
+    ("Authorization: Bearer eyJhbGciOi.abc\nnext line", "Authorization: ***\nnext line"),
+    ("    key = self._keys[i]", "    key = self._keys[i]"),  # a traceback's source line is code
+    ("    sig = inspect.signature(fn)", "    sig = inspect.signature(fn)"),
 ])
 def test_text_is_redacted(raw: str, shown: str) -> None:
     assert redact_text(raw) == shown
