@@ -244,7 +244,12 @@ class Hybrid(Strategy):
                     param.grad.mul_(factor[0])
         if self._stage_group is not None and self._stage_group.size > 1:
             average_gradients(self._stage_group, self._params)
-        self.steps.step(self._optimizer, self._params)
+        # nonfinite_loss="skip": every stage skips together (a stage's own gradients may all be finite)
+        self.steps.step(self._optimizer, self._params, agree=self._sum_over_all)
+
+    def _sum_over_all(self, flag: torch.Tensor) -> torch.Tensor:
+        self.comm.allreduce(flag, op="sum")
+        return flag
 
     def _replicas_weight_total(self, targets: torch.Tensor | None, weights: torch.Tensor | None,
                                reduce: bool = True) -> torch.Tensor | None:

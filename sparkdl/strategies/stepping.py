@@ -76,14 +76,18 @@ class OptimizerSteps:
         objective.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
-             sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+             sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Unscale, clip to grad_clip, step (skipped by the scaler on inf/NaN gradients), then the lr.
         `sum_over_ranks`: the gradients are shards of one model (sharded data parallel): the norm
-        clipped is the whole model's, from the shards' squared norms summed over the ranks."""
+        clipped is the whole model's, from the shards' squared norms summed over the ranks. `agree`
+        (a sum over ranks holding other parts of the model, a pipeline's stages): skipping a
+        non-finite step is decided alike on all of them. In skip mode the check reads one flag on
+        the host per step (a sync on a GPU)."""
         params = list(params)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        elif self.skip_nonfinite and not finite_gradients(params, sum_over_ranks):
+        elif self.skip_nonfinite and not finite_gradients(params, sum_over_ranks or agree):
             return  # as the scaler does: no step, no lr step; the next step's zero_grad clears them
         if self.grad_clip > 0 and sum_over_ranks is not None:
             clip_sharded(params, self.grad_clip, sum_over_ranks)

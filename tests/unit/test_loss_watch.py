@@ -71,3 +71,44 @@ def test_finite_gradients_is_elementwise_not_a_norm() -> None:
 def test_the_option_takes_only_its_modes() -> None:
     with pytest.raises(ConfigError, match="nonfinite_loss"):
         TrainConfig(nonfinite_loss="ignore").validate()
+
+
+def _skipping_stages(comm):  # type: ignore[no-untyped-def]
+    """Two pipeline stages; on the second step only the last stage's own gradients turn infinite
+    (its weights' hook), the first stage's stay finite: both must skip that step together."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from sparkdl.model.layouts import HybridLayout, default_grid
+    from sparkdl.strategies.hybrid import Hybrid
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    strategy = Hybrid(comm, HybridLayout(
+        stages=2, replicas=1, cuts=(0, 2, 3), boundary_shapes=((16,),), boundary_dtypes=("float32",), input_shape=(8,),
+        label_dtype="int64", microbatches=2, schedule="1f1b", grid=default_grid(2, 1)),
+        TrainConfig(nonfinite_loss="skip"))
+    strategy.setup(model, lambda p: torch.optim.SGD(p, lr=0.1), F.cross_entropy)
+    poison = {"on": False}
+    if comm.rank == 1:
+        for param in strategy._params:  # the last stage's own layer (the stage keeps its own copy)
+            param.register_hook(lambda g: g * math.inf if poison["on"] else g)
+    generator = torch.Generator().manual_seed(7)
+    taken = []
+    for step in range(3):
+        poison["on"] = step == 1
+        x, y = torch.randn(6, 8, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+        strategy.train_step(x, y)
+        taken.append(strategy.steps.taken)
+    return taken
+
+
+def test_pipeline_stages_skip_a_non_finite_step_together() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+    from gloo_world import run_world
+
+    first, last = run_world(2, _skipping_stages, timeout=90)
+    assert first == last == [1, 1, 2]  # the first stage's finite gradients did not step alone
