@@ -110,9 +110,7 @@ class TrainConfig:
     ist_sync_every: int = 30  # ist: local steps R per round (subnets re-drawn every round)
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
-    # a NaN/inf training loss: "raise" (a TrainingError naming the step, rank and last finite loss) or "skip"
-    # (such steps are left out, as AMP's GradScaler does: no update where an averaged gradient is not finite)
-    nonfinite_loss: str = "raise"
+    nonfinite_loss: str = "raise"  # a NaN/inf loss: "raise" (TrainingError: step, rank, last finite loss) or "skip" (AMP's way)
     approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
     # (once, at the start), or "dynamic" (also sharded): re-split every rebalance_every steps, rows moved, exact

@@ -196,7 +196,7 @@ def check_spool(spool: str, train: Any) -> None:
                           hint="use spool='disk' (or 'auto') with batch_balance='speed'")
 
 
-WILDCARD_ADDRESSES = ("0.0.0.0", "::", "[::]", "*", "0:0:0:0:0:0:0:0")
+WILDCARD_ADDRESSES = ("*", "0")  # besides the unspecified IP addresses (0.0.0.0, ::, 0:0::0)
 
 
 def check_channel(channel: Any) -> None:
@@ -207,10 +207,19 @@ def check_channel(channel: Any) -> None:
         raise ConfigError(f"launch.channel must be \"auto\", \"off\" or a host name or IP address, got {channel!r}",
                           hint='"auto" (the default) finds the address itself; "off" when executors cannot reach '
                                "this client (metrics then reach MLflow from the job's result, after training)")
-    if text in WILDCARD_ADDRESSES:  # the channel would listen everywhere and tell executors to dial themselves
+    if text in WILDCARD_ADDRESSES or _unspecified(text):  # listening everywhere, executors would dial themselves
         raise ConfigError(f"launch.channel={channel!r} is a wildcard address, which executors cannot dial",
                           hint='leave launch.channel="auto" (the session\'s own address), or give the address or host '
                                "name of this client that the executors reach")
+
+
+def _unspecified(text: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(text.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 def check_horovod_env(env: Any, backend: str) -> None:

@@ -301,25 +301,11 @@ def before_training(spark: Any, train: TrainConfig, launch: LaunchConfig, worker
     the driver and the executors' hosts (sparkdl/storage/shared_paths.py)."""
     from sparkdl.storage.shared_paths import check_run_dirs
 
+    from sparkdl.driver.channel_checks import check_channel_reachable
+
     check_channel_reachable(facts(spark).master(), launch.channel)
     preflight(spark, workers, launch.gpus_per_worker)
     check_run_dirs(spark, train, launch, workers)
-
-
-def check_channel_reachable(master: str, channel: str) -> None:
-    """A loopback launch.channel under a cluster manager: every executor on another host would dial
-    its own loopback, and the run would go on without its live metrics (silently, before)."""
-    from sparkdl.comm.interfaces import is_loopback
-    from sparkdl.spark.session import local_master_slots
-
-    if channel in ("auto", "off") or not is_loopback(channel):
-        return
-    if local_master_slots(master, 1) is not None:  # local[N] and local-cluster: executors share this host
-        return
-    raise ConfigError(f"launch.channel={channel!r} is a loopback address, but the master {master!r} runs executors "
-                      "on other hosts, which cannot reach it",
-                      hint='leave launch.channel="auto" (the session\'s own address), give this client\'s address '
-                           'on the executors\' network, or "off" when they cannot reach it at all')
 
 
 def check_picklable(spec: Any) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from sparkdl.config import LaunchConfig
-from sparkdl.driver.checks import check_channel_reachable
+from sparkdl.driver.channel_checks import check_channel_reachable
 from sparkdl.errors import ConfigError
 
 
-@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]", "*"])
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]", "*", "0:0:0:0:0:0:0:0"])
 def test_a_wildcard_channel_is_refused(wildcard: str) -> None:
     with pytest.raises(ConfigError, match=r"launch.channel=.* is a wildcard address"):
         LaunchConfig(channel=wildcard).validate()
@@ -24,6 +24,11 @@ def test_loopback_on_a_cluster_master_is_refused(master: str, loopback: str) -> 
 
 @pytest.mark.parametrize("master", ["local[2]", "local", "local[*]", "local-cluster[2,1,1024]"])
 def test_loopback_on_one_host_is_fine(master: str) -> None:
+    check_channel_reachable(master, "127.0.0.1")
+
+
+@pytest.mark.parametrize("master", ["spark://127.0.0.1:7077", "spark://localhost:7077", "spark://[::1]:7077"])
+def test_loopback_with_a_standalone_master_on_loopback_is_fine(master: str) -> None:
     check_channel_reachable(master, "127.0.0.1")
 
 
