@@ -285,9 +285,9 @@ def max_attempts(spark: Any, checkpoint_dir: str | None) -> int:
 
 def retryable(errors: dict[int, dict[str, Any]]) -> bool:
     """A failure worth another attempt: ranks only saw a peer vanish (a worker killed, an executor
-    lost). Not a rank's own exception (it would fail again), nor a timeout (a stalled peer would
-    stall again)."""
-    texts = [str(m.get("text", "")) for m in errors.values()]
-    if any(not m.get("peer_failure") for m in errors.values()):
+    lost), or an error the rank reported retryable (storage that did not answer a checkpoint read).
+    Not a rank's own exception (it would fail again), nor a timeout (a stalled peer would stall again)."""
+    texts = [str(m.get("text", "")) for m in errors.values() if not m.get("retryable")]
+    if any(not (m.get("peer_failure") or m.get("retryable")) for m in errors.values()):
         return False
     return not any("timeout" in t.lower() or "timed out" in t.lower() for t in texts)

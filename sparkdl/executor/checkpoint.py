@@ -31,6 +31,12 @@ read checks it (executor/checkpoint_verify.py); the manifest is read strictly (t
 the same text by every rank. When the newest recorded step cannot be read by every rank (a part
 truncated, changed or missing, a damaged entry), all ranks agree to resume from the newest older
 step that all can read (executor/checkpoint_fallback.py), and say so in the history and MLflow.
+A read the storage
+refused or did not answer (any OSError but a missing file) is no damage: every rank raises the same
+retryable error and nothing is skipped. Skipped steps are not deleted: rank 0 first rewrites the
+manifest without them (so no later resume picks them, or a step the resumed run saves again under
+the same number before recording it), then their directories are moved aside to
+damaged-step-<9 digits> (never loaded, never pruned), for whoever wants to look or restore them.
 Manifests written before checksums are read as before (no checksums, no check).
 """
 from __future__ import annotations
@@ -42,7 +48,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from sparkdl.storage import files as storage
 from sparkdl.errors import CheckpointError, SparkdlError
-from sparkdl.executor.checkpoint_fallback import Skipped, fallback_fields, fallback_line, first_readable
+from sparkdl.executor.checkpoint_fallback import (Skipped, TransientCheckpointError, fallback_fields, fallback_line,
+                                                  first_readable, record_without_damaged, set_aside, transient_error)
 from sparkdl.executor.checkpoint_verify import FORMAT, PartDigest, StepFields, manifest_error, parse_manifest, verify
 
 if TYPE_CHECKING:
@@ -184,7 +191,12 @@ class CheckpointStore:
         import torch
 
         where = self.part(step, rank)
-        data = storage.read_all(where)
+        try:
+            data = storage.read_all(where)
+        except FileNotFoundError:
+            raise  # damage: a part recorded complete is gone
+        except OSError as exc:  # the storage did not answer: the part may be good (checkpoint_fallback.py)
+            raise transient_error(where.path, exc) from exc
         expected = self.checksums.get((step, rank))
         if expected is not None:
             verify(data, expected, repr(where.path))
@@ -265,11 +277,12 @@ def open_store(spec: Any, rank: int) -> CheckpointStore | None:
 def find_resume(store: CheckpointStore, comm: Any, reshape: Callable[..., Resume] | None = None) -> Resume | None:
     """The newest complete checkpoint every rank can read, or None when the run has none (a first
     attempt). A collective (every rank calls it), with one verdict for all ranks: the manifest is
-    rank 0's text, parsed alike everywhere; a step some rank cannot read (checksums checked) sends
-    every rank back to the previous one (checkpoint_fallback.first_readable). Steps the manifest
-    does not keep are deleted (a killed attempt's half-written ones, and damaged ones skipped). A
-    checkpoint of another world size is refused, unless `reshape` (executor/reshape.py, elastic
-    runs) carries it over."""
+    rank 0's text, parsed alike everywhere; a step some rank finds damaged (checksums checked) sends
+    every rank back to the previous one (checkpoint_fallback.first_readable), a read the storage
+    refused fails every rank alike (retryable). Damaged steps are moved aside once the manifest no
+    longer lists them; other steps the manifest does not keep are deleted (a killed attempt's
+    half-written ones). A checkpoint of another world size is refused, unless `reshape`
+    (executor/reshape.py, elastic runs) carries it over."""
     manifest = _agreed_manifest(store, comm)
     if manifest is None or not manifest.newest_first():
         store.manifest = Manifest(comm.size)
@@ -284,10 +297,25 @@ def find_resume(store: CheckpointStore, comm: Any, reshape: Callable[..., Resume
     # New steps record this world; the earlier ones keep theirs. Steps after the chosen one are dropped.
     kept = tuple(replace(s, world_size=manifest.written_by(s)) for s in manifest.steps if s.step <= chosen.step)
     store.manifest = Manifest(comm.size, kept)
-    store.delete_steps([s for s in store.step_dirs() if s not in {k.step for k in kept}])
+    aside, damaged = _damaged_steps(manifest, skipped, kept), bool(skipped or manifest.damaged)  # alike on all ranks
+    if damaged:
+        record_without_damaged(store, comm)
+        moved = set_aside(store, aside)
+        if moved and comm.rank == 0:
+            print(f"sparkdl: the unusable checkpoint steps were moved aside, not deleted: {', '.join(moved)}",
+                  flush=True)
+    store.delete_steps([s for s in store.step_dirs() if s not in {k.step for k in kept} and s not in aside])
+    if damaged:  # a rank that trains on (DiLoCo: no collective for a while) must not save into a step being moved
+        comm.allgather_object(None)
     if skipped and comm.rank == 0:
         print(fallback_line(skipped, store.root.path, chosen.step), flush=True)
     return replace(resume, skipped=skipped)
+
+
+def _damaged_steps(manifest: Manifest, skipped: tuple[Skipped, ...], kept: tuple[StepRecord, ...]) -> list[int]:
+    """The recorded steps resuming could not use (skipped, or a damaged manifest entry's)."""
+    steps = {s.step for s in skipped if s.step is not None} | {s.step for _, s in manifest.damaged if s.step is not None}
+    return sorted(steps - {k.step for k in kept})
 
 
 def _load(store: CheckpointStore, manifest: Manifest, record: StepRecord, comm: Any,
@@ -320,14 +348,16 @@ def _agreed_manifest(store: CheckpointStore, comm: Any) -> Manifest | None:
     """Rank 0's manifest, parsed by every rank from the same text (the same Manifest, or the same
     CheckpointError, everywhere: a rank raising alone would leave the others waiting in the next
     collective)."""
-    view: tuple[str | None, str | None] = (None, None)
+    view: tuple[str | None, str | None, bool] = (None, None, False)
     if comm.rank == 0:
         try:
-            view = (store.read_manifest_text(), None)
+            view = (store.read_manifest_text(), None, False)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            view = (None, f"{type(exc).__name__}: {exc}")
-    text, error = comm.allgather_object(view)[0]
+            view = (None, f"{type(exc).__name__}: {exc}", isinstance(exc, OSError))
+    text, error, transient = comm.allgather_object(view)[0]
     where = store.root.child(MANIFEST).path
+    if error is not None and transient:  # the storage did not answer: the attempt is worth retrying
+        raise TransientCheckpointError(f"cannot read the checkpoint manifest {where!r}: {error}")
     if error is not None:
         raise CheckpointError(f"cannot read the checkpoint manifest {where!r}: {error}",
                               hint="check that checkpoint_dir is readable from every executor")

@@ -36,8 +36,9 @@ def report_error(client: Any, exc: BaseException) -> None:
     trace = getattr(exc, "rank_traceback", "") or "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     import socket
 
+    # retryable: every rank's same error that another attempt may not meet (checkpoint_fallback.py)
     client.send_now("error", text=f"{detail}\n{trace}", peer_failure=is_peer_failure(exc), host=socket.gethostname(),
-                    hint=getattr(exc, "hint", None))
+                    hint=getattr(exc, "hint", None), retryable=getattr(exc, "retryable", False) is True)
     try:
         exc._sparkdl_reported = True  # type: ignore[attr-defined]
     except AttributeError:  # some C-level exceptions take no attributes

@@ -83,6 +83,8 @@ def test_a_truncated_latest_checkpoint_resumes_from_the_previous_step(  # type: 
     part.write_bytes(part.read_bytes()[:100])
     resumed = fit(df, damaged, resume_run=run, tracking=True)
     assert_resumed_from_previous(resumed, reference, "rank-1.pt' does not match its checksum")
+    aside = damaged / run / f"damaged-step-{LATEST:09d}"  # moved aside, not deleted; the fit saved step 18 anew
+    assert (aside / "rank-1.pt").stat().st_size == 100 and (aside / "rank-0.pt").is_file()
     captured = capsys.readouterr()
     assert f"resumed from the checkpoint of step {PREVIOUS}, not the newest (step {LATEST})" in captured.err
     from mlflow.tracking import MlflowClient

@@ -2,7 +2,9 @@
 on ranks simulated by threads), then damaged on disk and read back by find_resume. Checksums are in
 the manifest; a truncated, bit-flipped or missing part of the latest step, or a damaged entry, sends
 every rank back to the previous complete step together; a manifest with bad types is the same clear
-CheckpointError on every rank; nothing readable is a clear error naming the directory."""
+CheckpointError on every rank; nothing readable is a clear error naming the directory. A read the
+storage refuses (an OSError other than a missing file) is no damage: every rank raises the same
+retryable error and every step stays where it is."""
 from __future__ import annotations
 
 import hashlib
@@ -12,13 +14,19 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import fsspec
 import pytest
 import torch
+from pyarrow.fs import FSSpecHandler, PyFileSystem
 
 from sparkdl.comm.object_codec import decode_object, encode_object
+from sparkdl.driver.attempts import retryable
 from sparkdl.errors import CheckpointError
 from sparkdl.executor.checkpoint import CheckpointStore, Manifest, Position, Resume, StepRecord, find_resume
 from sparkdl.executor.checkpoint_async import RunCheckpoints
+from sparkdl.executor.checkpoint_fallback import TransientCheckpointError
+from sparkdl.executor.failures import report_error
+from sparkdl.storage.files import Location
 from sparkdl.executor.checkpoint_report import fallback_report
 
 
@@ -154,9 +162,11 @@ def test_a_truncated_latest_part_resumes_every_rank_from_the_previous_step(tmp_p
     results = resume_all(lambda r: tmp_path)
     assert_fell_back(results, to=6, skipped=9, says="rank-1.pt' does not match its checksum")
     assert "rank 1: " in results[0].history_fields()["checkpoint_fallback"]  # only rank 1 reads its own part
-    assert not (tmp_path / "run" / "step-000000009").exists()  # never loaded again: the run saves step 9 anew
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["manifest.json", "step-000000003",
-                                                                   "step-000000006"]
+    # Moved aside, not deleted, and no longer recorded: never loaded again, the run saves step 9 anew.
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["damaged-step-000000009", "manifest.json",
+                                                                   "step-000000003", "step-000000006"]
+    assert (tmp_path / "run" / "damaged-step-000000009" / "rank-0.pt").stat().st_size > 0
+    assert [s["step"] for s in json.loads((tmp_path / "run" / "manifest.json").read_text())["steps"]] == [3, 6]
 
 
 def test_a_bit_flipped_latest_part_is_found_by_its_checksum(tmp_path: Path) -> None:
@@ -181,7 +191,9 @@ def test_one_host_local_rank_that_cannot_read_its_part_sends_every_rank_back(tmp
     results = resume_all(lambda r: roots[r])
     assert_fell_back(results, to=3, skipped=6, says="rank 1: ")
     assert "rank 0: " not in results[0].history_fields()["checkpoint_fallback"]  # rank 0 read its own step 6
-    assert not (roots[0] / "run" / "step-000000006").exists()  # rank 0's good part goes with the step
+    for root in roots.values():  # each host's directory of the step is moved aside on that host
+        assert not (root / "run" / "step-000000006").exists()
+        assert (root / "run" / "damaged-step-000000006").is_dir()
 
 
 def test_a_damaged_latest_entry_falls_back_past_it(tmp_path: Path) -> None:
@@ -253,3 +265,119 @@ def test_a_single_rank_falls_back_from_a_step_whose_checksum_does_not_match(tmp_
     store.write_manifest(Manifest(1, (StepRecord(1, (0,), (0,), 1, (good,)), StepRecord(2, (0,), (0,), 1, (wrong,)))))
     (found,) = run_ranks(1, lambda rank, comm: find_resume(CheckpointStore(str(tmp_path), "run", 0), comm))
     assert found.position.global_step == 1 and found.history_fields()["checkpoint_fallback_from_step"] == 2
+
+
+# -- a read the storage refuses is no damage: every rank raises, nothing is skipped or moved ---------
+class RefusingReads(FSSpecHandler):
+    """fsspec's local filesystem behind pyarrow's PyFileSystem (an object store's code paths in
+    storage/files.py: not this host's LocalFileSystem), whose reads of `refused` paths fail as an
+    S3 or NFS read that timed out does."""
+
+    def __init__(self, refused: set[str]) -> None:
+        super().__init__(fsspec.filesystem("file"))
+        self.refused = refused
+
+    def open_input_stream(self, path: str) -> Any:
+        if path in self.refused:
+            raise TimeoutError(110, f"read of {path} timed out (test)")
+        return super().open_input_stream(path)
+
+
+class RemoteStore(CheckpointStore):
+    """The real store, its files reached through RefusingReads."""
+
+    def __init__(self, root: Path, rank: int, refused: set[str]) -> None:
+        super().__init__(str(root), "run", rank, keep=3)
+        self.root = Location(PyFileSystem(RefusingReads(refused)), self.root.path, local=False)
+
+
+def snapshot_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_one_retryable_error(results: list[Any], *says: str) -> None:
+    assert all(isinstance(r, TransientCheckpointError) for r in results), results  # no hang, no fall-back
+    assert len({str(r) for r in results}) == 1, results
+    assert all(r.retryable is True for r in results)
+    for text in (*says, "no step was skipped or deleted", "sparkdl retries the attempt"):
+        assert text in str(results[0]), str(results[0])
+
+
+def test_a_part_that_is_a_directory_fails_every_rank_alike_and_keeps_every_step(tmp_path: Path) -> None:
+    save_steps(lambda r: tmp_path, [3, 6, 9])
+    latest = part(tmp_path, 9, 1)
+    kept_bytes = latest.read_bytes()
+    latest.unlink()
+    latest.mkdir()  # pyarrow: a plain OSError ("is a directory"), as for an unreadable file
+    before = snapshot_tree(tmp_path)
+    results = resume_all(lambda r: tmp_path)
+    assert_one_retryable_error(results, "cannot read the checkpoint of step 9", "rank 1: ", "OSError",
+                               "rank-1.pt")
+    assert snapshot_tree(tmp_path) == before and latest.is_dir()  # nothing deleted, moved or rewritten
+    latest.rmdir()
+    latest.write_bytes(kept_bytes)  # the storage answers again: the retried attempt resumes the newest step
+    results = resume_all(lambda r: tmp_path)
+    assert [r.position.global_step for r in results] == [9, 9] and results[0].history_fields() == {}
+
+
+def test_a_read_that_times_out_on_one_rank_fails_every_rank_alike_and_keeps_the_step(tmp_path: Path) -> None:
+    save_steps(lambda r: tmp_path, [3, 6, 9])
+    before = snapshot_tree(tmp_path)
+    refused = {str(part(tmp_path, 9, 1))}
+    results = run_ranks(2, lambda rank, comm: find_resume(RemoteStore(tmp_path, rank, refused), comm))
+    assert_one_retryable_error(results, "rank 1: cannot read", "rank-1.pt': TimeoutError", "timed out (test)")
+    assert "rank 0: " not in str(results[0])
+    assert snapshot_tree(tmp_path) == before
+    results = run_ranks(2, lambda rank, comm: find_resume(RemoteStore(tmp_path, rank, set()), comm))
+    assert [r.position.global_step for r in results] == [9, 9]
+
+
+def test_a_manifest_read_that_times_out_is_the_same_retryable_error_on_every_rank(tmp_path: Path) -> None:
+    save_steps(lambda r: tmp_path, [3, 6])
+    refused = {str(tmp_path / "run" / "manifest.json")}
+    results = run_ranks(2, lambda rank, comm: find_resume(RemoteStore(tmp_path, rank, refused), comm))
+    assert all(isinstance(r, TransientCheckpointError) for r in results) and len({str(r) for r in results}) == 1
+    assert all(getattr(r, "retryable", False) is True for r in results)  # the driver tries another attempt
+    assert "cannot read the checkpoint manifest" in str(results[1]) and "TimeoutError" in str(results[1])
+    assert (tmp_path / "run" / "step-000000006" / "rank-1.pt").is_file()
+
+
+def test_the_driver_retries_an_attempt_whose_ranks_raised_a_retryable_error() -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.sent: list[dict[str, Any]] = []
+
+        def send_now(self, kind: str, **fields: Any) -> bool:
+            self.sent.append({"kind": kind, **fields})
+            return True
+
+    client = Recorder()
+    report_error(client, TransientCheckpointError("cannot read 'x/rank-1.pt': TimeoutError: read timed out"))
+    report_error(client, CheckpointError("no complete checkpoint can be read"))
+    assert [m["retryable"] for m in client.sent] == [True, False]
+    assert retryable({0: client.sent[0], 1: client.sent[0]})  # "timed out" in its text notwithstanding
+    assert not retryable({0: client.sent[1], 1: client.sent[0]})
+
+
+# -- damaged steps are moved aside, never deleted, never loaded again ---------------------------------
+def test_damaged_steps_on_an_object_store_are_moved_aside_and_a_later_resume_skips_nothing(tmp_path: Path) -> None:
+    save_steps(lambda r: tmp_path, [3, 6, 9])
+    latest = part(tmp_path, 9, 0)
+    latest.write_bytes(latest.read_bytes()[:50])
+    results = run_ranks(2, lambda rank, comm: find_resume(RemoteStore(tmp_path, rank, set()), comm))
+    assert_fell_back(results, to=6, skipped=9, says="rank-0.pt' does not match its checksum")
+    aside = tmp_path / "run" / "damaged-step-000000009"
+    assert sorted(p.name for p in aside.iterdir()) == ["rank-0.pt", "rank-1.pt"]  # moved object by object
+    assert not (tmp_path / "run" / "step-000000009").exists()
+    results = run_ranks(2, lambda rank, comm: find_resume(RemoteStore(tmp_path, rank, set()), comm))
+    assert [r.position.global_step for r in results] == [6, 6] and results[0].history_fields() == {}
+    assert aside.is_dir()  # a later resume neither loads nor prunes it
+
+
+def test_a_step_skipped_again_is_moved_aside_under_another_name(tmp_path: Path) -> None:
+    save_steps(lambda r: tmp_path, [3, 6, 9])
+    (tmp_path / "run" / "damaged-step-000000009").mkdir()  # an earlier attempt's
+    part(tmp_path, 9, 1).write_bytes(b"")
+    assert_fell_back(resume_all(lambda r: tmp_path), to=6, skipped=9, says="rank 1: ")
+    assert sorted(p.name for p in (tmp_path / "run" / "damaged-step-000000009.2").iterdir()) == ["rank-0.pt",
+                                                                                                "rank-1.pt"]
