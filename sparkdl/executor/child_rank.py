@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import threading
 from contextlib import ExitStack
 from typing import Any, Iterable, Iterator
@@ -23,6 +22,7 @@ from sparkdl.comm.base import WorldInfo
 from sparkdl.errors import SparkdlError
 from sparkdl.executor.child_process import ChildOutcome, child_env, first_failure, rank_failure, run_child
 from sparkdl.executor.rendezvous import rendezvous
+from sparkdl.storage.private_dirs import HeldDirectory, hold_new_directory, private_root
 from sparkdl.wire.child import RESULT_TENSOR, ChildCall, torchrun_variables
 from sparkdl.wire.codec import result_batches
 from sparkdl.wire.spec import TrainSpec
@@ -30,6 +30,7 @@ from sparkdl.wire.spec import TrainSpec
 LARGE_RESULT_BYTES = 32 << 20  # above this a return value leaves the job's rows (result_rows)
 PARTITION_FILE_VARIABLE = "SPARK_PARTITION_ARROW_DATA_FILE"  # PySpark's own names (pyspark.ml.torch.distributor)
 SCHEMA_FILE_VARIABLE = "SPARK_DATAFRAME_SCHEMA_FILE"
+RANK_PREFIX = "sparkdl-rank"  # a task's working directory: <prefix><rank>-<random> (private_dirs)
 
 
 def run_child_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
@@ -38,8 +39,7 @@ def run_child_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBat
     assert call is not None
     world = rendezvous(context)
     with ExitStack() as stack:
-        workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"sparkdl-rank{world.rank}-",
-                                                                  dir=_local_dir()))
+        workdir = stack.enter_context(rank_workdir(world.rank)).path
         data_variables = write_partition(call, batches, workdir, world.rank)
         per_task = call.processes_per_task
         ranks = [world.rank * per_task + i for i in range(per_task)]
@@ -84,7 +84,7 @@ def run_children(call: ChildCall, envs: list[dict[str, str]], workdir: str, rank
 
     def one(i: int) -> None:
         directory = os.path.join(workdir, f"rank-{ranks[i]}")
-        os.makedirs(directory, mode=0o700, exist_ok=True)  # inside a 0700 TemporaryDirectory
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # inside a 0700 directory of this task's own
         prefix = f"[rank {ranks[i]}] " if len(envs) > 1 or prefix_always else ""
         outcome = run_child(call, envs[i], directory,
                             lambda stream, line: print(prefix + line, file=getattr(sys, stream), flush=True), stop)
@@ -164,6 +164,13 @@ def _raise_first_failure(ranks: list[int], outcomes: list[ChildOutcome]) -> None
     failed = first_failure(outcomes, ranks)
     if failed is not None:
         raise rank_failure(*failed)
+
+
+def rank_workdir(rank: int) -> HeldDirectory:
+    """This task's working directory (its partition's copy, its children's directories), 0700 and
+    held by a lock while the task's process lives: a task SIGKILLed with its partition on disk
+    leaves a directory the next rank task under the same root sweeps (storage/private_dirs.py)."""
+    return hold_new_directory(_local_dir() or private_root("spool"), RANK_PREFIX, f"{rank}-")
 
 
 def _local_dir() -> str | None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 from sparkdl.errors import SparkdlError, TrainingError
 
 SKELETON_TAG = "sparkdl-weights"
+MODEL_COPY_PREFIX = "sparkdl-model-"  # a local copy of remote parts, under the private root (private_dirs)
 
 
 @dataclass
@@ -51,14 +52,15 @@ class ModelParts:
         import tempfile
 
         from sparkdl.storage.files import locate, open_input
+        from sparkdl.storage.private_dirs import hold_new_directory, private_root
 
         directories = {os.path.dirname(f) for f in self.files if "://" not in f}
         if len(directories) == 1 and len(self.files) == len([f for f in self.files if "://" not in f]):
             only = directories.pop()
             if sorted(n for n in os.listdir(only) if not n.startswith(".")) == sorted(os.path.basename(f) for f in self.files):
                 return only
-        if self.owned_directory is None:
-            self.owned_directory = tempfile.mkdtemp(prefix="sparkdl-model-")
+        if self.owned_directory is None:  # held while this process lives: a killed driver's copy is swept
+            self.owned_directory = hold_new_directory(private_root("models"), MODEL_COPY_PREFIX).path
         target = tempfile.mkdtemp(prefix="weights-", dir=self.owned_directory)
         copies = []
         for index, uri in enumerate(self.files):
@@ -91,8 +93,9 @@ def remove_files(owned_directory: str | None, storage_directory: str | None) -> 
     import shutil
 
     from sparkdl.storage.files import delete_tree, locate
+    from sparkdl.storage.private_dirs import release
 
-    if owned_directory:
+    if owned_directory and not release(owned_directory):  # a held one goes with its lock file
         shutil.rmtree(owned_directory, ignore_errors=True)
     if storage_directory:
         try:

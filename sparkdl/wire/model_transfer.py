@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from sparkdl.storage.private_dirs import hold_new_directory, open_private, private_root, release
 from sparkdl.wire.admission import Admission, AdmissionLimits, Pending, Refused, read_hello, with_retries
 from sparkdl.wire.frames import (FRAME_HEADER, ChannelAddress, FrameError, challenge_of, check_hello, encode_frame,
                                  hello_frame, read_frame)
@@ -279,8 +280,6 @@ def _copy_exactly(conn: socket.socket, path: str, size: int, tag: StreamTag) -> 
     buffer = bytearray(min(RECEIVE_PIECE_BYTES, max(size, 1)))
     view = memoryview(buffer)
     left = size
-    from sparkdl.storage.private_dirs import open_private
-
     with open_private(path, buffering=0) as out:  # 0600, exclusive, never through a planted link
         while left:
             got = conn.recv_into(view[: min(left, len(view))])
@@ -301,14 +300,10 @@ def parts_directory(run_id: str) -> str:
     `<tempdir>/sparkdl-<uid>/models/parts-<run id>-<random>`, 0700 in this user's private root,
     held by a lock while this driver lives (storage/private_dirs.py); the directories of a driver
     that died (its lock released by the kernel) are swept first."""
-    from sparkdl.storage.private_dirs import hold_new_directory, private_root
-
     return hold_new_directory(private_root("models"), PARTS_PREFIX, f"{run_id}-").path
 
 
 def remove_directory(directory: str) -> None:
-    from sparkdl.storage.private_dirs import release
-
     if not release(directory):  # a held one goes with its lock file; any other as it is
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from sparkdl import TorchEstimator
 from sparkdl.errors import TrainingError
+from sparkdl.storage.private_dirs import LOCK_SUFFIX
 
 FEATURES = ["a", "b", "c"]
 MARKER = {"path": ""}  # shipped by value with the loss; set before each fit
@@ -83,7 +84,7 @@ def test_a_killed_workers_spool_is_swept_by_the_next_run(spark, tmp_path, own_di
     model = _fit(df, **options)  # the next run on this host (the marker exists: nobody dies)
     assert [h["steps"] for h in model.history] == [10, 10]
     assert not any(os.path.lexists(path) for path in left + own), left
-    assert not any(os.path.lexists(path + ".lock") for path in own), own
+    assert not any(os.path.lexists(path + LOCK_SUFFIX) for path in own), own
     assert modes == {0o600}
     root = tmp_path / "spool" if own_dir else Path(tempfile.gettempdir(), f"sparkdl-{os.getuid()}", "spool")
     assert all(Path(path).parent == root for path in own), own
@@ -120,4 +121,4 @@ def test_a_killed_drivers_model_parts_are_swept_by_the_next_run(spark, tmp_path)
     MARKER.update(path="")
     model = _fit(_df(spark), epochs=1, spool="none", loss="cross_entropy")
     assert [h["steps"] for h in model.history] == [10]
-    assert not os.path.lexists(dead) and not os.path.lexists(dead + ".lock")
+    assert not os.path.lexists(dead) and not os.path.lexists(dead + LOCK_SUFFIX)
