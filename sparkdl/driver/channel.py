@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from sparkdl.wire.admission import Admission, AdmissionLimits, Pending, read_hello, where
 from sparkdl.wire.frames import (MAX_FRAME_BYTES, PURPOSE, ChannelAddress, FrameError, check_hello,
-                                 encode_frame, frame_body, frame_fits, pack_frame, read_frame)
+                                 encode_frame, frame_body, frame_fits, pack_frame, read_frame, welcome_frame)
 from sparkdl.wire.handshake import TO_DRIVER, TO_PEER, FrameSeal, new_challenge
 
 log = logging.getLogger("sparkdl")
@@ -122,8 +122,12 @@ class DriverChannel:
             conn.sendall(encode_frame({"challenge": challenge.hex()}))
             # off the socket itself, not the buffered stream, which reads the frames after it
             hello = read_hello(conn, deadline, min(limits.max_hello_bytes, self._max))
-            rank = self._check_hello(hello, challenge)
-            pending.release()  # a rank now: no longer counted against the pending cap
+            claimed = self._check_hello(hello, challenge)
+            if not pending.authenticated():  # evicted while its hello sat unread: the peer tries again
+                raise FrameError("its place went to a newer connection")
+            with state[0]:  # the welcome takes the first sequence number of the frames to the peer
+                conn.sendall(welcome_frame(state[2]))
+            rank = claimed  # a rank now, no longer counted against the pending cap
             inbound = FrameSeal(self._address.secret, challenge, TO_DRIVER)
             conn.settimeout(None)
             if sys.platform != "win32":  # 5 s per send(): a worker that stops reading must not hold the

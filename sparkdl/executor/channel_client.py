@@ -11,7 +11,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from sparkdl.wire.admission import Refused, with_retries
+from sparkdl.wire.admission import Refused, send_hello, with_retries
 from sparkdl.wire.frames import (MAX_FRAME_BYTES, PURPOSE, ChannelAddress, FrameError, challenge_of, frame_body,
                                  frame_fits, hello_frame, pack_frame, read_frame)
 from sparkdl.wire.handshake import TO_DRIVER, TO_PEER, FrameSeal
@@ -34,7 +34,7 @@ class _Replies:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock, self._buf, self._pos, self._deadline = sock, bytearray(), 0, 0.0
-        self.seal: FrameSeal | None = None  # of the driver's frames, once the hello is sent
+        self.seal: FrameSeal | None = None  # of the driver's frames, from its welcome on
 
     def read(self, n: int) -> bytes:  # all of BinaryIO that read_frame uses; the frame starts at _buf[0]
         while len(self._buf) < self._pos + n:
@@ -53,6 +53,13 @@ class _Replies:
         if frame is None:  # no place for us now (wire/admission.py): _run tries again
             raise Refused("the driver closed the connection before its challenge")
         return challenge_of(frame)
+
+    def welcome(self, hello: bytes, seal: FrameSeal, deadline: float) -> None:
+        """Send the hello and read the driver's welcome, its first frame under `seal` (then the seal of
+        the replies), by deadline; Refused on a close before it (_run tries again)."""
+        self._deadline, self._pos, self.seal = deadline, 0, seal
+        send_hello(self._sock, hello, self, seal)  # type: ignore[arg-type]
+        del self._buf[:self._pos]
 
     def reply_to(self, rid: int, deadline: float) -> dict[str, Any] | None:
         """The reply to request rid, skipping late replies to earlier (timed-out) requests; None: due."""
@@ -176,12 +183,13 @@ class ChannelClient:
             raise
 
     def _hello(self, sock: socket.socket, replies: _Replies) -> FrameSeal:
-        """Answer the driver's challenge; the seal of the frames this client sends after it (that of
-        the driver's replies goes to `replies`)."""
+        """Answer the driver's challenge and wait for its welcome; the seal of the frames this client
+        sends after it (that of the driver's replies goes to `replies`)."""
         challenge = replies.challenge(time.monotonic() + self._timeout)
         sock.settimeout(self._timeout)
-        sock.sendall(hello_frame(self._address.secret, PURPOSE, challenge, self._rank))
-        replies.seal = FrameSeal(self._address.secret, challenge, TO_PEER)
+        replies.welcome(hello_frame(self._address.secret, PURPOSE, challenge, self._rank),
+                        FrameSeal(self._address.secret, challenge, TO_PEER), time.monotonic() + self._timeout)
+        sock.settimeout(self._timeout)  # the sender's own, for sendall (the welcome's read set another)
         return FrameSeal(self._address.secret, challenge, TO_DRIVER)
 
     def _drop_queued(self) -> None:

@@ -8,16 +8,20 @@ Anyone who reaches the driver's ports can connect; only a peer that answers the 
   rank needs milliseconds); otherwise the new one is closed at once, before any thread or read. So a
   burst is refused without a thread each, and idle or trickling peers that hold every place cannot
   keep a rank that comes later out. Authenticated connections are not counted: a run has its ranks,
-  and a rank's connection leaves the count the moment its hello holds.
+  and a rank's connection leaves the count the moment its hello holds (Pending.authenticated).
+  An evicted connection is never admitted, even when its hello arrives whole afterwards (or was
+  buffered but not yet read when its place went): its socket is shut already.
 - a deadline for the whole hello (not per recv: a peer sending a byte a second would renew a
   per-recv timeout forever) and a size cap checked on the length prefix, before a byte of the body
   is read or allocated.
 - a thread that cannot be started (RuntimeError "can't start new thread") closes that connection;
   the accept loop goes on.
 - refusals logged at most once per interval, with the count of those not logged since.
-A rank refused at once (closed before the challenge) tries again for a while (with_retries): a
-flood of other connections delays a rank, it does not cost it its channel or its model part.
-Stdlib only: the driver's servers and the ranks' clients (with_retries, Refused) import it.
+A rank knows it was admitted only by the driver's welcome, the first sealed frame after its hello
+(send_hello); it sends nothing more before it. A connection the driver closes before the challenge
+or before the welcome is Refused, and the rank tries again for a while (with_retries): a flood of
+other connections delays a rank, it does not cost it its channel or its model part.
+Stdlib only: the driver's servers and the ranks' clients (send_hello, with_retries, Refused) import it.
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from threading import Thread
-from typing import Any, Callable, TypeVar
+from typing import Any, BinaryIO, Callable, TypeVar
 
-from sparkdl.wire.frames import FRAME_HEADER, MAX_HELLO_BYTES, FrameError, decode_body
+from sparkdl.wire.frames import FRAME_HEADER, MAX_HELLO_BYTES, FrameError, decode_body, is_welcome, read_frame
+from sparkdl.wire.handshake import FrameSeal
 
 log = logging.getLogger("sparkdl")
 T = TypeVar("T")
@@ -90,6 +95,11 @@ class Pending:
     def __init__(self, admission: Admission, conn: socket.socket) -> None:
         self._admission, self.conn, self.since = admission, conn, time.monotonic()
         self.evicted = False
+
+    def authenticated(self) -> bool:
+        """Its hello held: leave the pending count as a rank's connection. False when its place went
+        to a newer connection first (evicted, its socket shut): it must be refused all the same."""
+        return self._admission._authenticate(self)
 
     def release(self) -> None:
         self._admission._release(self)
@@ -152,8 +162,9 @@ class Admission:
     def hello_failed(self, peer: Any, pending: Pending, error: Exception) -> None:
         """Refuse a connection whose hello did not hold, saying why in words an operator can act on."""
         if pending.evicted:
-            reason: object = (f"no hello after {self.limits.evict_after_s:g} s while all {self.limits.max_pending} "
-                              "places were taken: its place went to a newer connection")
+            reason: object = (f"its hello not read after {self.limits.evict_after_s:g} s while all "
+                              f"{self.limits.max_pending} places were taken: its place went to a newer connection "
+                              "(a rank tries again)")
         elif isinstance(error, TimeoutError):
             reason = f"no hello within {self.limits.hello_deadline_s:g} s"
         else:
@@ -170,14 +181,38 @@ class Admission:
         """At close: the refusals not logged yet, counted."""
         self._refusals.flush(f"sparkdl {self.name}: %d more connections refused since the last warning")
 
+    def _authenticate(self, pending: Pending) -> bool:
+        with self._lock:  # under the lock of _place: evicted now, or never once out of _waiting
+            if pending.evicted:
+                return False
+            self._waiting.pop(pending, None)
+            return True
+
     def _release(self, pending: Pending) -> None:
         with self._lock:
             self._waiting.pop(pending, None)
 
 
 class Refused(ConnectionError):
-    """The driver closed a new connection before its challenge: it had no place for one more
-    connection waiting for its hello; worth another try (with_retries)."""
+    """The driver closed a new connection before its challenge or before welcoming its hello: it had
+    no place for one more connection waiting for its hello, or gave this one's place to a newer one
+    before reading its hello; worth another try (with_retries)."""
+
+
+def send_hello(sock: socket.socket, hello: bytes, replies: BinaryIO, seal: FrameSeal) -> None:
+    """A rank's side of admission: send the hello, then read the driver's welcome, the first frame
+    sealed by `seal` (driver to peer), off `replies`. Refused when the driver closes (or resets) the
+    connection before it; FrameError when that frame is something else."""
+    try:
+        sock.sendall(hello)
+        frame = read_frame(replies, MAX_HELLO_BYTES, seal)
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise Refused(f"the driver closed the connection after the hello ({exc})") from None
+    if frame is None:
+        raise Refused("the driver closed the connection after the hello, without welcoming it (no place for it, "
+                      "or the hello did not hold: the driver's log says which)")
+    if not is_welcome(frame):
+        raise FrameError("the driver's first frame after the hello is not its welcome (a sparkdl of another version?)")
 
 
 def with_retries(connect: Callable[[], T], within_s: float, first_pause_s: float = 0.1) -> T:

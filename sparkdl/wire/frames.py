@@ -4,8 +4,9 @@ imported on both sides, it must not pull in pyspark or torch. A frame is a 4-byt
 + a UTF-8 JSON object. The driver opens each connection with a challenge that only a holder of the
 per-run secret can answer (wire/handshake.py), and every later frame carries a tag over its
 sequence number: a stray or hostile peer cannot inject, alter or replay messages, even one that saw
-an earlier connection. A request gets one reply frame back (rank 0 waits for the driver's verdict
-after each epoch); replies are only ever sent for requests."""
+an earlier connection. The driver's first sealed frame is its welcome, once the hello held. A
+request gets one reply frame back (rank 0 waits for the driver's verdict after each epoch);
+replies are only ever sent for requests."""
 from __future__ import annotations
 
 import json
@@ -116,6 +117,16 @@ def challenge_of(frame: dict[str, Any] | None) -> bytes:
     if len(challenge) < 16:
         raise FrameError("the driver's first frame is not a challenge (a sparkdl of another version on the driver?)")
     return challenge
+
+
+def welcome_frame(seal: FrameSeal) -> bytes:
+    """The driver's first sealed frame to a peer: its hello held and the driver admitted the
+    connection as a rank's (wire/admission.py); the peer sends nothing more before it."""
+    return encode_frame({"welcome": 1}, seal)
+
+
+def is_welcome(frame: dict[str, Any]) -> bool:
+    return frame.get("welcome") == 1
 
 
 def hello_frame(secret: str, purpose: str, challenge: bytes, rank: int, **fields: Any) -> bytes:

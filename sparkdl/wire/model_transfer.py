@@ -28,12 +28,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from sparkdl.storage.private_dirs import hold_new_directory, open_private, private_root, release
-from sparkdl.wire.admission import Admission, AdmissionLimits, Pending, Refused, read_hello, with_retries
+from sparkdl.wire.admission import (Admission, AdmissionLimits, Pending, Refused, read_hello, send_hello,
+                                    with_retries)
 from sparkdl.wire.frames import (FRAME_HEADER, ChannelAddress, FrameError, challenge_of, check_hello, encode_frame,
-                                 hello_frame, read_frame)
+                                 hello_frame, read_frame, welcome_frame)
 from sparkdl.wire.handshake import TAG_BYTES, TO_PEER, FrameSeal, StreamTag, new_challenge
 
 log = logging.getLogger("sparkdl")
@@ -108,31 +109,38 @@ def _send_over_socket(sink: ModelSink, rank: int, state: dict[str, Any], metadat
     address = sink.address
     assert address is not None
     total, pieces = tensor_pieces(state, metadata)
-    sock, challenge = with_retries(lambda: _connect(address, sink.timeout_s), CONNECT_TIMEOUT_S)
-    with sock:
-        sock.sendall(hello_frame(address.secret, PURPOSE, challenge, rank, bytes=total))
+    sock, replies, challenge, seal = with_retries(lambda: _connect(address, rank, total, sink.timeout_s),
+                                                  CONNECT_TIMEOUT_S)
+    with sock, replies:
         tag = StreamTag(address.secret, challenge)  # the receiver keeps the part only if it holds
         for piece in pieces:
             sock.sendall(piece)
             tag.update(piece)
         sock.sendall(tag.digest())
-        with sock.makefile("rb") as replies:
-            reply = read_frame(replies, 1 << 16, FrameSeal(address.secret, challenge, TO_PEER))
+        reply = read_frame(replies, 1 << 16, seal)
     if not reply or not reply.get("ok"):
         raise OSError(f"the driver refused the part: {(reply or {}).get('error', 'no reply')}")
     return total
 
 
-def _connect(address: ChannelAddress, timeout_s: float) -> tuple[socket.socket, bytes]:
-    """A connection to the receiver and its challenge; Refused when the receiver closes it first
-    (no place for one more connection waiting for its hello: wire/admission.py)."""
+def _connect(address: ChannelAddress, rank: int, total: int,
+             timeout_s: float) -> tuple[socket.socket, BinaryIO, bytes, FrameSeal]:
+    """A connection to the receiver that welcomed this rank's hello (announcing `total` bytes): the
+    socket, the stream of the receiver's frames, the challenge and the seal of those frames. Refused
+    when the receiver closes it before its challenge or its welcome (wire/admission.py)."""
     sock = socket.create_connection((address.host, address.port), CONNECT_TIMEOUT_S)
+    replies: BinaryIO | None = None
     try:
         sock.settimeout(timeout_s)
         if not sock.recv(1, socket.MSG_PEEK):
             raise Refused("the driver closed the connection before its challenge")
-        return sock, challenge_of(_raw_frame(sock))
+        challenge = challenge_of(_raw_frame(sock))
+        replies, seal = sock.makefile("rb"), FrameSeal(address.secret, challenge, TO_PEER)
+        send_hello(sock, hello_frame(address.secret, PURPOSE, challenge, rank, bytes=total), replies, seal)
+        return sock, replies, challenge, seal
     except BaseException:
+        if replies is not None:
+            replies.close()
         sock.close()
         raise
 
@@ -190,18 +198,22 @@ class PartReceiver:
     def _receive(self, conn: socket.socket, peer: Any, pending: Pending) -> None:
         rank, temporary, challenge = -1, "", new_challenge()
         secret, limits = self.address.secret, self._admission.limits
+        outbound = FrameSeal(secret, challenge, TO_PEER)  # the welcome, then the verdict on the part
         try:
             deadline = time.monotonic() + limits.hello_deadline_s  # for the whole hello, not per recv
             conn.settimeout(limits.hello_deadline_s)
             conn.sendall(encode_frame({"challenge": challenge.hex()}))
             try:
                 hello = read_hello(conn, deadline, limits.max_hello_bytes)
-                rank = check_hello(hello, secret, PURPOSE, challenge)
+                claimed = check_hello(hello, secret, PURPOSE, challenge)
+                if not pending.authenticated():  # evicted while its hello sat unread: the rank tries again
+                    raise FrameError("its place went to a newer connection")
+                conn.sendall(welcome_frame(outbound))
             except (OSError, FrameError) as exc:
                 if not self._closing.is_set():
                     self._admission.hello_failed(peer, pending, exc)
                 return  # nothing to tell a peer that is no rank
-            pending.release()  # a rank now: no longer counted against the pending cap
+            rank = claimed  # a rank now, no longer counted against the pending cap
             assert hello is not None  # check_hello refuses None
             size = int(hello["bytes"])
             if size < 0:
@@ -213,14 +225,14 @@ class PartReceiver:
             if not tag.matches(_recv_exactly(conn, TAG_BYTES)):
                 raise FrameError("the part fails its authentication tag (altered or not from this run)")
             os.replace(temporary, os.path.join(self.directory, part_name(rank)))
-            conn.sendall(encode_frame({"ok": True, "bytes": size}, FrameSeal(secret, challenge, TO_PEER)))
+            conn.sendall(encode_frame({"ok": True, "bytes": size}, outbound))
         except (OSError, FrameError, KeyError, TypeError, ValueError) as exc:
             if rank >= 0:
                 self.errors[rank] = str(exc)
             if temporary and os.path.exists(temporary):
                 os.unlink(temporary)
             try:
-                conn.sendall(encode_frame({"ok": False, "error": str(exc)[:500]}, FrameSeal(secret, challenge, TO_PEER)))
+                conn.sendall(encode_frame({"ok": False, "error": str(exc)[:500]}, outbound))
             except OSError:
                 pass
         finally:

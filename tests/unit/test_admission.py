@@ -3,6 +3,7 @@ receiver over real sockets on 127.0.0.1 (wire/admission.py): the cap on pending 
 hello's deadline and size cap, a thread that cannot be started, and refusal logs that do not flood."""
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -15,9 +16,10 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
+from sparkdl.driver import channel as channel_module
 from sparkdl.driver.channel import DriverChannel
 from sparkdl.executor.channel_client import ChannelClient
-from sparkdl.wire import admission
+from sparkdl.wire import admission, model_transfer
 from sparkdl.wire.admission import AdmissionLimits, RateLimitedLog, read_hello
 from sparkdl.wire.frames import (FRAME_HEADER, ChannelAddress, FrameError, challenge_of, encode_frame, hello_frame,
                                  read_frame)
@@ -67,6 +69,16 @@ class Server:
             assert deliver(sink, rank, {"w": torch.full((3,), float(rank))})["via"] == "channel"
             assert (self.directory / part_name(rank)).exists()
 
+    def rank_is_answered(self, rank: int) -> None:
+        """A real rank's client that needs the driver to write back: a request's reply (the channel
+        answers {} for a handler that does not), or the receiver's confirmation of a part."""
+        if self.kind == "channel":
+            client = ChannelClient(self.address, rank, connect_timeout=5.0)
+            assert client.request("epoch", 10.0, epoch=1) == {}
+            client.close()
+        else:
+            self.legit_rank_gets_through(rank)  # deliver() fails without the receiver's "ok"
+
     def threads(self) -> int:
         return sum(t.name == THREAD_NAMES[self.kind] for t in threading.enumerate())
 
@@ -93,6 +105,8 @@ class AuthenticatedRank:
         self.challenge = challenge_of(read_frame(self.stream, 1 << 16))
         fields = {} if server.kind == "channel" else {"bytes": len(payload)}
         self.sock.sendall(hello_frame(address.secret, server.purpose, self.challenge, rank, **fields))
+        self.inbound = FrameSeal(address.secret, self.challenge, TO_PEER)
+        assert read_frame(self.stream, 1 << 16, self.inbound) == {"welcome": 1}  # admitted as a rank
 
     def finish(self) -> None:
         """Send what the rank came for and see it taken."""
@@ -104,7 +118,7 @@ class AuthenticatedRank:
             tag = StreamTag(secret, self.challenge)
             tag.update(self.payload)
             self.sock.sendall(self.payload + tag.digest())
-            reply = read_frame(self.stream, 1 << 16, FrameSeal(secret, self.challenge, TO_PEER))
+            reply = read_frame(self.stream, 1 << 16, self.inbound)
             assert reply is not None and reply["ok"] is True, reply
         self.stream.close()
         self.sock.close()
@@ -179,6 +193,47 @@ def test_a_rank_refused_at_once_tries_again_and_gets_through(kind: str, tmp_path
         server.legit_rank_gets_through(0)  # refused at once, again and again, until the idle ones are cut
         assert 0.5 < time.monotonic() - started < 5.0
         assert server.server.refused >= 3  # the two idle ones and at least the rank's first try
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_a_rank_evicted_while_its_hello_waited_unread_tries_again_and_gets_through(
+        kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver too busy to read a rank's hello for evict_after_s gives its place to a newer
+    connection and shuts its socket; the hello, buffered, still holds. That connection must not be
+    taken for a rank's (nothing can be written back on it): it is refused, and the rank, never
+    welcomed, tries again."""
+    caplog.set_level(logging.WARNING, logger="sparkdl")
+    buffered, busy_until, calls = threading.Event(), threading.Event(), itertools.count()
+
+    def busy_driver_reads_hello(conn: socket.socket, deadline: float, max_bytes: int) -> Any:
+        if next(calls) == 0:  # the rank's first connection: its hello arrives and waits unread
+            assert conn.recv(1, socket.MSG_PEEK)
+            buffered.set()
+            assert busy_until.wait(10.0)
+        return read_hello(conn, deadline, max_bytes)
+
+    monkeypatch.setattr(channel_module if kind == "channel" else model_transfer, "read_hello", busy_driver_reads_hello)
+    with serving(kind, tmp_path, max_pending=1, evict_after_s=0.05, hello_deadline_s=30.0) as server:
+        failures: list[BaseException] = []
+        rank = threading.Thread(target=lambda: run_catching(lambda: server.rank_is_answered(0), failures))
+        rank.start()
+        assert buffered.wait(5.0)
+        time.sleep(0.1)  # the rank's place has had its evict_after_s
+        with idle_connection(server.address) as newer:
+            assert newer.recv(1 << 16)  # its challenge: it took the rank's place
+            busy_until.set()
+            rank.join(20.0)
+            assert not rank.is_alive() and failures == [], failures
+            assert closed_without_a_word(newer, 2.0)  # the rank's next try took its place in turn
+        wait_until(lambda: server.server.refused == 2)
+        assert "its hello not read after 0.05 s" in refusals(caplog)[0], refusals(caplog)
+
+
+def run_catching(action: Callable[[], None], failures: list[BaseException]) -> None:
+    try:
+        action()
+    except BaseException as exc:  # an assertion in a thread would go unseen
+        failures.append(exc)
 
 
 @pytest.mark.parametrize("kind", SERVERS)

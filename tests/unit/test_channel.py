@@ -90,7 +90,8 @@ class RawPeer:
 
 
 def assert_closed_by_peer(sock: socket.socket) -> None:
-    """The driver closes the connection (after its challenge, which is all it ever sends unasked)."""
+    """The driver closes the connection (after its challenge and, to a hello that holds, its welcome:
+    all it ever sends unasked)."""
     sock.settimeout(2.0)
     try:
         while sock.recv(1 << 16):
@@ -131,10 +132,11 @@ def test_wrong_secret_is_refused_and_logged(channel: DriverChannel, inbox: Inbox
                                             caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="sparkdl")
     forged = ChannelAddress(channel.address.host, channel.address.port, "0" * 64)
-    bad = ChannelClient(forged, 0)
+    bad = ChannelClient(forged, 0, connect_timeout=1.0)  # never welcomed: it tries again for 1 s, then gives up
     bad.send("metric", loss=123.0)
     bad.close()
-    wait_until(lambda: channel.refused == 1)
+    assert bad.failed and bad.dropped == 1
+    wait_until(lambda: channel.refused >= 2)
     good = ChannelClient(channel.address, 1)
     good.send("metric", loss=1.0)
     good.close()
@@ -564,7 +566,9 @@ def test_a_plain_send_cannot_pose_as_a_request() -> None:
 
 def test_request_on_a_raw_connection_gets_a_reply_frame(channel: DriverChannel, inbox: Inbox) -> None:
     with RawPeer(channel.address, 2) as peer:
-        peer.sock.sendall(peer.hello + peer.frame({"kind": "epoch", "request": "abc"}))
+        peer.sock.sendall(peer.hello)
+        assert read_frame(peer.stream, 1 << 20, peer.inbound) == {"welcome": 1}  # the first sealed frame
+        peer.sock.sendall(peer.frame({"kind": "epoch", "request": "abc"}))
         reply = read_frame(peer.stream, 1 << 20, peer.inbound)
     assert reply == {"reply": "abc"}  # Inbox never replies: the channel answers {}
     assert inbox.messages[0]["rank"] == 2 and "request" not in inbox.messages[0]
@@ -608,8 +612,10 @@ def test_a_reply_breaking_the_protocol_fails_the_client(caplog: pytest.LogCaptur
             stream, challenge = conn.makefile("rb"), b"c" * 32
             conn.sendall(encode_frame({"challenge": challenge.hex()}))
             assert read_frame(stream, 1 << 20)["hello"] == 2  # type: ignore[index]
+            outbound = FrameSeal("x" * 64, challenge, TO_PEER)
+            conn.sendall(encode_frame({"welcome": 1}, outbound))
             rid = read_frame(stream, 1 << 20, FrameSeal("x" * 64, challenge, TO_DRIVER))["request"]  # type: ignore[index]
-            stale = encode_frame({"reply": rid + 1}, FrameSeal("x" * 64, challenge, TO_PEER))
+            stale = encode_frame({"reply": rid + 1}, outbound)
             conn.sendall(stale + struct.pack(">I", 2_000_000))  # stale, then too big
             start = time.monotonic()
             thread.join(5.0)

@@ -214,9 +214,11 @@ def test_a_part_altered_on_the_way_is_refused_and_keeps_no_file(tmp_path) -> Non
             challenge = challenge_of(read_frame(stream, 1 << 16))
             tag = StreamTag(address.secret, challenge)
             tag.update(payload)  # the tag of what the rank sent; a host on the way changed one byte
-            sock.sendall(hello_frame(address.secret, "model", challenge, 0, bytes=len(payload))
-                         + payload.replace(b"model", b"mode!", 1) + tag.digest())
-            reply = read_frame(stream, 1 << 16, FrameSeal(address.secret, challenge, TO_PEER))
+            sock.sendall(hello_frame(address.secret, "model", challenge, 0, bytes=len(payload)))
+            inbound = FrameSeal(address.secret, challenge, TO_PEER)
+            assert read_frame(stream, 1 << 16, inbound) == {"welcome": 1}
+            sock.sendall(payload.replace(b"model", b"mode!", 1) + tag.digest())
+            reply = read_frame(stream, 1 << 16, inbound)
     assert reply is not None and reply["ok"] is False and "authentication tag" in reply["error"], reply
     assert "authentication tag" in receiver.errors[0]
     assert os.listdir(tmp_path) == []
