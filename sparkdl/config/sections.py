@@ -21,6 +21,7 @@ from sparkdl.config.training import (DELIVERY_MODES, check_outer_sync, SPOOL_MOD
 from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
 from sparkdl.config.elastic import check_worker_range
 from sparkdl.config.merging import check_across_sections, merged_section
+from sparkdl.config.sparse import check_sparse_cols
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
@@ -62,12 +63,15 @@ class DataConfig:
     # "parquet": ranks read a plain Parquet scan's files themselves; "packed": Spark hands over blocks of rows
     # packed on the JVM; "spark": Spark's own Arrow rows; "auto": the first of these the DataFrame qualifies for
     delivery: str = "auto"
+    # categorical inputs looked up in embedding tables: [SparseInput, ...] or {column: {table, num_rows, ...}}
+    sparse_cols: tuple[Any, ...] | dict[str, Any] | None = None
 
     def validate(self) -> None:
         if self.input_cols is not None:
             check_input_spec(self)
         else:
             check_feature_spec(self)
+        check_sparse_cols(self)
         positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
         choice("data.spool", self.spool, SPOOL_MODES)
         positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)

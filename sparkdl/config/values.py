@@ -12,7 +12,7 @@ try:
     import tomllib
 except ImportError:  # Python 3.10 (Databricks runtimes before 15)
     import tomli as tomllib  # type: ignore[no-redef]
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any, Sequence
 
 from sparkdl.errors import ConfigError
@@ -48,6 +48,8 @@ def parse_literal(raw: str) -> Any:
 
 
 def plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):  # data.sparse_cols' SparseInput values
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
     if isinstance(value, (tuple, list)):
@@ -138,7 +140,7 @@ def check_finite(key: str, value: Any) -> None:
 def coerce(part: Any, name: str, value: Any) -> Any:
     if name == "islands" and isinstance(value, (list, tuple)):
         return tuple(tuple(g) if isinstance(g, (list, tuple)) else g for g in value)  # hashable, as frozen configs are
-    if name in ("input_cols", "metrics", "callbacks", "max_staleness") and isinstance(value, list):
+    if name in ("input_cols", "metrics", "callbacks", "max_staleness", "sparse_cols") and isinstance(value, list):
         return tuple(value)
     if name in ("feature_cols", "hidden", "emulate_speed") and not isinstance(value, (str, tuple)) \
             and not (value is None and name == "emulate_speed"):
