@@ -21,6 +21,7 @@ ALLGATHER = "allgather"
 SEND_RECV = "send_recv"
 BARRIER = "barrier"
 SUBGROUP = "subgroup"
+ALL_TO_ALL = "all_to_all"  # a backend's own all-to-all; without it Communicator.all_to_all uses send/irecv
 # Streaming DiLoCo's communication thread charges bytes while the training thread does too.
 _CHARGE_LOCK = threading.Lock()
 # Seconds each thread spent blocked in collectives (the training thread's: its waits; a background
@@ -28,7 +29,7 @@ _CHARGE_LOCK = threading.Lock()
 # on another (reduce_scatter on allreduce, a subgroup, the network emulator) counts once.
 _BLOCKED = threading.local()
 TIMED_COLLECTIVES = ("allreduce", "broadcast", "allgather", "barrier", "reduce_scatter", "allgather_into",
-                     "allgather_object", "recv")
+                     "allgather_object", "recv", "all_to_all")
 
 
 def blocked_seconds() -> float:
@@ -215,6 +216,25 @@ class Communicator(abc.ABC):
         values = [decode_object(bytes(t[: int(n.item())].numpy())) for t, n in zip(gathered, sizes)]
         raise_refusals(values)  # one rank's unsendable value: the same TypeError on every rank
         return values
+
+    def all_to_all(self, tensor: "torch.Tensor", send_rows: Sequence[int],
+                   recv_rows: Sequence[int]) -> "torch.Tensor":
+        """Rows of `tensor` (dim 0, in rank order: send_rows[r] of them) go to rank r; returns the rows
+        every rank sent here, concatenated in rank order (recv_rows[r] from rank r). Trailing shape and
+        dtype are the same on every rank. Only rows to other ranks are charged. This default posts every
+        receive, then sends (point to point); backends with the collective override it."""
+        import torch
+
+        starts = [sum(send_rows[:r]) for r in range(self.size)]
+        out = torch.empty((sum(recv_rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        blocks = list(torch.split(out, list(recv_rows)))
+        pending = [self.irecv(blocks[r], r) for r in range(self.size) if r != self.rank and recv_rows[r]]
+        sends = [self.send(tensor[starts[r]: starts[r] + send_rows[r]], r) for r in range(self.size)
+                 if r != self.rank and send_rows[r]]
+        blocks[self.rank].copy_(tensor[starts[self.rank]: starts[self.rank] + send_rows[self.rank]])
+        for work in pending + sends:
+            work.wait()
+        return out
 
     def send(self, tensor: "torch.Tensor", dst: int, tag: int = 0) -> Work:
         """Start sending `tensor` to rank dst (asynchronous); keep the tensor unchanged until wait()."""

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from sparkdl.comm.base import (ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP, Communicator,
-                               PendingReduce, Work, WorldInfo)
+from sparkdl.comm.base import (ALL_TO_ALL, ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, SEND_RECV, SUBGROUP,
+                               Communicator, PendingReduce, Work, WorldInfo)
 from sparkdl.comm.interfaces import (GLOO_INTERFACE_ENV, check_not_loopback_across_hosts, gloo_interface_env,
                                      interface_of, resolved, restore_environment, set_environment, spans_hosts)
 from sparkdl.comm.reachability import PROBE_DEADLINE_S, PeerProbe, dial_one, dial_peers
@@ -67,7 +67,7 @@ def _store_gather(store: Any, world: WorldInfo, key: str, value: str, timeout: d
 
 
 class TorchDistCommunicator(Communicator):
-    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV, SUBGROUP})
+    ops = frozenset({ALLREDUCE, BROADCAST, ALLGATHER, BARRIER, SEND_RECV, SUBGROUP, ALL_TO_ALL})
     listens = True
 
     @classmethod
@@ -185,6 +185,15 @@ class TorchDistCommunicator(Communicator):
             if src == self.rank:
                 block.copy_(shard)
             dist.broadcast(block, src=src)
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]) -> torch.Tensor:
+        # gloo (torch 2.13) runs all_to_all_single with uneven splits on CPU tensors; NCCL on GPUs.
+        row_bytes = tensor.shape[1:].numel() * tensor.element_size()
+        self._charge(row_bytes * (sum(send_rows) - send_rows[self.rank]))
+        out = torch.empty((sum(recv_rows), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(recv_rows),
+                               input_split_sizes=list(send_rows))
         return out
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
