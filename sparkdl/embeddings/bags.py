@@ -45,7 +45,8 @@ def as_bag(spec: TableSpec, value: Any) -> Bag:
     where = f"embedding table {spec.name!r}"
     ids, offsets, weights = value.ids, value.offsets, value.weights
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-        raise ConfigError(f"{where}: ids must be a 1-D int64 tensor", hint="convert with torch.as_tensor(ids, dtype=torch.int64)")
+        raise ConfigError(f"{where}: ids must be a 1-D int64 tensor",
+                          hint="convert with torch.as_tensor(ids, dtype=torch.int64)")
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:
         raise ConfigError(f"{where}: offsets must be a 1-D int64 tensor (one start per bag)",
                           hint="build it with Bag.from_lengths(ids, lengths) from each row's array size")

@@ -226,9 +226,10 @@ class ShardedEmbeddingBags:
                                hint="resume with the same number of ranks, each loading its own shard")
         for t, spec in enumerate(self.placement.tables):
             saved = state["tables"].get(spec.name)
-            if saved is None or (saved["start"], saved["stop"]) != self.placement.rows_of(spec.name, self.comm.rank):
-                raise SparkdlError(f"the embedding shard state does not hold rows {self.placement.rows_of(spec.name, self.comm.rank)} "
-                                   f"of table {spec.name!r}", hint="resume with the placement the state was saved under")
+            rows = self.placement.rows_of(spec.name, self.comm.rank)
+            if saved is None or (saved["start"], saved["stop"]) != rows:
+                raise SparkdlError(f"the embedding shard state does not hold rows {rows} of table {spec.name!r}",
+                                   hint="resume with the placement the state was saved under")
             self.shards[t] = saved["weight"].clone()
             self.states[t] = {k: v.clone() for k, v in saved["optimizer"].items()}
         self._pending = deque((p["step"], list(zip(p["rows"], p["grads"]))) for p in state["pending"])

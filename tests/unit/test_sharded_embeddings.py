@@ -33,7 +33,7 @@ def optimizer_of(name: str) -> RowwiseAdagrad | SparseAdam:
     return RowwiseAdagrad(lr=0.3) if name == "adagrad" else SparseAdam(lr=0.05)
 
 
-def global_batch(step: int, world: int, specs=SPECS) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def global_batch(step: int, world: int, specs=SPECS) -> dict[str, tuple[torch.Tensor, ...]]:
     """Every rank's samples of one step; rank r's are [r*LOCAL_BATCH, (r+1)*LOCAL_BATCH). Skewed ids
     (the small ones hot), bags of 0-3 ids, weights on the sum-pooled row-wise table."""
     generator = torch.Generator().manual_seed(1000 + step)
@@ -151,7 +151,8 @@ def test_synchronous_sharded_training_equals_one_process_on_the_global_batch(wor
     for spec in SPECS:
         start = initial_rows(spec, 0, spec.num_rows, seed=SEED).numpy()
         assert not np.allclose(weights[spec.name], start)  # the optimizer did move rows
-        np.testing.assert_allclose(assemble(results, world, "weights", spec.name), weights[spec.name], atol=1e-6, rtol=0)
+        got = assemble(results, world, "weights", spec.name)
+        np.testing.assert_allclose(got, weights[spec.name], atol=1e-6, rtol=0)
         for field, expected in state[spec.name].items():
             np.testing.assert_allclose(assemble(results, world, "state", spec.name, field), expected, atol=1e-6, rtol=0)
     if optimizer == "adam":
@@ -277,3 +278,32 @@ def test_all_to_all_native_and_point_to_point_agree(world: int) -> None:
     for result in run_world(world, _all_to_all_both_ways, timeout=60):
         assert result["native"] and result["default"] and result["emulated"]
         assert result["bytes"] == (result["expected_bytes"],) * 3  # rows to other ranks only
+
+
+def _uneven_batches(comm: Communicator) -> dict[str, Any]:
+    """Rank 0 looks up only empty bags of one table, rank 1 both tables (one with no bags at all)."""
+    specs = (TableSpec("a", 10, 3), TableSpec("b", 4, 2, pooling="mean", sharding="table"))
+    bags = ShardedEmbeddingBags(comm, plan_placement(specs, 2), RowwiseAdagrad(lr=0.5), seed=2)
+    before = [w.clone() for w in bags.shards]
+    if comm.rank == 0:
+        batch = {"a": (torch.empty(0, dtype=torch.int64), torch.tensor([0, 0]))}
+    else:
+        batch = {"a": (torch.tensor([1, 9, 9]), torch.tensor([0, 1])),
+                 "b": (torch.empty(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))}
+    pooled = bags(batch)
+    sum(value.sum() for value in pooled.values()).backward()
+    bags.apply_gradients()
+    table = initial_rows(specs[0], 0, 10, seed=2)
+    expected = torch.zeros(2, 3) if comm.rank == 0 else torch.stack([table[1], 2 * table[9]])
+    start, stop = bags.placement.rows_of("a", comm.rank)
+    moved = sorted(start + i for i in range(stop - start) if not torch.equal(bags.shards[0][i], before[0][i]))
+    return {"shapes": {k: list(v.shape) for k, v in pooled.items()}, "lookup": torch.allclose(pooled["a"], expected),
+            "moved": moved, "b_unchanged": torch.equal(bags.shards[1], before[1])}
+
+
+def test_tables_missing_or_empty_on_some_ranks() -> None:
+    zero, one = run_world(2, _uneven_batches, timeout=60)
+    assert zero["shapes"] == {"a": [2, 3]} and one["shapes"] == {"a": [2, 3], "b": [0, 2]}
+    assert zero["lookup"] and one["lookup"]
+    assert zero["moved"] + one["moved"] == [1, 9]  # only the rows some rank touched
+    assert zero["b_unchanged"] and one["b_unchanged"]
