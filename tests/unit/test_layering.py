@@ -151,6 +151,7 @@ STDLIB_ONLY = {
     "sparkdl.data.epochs": {"sparkdl.config.values", "sparkdl.errors"},
     "sparkdl.data.layout": set(),
     "sparkdl.planner.cluster": set(),
+    "sparkdl.planner.embeddings": {"sparkdl.embeddings.placement", "sparkdl.errors", "sparkdl.planner.cost"},
     "sparkdl.planner.resolved": {"sparkdl.config", "sparkdl.errors", "sparkdl.model.layouts", "sparkdl.planner.plan"},
 }
 
