@@ -1,0 +1,144 @@
+"""EmbeddingBagCollection: the embedding tables of a user's model, as one nn.Module.
+
+A model holds one collection and calls it with its batch's categorical inputs:
+`collection(sparse)` maps {table name: Bag} to {table name: pooled [B, dim]} (only the tables given).
+Used alone (one process, or replicated data parallel) it holds every table whole, initialised with
+`initial_rows` (the same rows ShardedEmbeddingBags draws shard by shard, so both start equal).
+
+Built inside `deferred_tables()` (or with materialize=False) its tables are meta tensors: no memory,
+no initial values. ShardedEmbeddingTraining builds the user's model that way and then `shard()`s the
+collection: its lookups become a ShardedEmbeddingBags over the same tables, the table parameters
+leave the module (model.parameters() is then the dense part alone), and no rank ever holds a whole
+table. Tables are kept in a ParameterList in spec order (state_dict keys `weights.<i>`), so table
+names need not be valid attribute names.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkdl.embeddings.bags import Bag, as_bag
+from sparkdl.embeddings.placement import TableSpec, plan_placement
+from sparkdl.embeddings.sharded import initial_rows
+from sparkdl.errors import ConfigError, SparkdlError
+
+if TYPE_CHECKING:
+    from sparkdl.embeddings.sharded import ShardedEmbeddingBags
+
+__all__ = ["EmbeddingBagCollection", "deferred_tables"]
+
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_tables() -> Iterator[None]:
+    """Collections built inside hold their tables as meta tensors (shapes only, no memory)."""
+    depth = getattr(_DEFERRED, "depth", 0)
+    _DEFERRED.depth = depth + 1
+    try:
+        yield
+    finally:
+        _DEFERRED.depth = depth
+
+
+def _deferring() -> bool:
+    return getattr(_DEFERRED, "depth", 0) > 0
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled lookups in several tables. `seed` picks the initial rows (initial_rows(spec, ..., seed));
+    `sparse_grad`: the whole tables get sparse gradients (for torch.optim.SparseAdam / SGD in
+    replicated use); `materialize=False`: tables stay meta tensors until materialize() or shard()."""
+
+    def __init__(self, tables: Sequence[TableSpec], seed: int = 0, sparse_grad: bool = False,
+                 materialize: bool = True) -> None:
+        super().__init__()
+        specs = tuple(tables)
+        plan_placement(specs, 1)  # the same checks as sharding: TableSpec objects, distinct names
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"EmbeddingBagCollection: seed={seed!r} is not an integer",
+                              hint="pass an int (every rank must use the same one)")
+        self.tables = specs
+        self.seed = seed
+        self.sparse_grad = bool(sparse_grad)
+        self.sharded: ShardedEmbeddingBags | None = None
+        deferred = _deferring() or not materialize
+        self.weights = nn.ParameterList(
+            [nn.Parameter(torch.empty(s.num_rows, s.dim, device="meta")) if deferred
+             else nn.Parameter(initial_rows(s, 0, s.num_rows, seed=seed)) for s in specs])
+
+    @property
+    def is_materialized(self) -> bool:
+        """Every table is held whole in memory (False when deferred or sharded)."""
+        return self.sharded is None and all(not w.is_meta for w in self.weights) and len(self.weights) > 0
+
+    def materialize(self) -> None:
+        """Give deferred tables their initial rows (replicated use of a collection built deferred)."""
+        if self.sharded is not None:
+            raise SparkdlError("this EmbeddingBagCollection is sharded: its tables are not held here",
+                               hint="gather them with ShardedEmbeddingTraining.full_tables() (small tables only)")
+        for i, spec in enumerate(self.tables):
+            if self.weights[i].is_meta:
+                self.weights[i] = nn.Parameter(initial_rows(spec, 0, spec.num_rows, seed=self.seed))
+
+    def shard(self, bags: "ShardedEmbeddingBags") -> None:
+        """Look rows up through `bags` (which must hold these tables) and drop the local tables."""
+        if tuple(bags.placement.tables) != self.tables:
+            raise ConfigError("the sharded embedding bags hold other tables than this collection",
+                              hint="plan the placement from the collection's own tables")
+        self.sharded = bags
+        self.weights = nn.ParameterList()
+
+    def table(self, name: str) -> nn.Parameter:
+        """The whole weight of table `name` (replicated use)."""
+        for spec, weight in zip(self.tables, self.weights):
+            if spec.name == name:
+                return weight
+        raise ConfigError(f"no embedding table is named {name!r}",
+                          hint=f"use one of {', '.join(s.name for s in self.tables)}")
+
+    def forward(self, sparse: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """{name: Bag or (ids, offsets[, weights])} -> {name: pooled [B, dim]} for the tables given."""
+        if not isinstance(sparse, Mapping):
+            raise ConfigError(f"the embedding lookups got {type(sparse).__name__}",
+                              hint="pass a mapping {table name: Bag}")
+        if self.sharded is not None:
+            # Training lookups must be followed by apply_gradients (ShardedEmbeddingTraining does it).
+            return self.sharded.forward(sparse, train=self.training and torch.is_grad_enabled())
+        known = {s.name for s in self.tables}
+        unknown = sorted(str(n) for n in set(sparse) - known)
+        if unknown:
+            raise ConfigError(f"the batch names embedding tables that do not exist: {', '.join(unknown)}",
+                              hint=f"use {', '.join(s.name for s in self.tables)}")
+        pooled: dict[str, torch.Tensor] = {}
+        for spec, weight in zip(self.tables, self.weights):
+            if spec.name not in sparse:
+                continue
+            if weight.is_meta:
+                raise SparkdlError(f"embedding table {spec.name!r} was built deferred and holds no rows",
+                                   hint="call materialize() for replicated use, or train the model with "
+                                        "ShardedEmbeddingTraining")
+            bag: Bag = as_bag(spec, sparse[spec.name])
+            weights = bag.weights.to(weight.dtype) if bag.weights is not None else None
+            pooled[spec.name] = F.embedding_bag(bag.ids, weight, bag.offsets, mode=spec.pooling,
+                                                per_sample_weights=weights, sparse=self.sparse_grad)
+        return pooled
+
+    def extra_repr(self) -> str:
+        where = "sharded" if self.sharded is not None else ("whole" if self.is_materialized else "deferred")
+        return f"{where}: " + ", ".join(f"{s.name}[{s.num_rows}x{s.dim}, {s.pooling}]" for s in self.tables)
+
+
+def find_collection(model: nn.Module) -> EmbeddingBagCollection:
+    """The one EmbeddingBagCollection inside `model`, refused when there is none or several."""
+    found = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    if len(found) != 1:
+        raise ConfigError(f"the model holds {len(found)} EmbeddingBagCollection modules, not one",
+                          hint="put every embedding table in one EmbeddingBagCollection (share it between "
+                               "towers) and call it from the model's forward")
+    return found[0]
