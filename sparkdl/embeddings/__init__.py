@@ -20,13 +20,20 @@ built against another torch), so everything here is torch's own embedding_bag, i
 Communicator's all_to_all (gloo's all_to_all_single with uneven splits on CPU, NCCL's on GPUs; the
 interface's default builds it from point-to-point send/irecv).
 """
-from sparkdl.embeddings.collection import EmbeddingBagCollection, deferred_tables
-from sparkdl.embeddings.dlrm import DLRM
-from sparkdl.embeddings.hybrid_step import ShardedEmbeddingTraining
-from sparkdl.embeddings.optimizers import RowwiseAdagrad, SparseAdam
-from sparkdl.embeddings.placement import Placement, TableSpec, plan_placement
-from sparkdl.embeddings.sharded import Bag, ShardedEmbeddingBags, initial_rows
+from importlib import import_module
+from typing import Any
 
-__all__ = ["DLRM", "Bag", "EmbeddingBagCollection", "Placement", "RowwiseAdagrad", "ShardedEmbeddingBags",
-           "ShardedEmbeddingTraining", "SparseAdam", "TableSpec", "deferred_tables", "initial_rows",
-           "plan_placement"]
+# Names load on first use (PEP 562): the planner imports placement.py (stdlib only) through this
+# package and must not pull torch in with it.
+_WHERE = {"EmbeddingBagCollection": "collection", "deferred_tables": "collection", "DLRM": "dlrm",
+          "ShardedEmbeddingTraining": "hybrid_step", "RowwiseAdagrad": "optimizers", "SparseAdam": "optimizers",
+          "Placement": "placement", "TableSpec": "placement", "plan_placement": "placement", "Bag": "sharded",
+          "ShardedEmbeddingBags": "sharded", "initial_rows": "sharded"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'sparkdl.embeddings' has no attribute {name!r}")
+    return getattr(import_module(f"sparkdl.embeddings.{_WHERE[name]}"), name)

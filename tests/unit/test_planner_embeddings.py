@@ -143,3 +143,14 @@ def test_missing_statistics_and_unknown_optimizers_are_refused() -> None:
         decide_embeddings([table], {}, 4, MBIT_100)
     with pytest.raises(ConfigError, match="rowwise_adagrad"):
         decide_embeddings([table], {"item": stats_of(table, 10)}, 4, MBIT_100, optimizer="sgd")
+
+
+def test_the_planner_prices_embeddings_without_loading_torch() -> None:
+    """The planner's cost model imports the placement through sparkdl.embeddings, whose other
+    modules need torch: the package loads them on first use only."""
+    import subprocess
+    import sys
+
+    code = "import sys, sparkdl.planner.embeddings; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
