@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from sparkdl.config.values import (check_feature_spec, check_input_spec, check_types, choice, parse_bytes,
                                    parse_literal, plain, positive_int, positive_int_or_zero, suggest)
-from sparkdl.config.training import (DELIVERY_MODES, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
+from sparkdl.config.training import (DELIVERY_MODES, check_emulation, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
                                      check_training_essentials)
 from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
 from sparkdl.config.elastic import check_worker_range
@@ -275,24 +275,12 @@ class LaunchConfig:
         positive_int("launch.num_workers", self.num_workers)
         check_worker_range(self.num_workers, self.min_workers, self.max_workers, self.grow_workers,
                            self.replacement_wait_s)
-        if self.emulate_network is not None:
-            emulated = self.emulate_network
-            if not isinstance(emulated, dict) or set(emulated) - {"latency_ms", "gbps"} or "gbps" not in emulated \
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in emulated.values()) \
-                    or emulated["gbps"] <= 0 or emulated.get("latency_ms", 0) < 0:
-                raise ConfigError(f"launch.emulate_network must be a table {{latency_ms = >= 0, gbps = > 0}}, "
-                                  f"got {emulated!r}", hint='for example emulate_network={"latency_ms": 1, "gbps": 0.1}')
+        check_emulation(self.emulate_network, self.emulate_speed, self.num_workers)
         if not isinstance(self.gpus_per_worker, int) or isinstance(self.gpus_per_worker, bool) \
                 or self.gpus_per_worker < 0:
             raise ConfigError(f"launch.gpus_per_worker must be a whole number of GPUs >= 0, got {self.gpus_per_worker!r}",
                               hint="1 for one GPU per rank (NCCL needs a GPU of its own per rank); 0 = the "
                                    "application's spark.task.resource.gpu.amount")
-        if self.emulate_speed is not None:
-            speeds = self.emulate_speed
-            if not isinstance(speeds, (list, tuple)) or len(speeds) != self.num_workers or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in speeds):
-                raise ConfigError(f"launch.emulate_speed must list one speed in (0, 1] per worker "
-                                  f"({self.num_workers}), got {speeds!r}", hint="for example emulate_speed=[1, 0.25]")
         if self.max_memory_per_rank is not None:
             parse_bytes(self.max_memory_per_rank, "launch.max_memory_per_rank")
         choice("launch.backend", self.backend, BACKENDS)

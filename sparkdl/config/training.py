@@ -222,6 +222,21 @@ def _unspecified(text: str) -> bool:
         return False
 
 
+def check_emulation(network: Any, speeds: Any, num_workers: int) -> None:
+    """launch.emulate_network and launch.emulate_speed (experiments): their shapes and ranges."""
+    if network is not None:
+        if not isinstance(network, dict) or set(network) - {"latency_ms", "gbps"} or "gbps" not in network \
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in network.values()) \
+                or network["gbps"] <= 0 or network.get("latency_ms", 0) < 0:
+            raise ConfigError(f"launch.emulate_network must be a table {{latency_ms = >= 0, gbps = > 0}}, "
+                              f"got {network!r}", hint='for example emulate_network={"latency_ms": 1, "gbps": 0.1}')
+    if speeds is not None:
+        if not isinstance(speeds, (list, tuple)) or len(speeds) != num_workers or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in speeds):
+            raise ConfigError(f"launch.emulate_speed must list one speed in (0, 1] per worker "
+                              f"({num_workers}), got {speeds!r}", hint="for example emulate_speed=[1, 0.25]")
+
+
 def check_horovod_env(env: Any, backend: str) -> None:
     """launch.horovod_env: HOROVOD_* names with scalar values, for the horovod backend, never one of
     the variables sparkdl sets for the rendezvous."""

@@ -6,7 +6,6 @@ host and the exception line.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
@@ -72,27 +71,12 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                     except (TrainingError, ResourceError) as failure:
                         channel.drain()
                         monitor.flush()
-                        lost_slots = isinstance(failure, ResourceError)
-                        if lost_slots and resizing is None:
-                            raise
-                        cut_off = {} if lost_slots else cut_off_ranks(spark, monitor.errors, spec.world_size,
-                                                                      monitor.rank_hosts)
-                        if attempt >= attempts or not (lost_slots or retryable(monitor.errors) or cut_off):
-                            raise TrainingError(failure.message, hint=failure.hint) if lost_slots else failure
-                        named = failure if lost_slots else name_the_failure(
-                            monitor.errors, spec.world_size, spec.launch.timeout_s, failure, monitor.rank_hosts,
-                            cut_off)
-                        _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(named).splitlines()[0]}); "
-                             f"retrying, every rank resumes from the latest checkpoint in {spec.train.checkpoint_dir}")
-                        monitor.errors.clear()  # reported above; an error of the resize is its own
-                        if resizing is not None:
-                            try:
-                                job_df, spec = resizing.after_loss(spec, monitor.rank_hosts)
-                            except TrainingError as below:
-                                below.final = True  # its own words: late rank reports must not rename it
-                                raise
-                        elif cut_off:
-                            wait_for_hosts(cut_off, spec.launch.timeout_s)
+                        cut_off = failed_attempt_cut_off(spark, failure, monitor, spec, resizing)
+                        if attempt >= attempts or not (isinstance(failure, ResourceError)
+                                                       or retryable(monitor.errors) or cut_off):
+                            raise TrainingError(failure.message, hint=failure.hint) \
+                                if isinstance(failure, ResourceError) else failure
+                        job_df, spec = retry_after(failure, attempt, attempts, monitor, spec, job_df, resizing, cut_off)
                         continue
                     if resizing is not None and history and history[-1].get(REGROUP_KEY):
                         job_df, spec = resizing.grow(spec, monitor.rank_hosts)
@@ -100,14 +84,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                         continue
                     break
             except TrainingError as exc:
-                final = getattr(exc, "final", False)
-                exc = explain_lost_executors(spark, exc)
-                tracker.log_text(monitor.failure_report(), "failure.txt")
-                tracker.finish("FAILED")
-                named = exc if final else name_the_failure(
-                    monitor.errors, spec.world_size, spec.launch.timeout_s, exc, monitor.rank_hosts, cut_off)
-                named.events = exc.events
-                raise named from None
+                raise failed_run(spark, exc, tracker, monitor, spec, cut_off) from None
             except BaseException:
                 tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
                 raise
@@ -120,6 +97,54 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
     if resizing is not None:
         resizing.annotate(history)
     return result, history
+
+
+def failed_run(spark: Any, exc: Any, tracker: Any, monitor: Any, spec: Any, cut_off: dict[int, str]) -> Exception:
+    """The run's error, its MLflow run marked FAILED with failure.txt: named from every rank's report
+    unless it is final (an elastic re-plan's own words)."""
+    final = getattr(exc, "final", False)
+    exc = explain_lost_executors(spark, exc)
+    tracker.log_text(monitor.failure_report(), "failure.txt")
+    tracker.finish("FAILED")
+    named = exc if final else name_the_failure(
+        monitor.errors, spec.world_size, spec.launch.timeout_s, exc, monitor.rank_hosts, cut_off)
+    named.events = exc.events
+    return named
+
+
+def failed_attempt_cut_off(spark: Any, failure: Exception, monitor: Any, spec: Any, resizing: Any
+                           ) -> dict[int, str]:
+    """The ranks the network cut off in a failed attempt ({} for lost slots); lost slots of a run of
+    fixed size are its error (re-raised)."""
+    from sparkdl.errors import ResourceError
+
+    if isinstance(failure, ResourceError):
+        if resizing is None:
+            raise failure
+        return {}
+    return cut_off_ranks(spark, monitor.errors, spec.world_size, monitor.rank_hosts)
+
+
+def retry_after(failure: Exception, attempt: int, attempts: int, monitor: Any, spec: Any, job_df: Any,
+                resizing: Any, cut_off: dict[int, str]) -> tuple[Any, Any]:
+    """Say the failed attempt, then ready the next: re-plan an elastic run for the workers left, or
+    wait for cut-off hosts to answer again. Returns the (job_df, spec) to submit."""
+    from sparkdl.errors import ResourceError, TrainingError
+
+    named = failure if isinstance(failure, ResourceError) else name_the_failure(
+        monitor.errors, spec.world_size, spec.launch.timeout_s, failure, monitor.rank_hosts, cut_off)
+    _say(f"sparkdl: attempt {attempt} of {attempts} failed ({str(named).splitlines()[0]}); "
+         f"retrying, every rank resumes from the latest checkpoint in {spec.train.checkpoint_dir}")
+    monitor.errors.clear()  # reported above; an error of the resize is its own
+    if resizing is not None:
+        try:
+            return resizing.after_loss(spec, monitor.rank_hosts)
+        except TrainingError as below:
+            below.final = True  # its own words: late rank reports must not rename it
+            raise
+    if cut_off:
+        wait_for_hosts(cut_off, spec.launch.timeout_s)
+    return job_df, spec
 
 
 class NoChannel:

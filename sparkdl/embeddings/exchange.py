@@ -70,19 +70,22 @@ def send_requests(comm: Communicator, routes: Routes, requests: list[list[torch.
 def return_rows(comm: Communicator, routes: Routes, rows: list[list[torch.Tensor]],
                 dtype: torch.dtype) -> list[list[torch.Tensor]]:
     """rows[r][t]: what rank r asked us for -> [r][t]: what we asked rank r for."""
-    buffer = pack(rows, flat=True).to(dtype)
-    got = comm.all_to_all(buffer, routes.floats(routes.received).sum(1).tolist(),
-                          routes.floats(routes.sent).sum(1).tolist())
-    return unpack(got, routes.sent, routes.dims)
+    return _swap_rows(comm, routes, rows, dtype, routes.received, routes.sent)
 
 
 def send_gradients(comm: Communicator, routes: Routes, grads: list[list[torch.Tensor]],
                    dtype: torch.dtype) -> list[list[torch.Tensor]]:
     """grads[r][t]: gradients of the rows we got from rank r -> [r][t]: gradients of the rows rank r got from us."""
-    buffer = pack(grads, flat=True).to(dtype)
-    got = comm.all_to_all(buffer, routes.floats(routes.sent).sum(1).tolist(),
-                          routes.floats(routes.received).sum(1).tolist())
-    return unpack(got, routes.received, routes.dims)
+    return _swap_rows(comm, routes, grads, dtype, routes.sent, routes.received)
+
+
+def _swap_rows(comm: Communicator, routes: Routes, rows: list[list[torch.Tensor]], dtype: torch.dtype,
+               outgoing: torch.Tensor, incoming: torch.Tensor) -> list[list[torch.Tensor]]:
+    """One all-to-all of rows: `outgoing[r][t]` / `incoming[r][t]` count the ids whose rows go to /
+    come from rank r (the rows' direction is opposite to the ids' that asked for them)."""
+    buffer = pack(rows, flat=True).to(dtype)
+    got = comm.all_to_all(buffer, routes.floats(outgoing).sum(1).tolist(), routes.floats(incoming).sum(1).tolist())
+    return unpack(got, incoming, routes.dims)
 
 
 def step_bytes(rank: int, routes: Routes, float_bytes: int) -> dict[str, int]:

@@ -245,11 +245,7 @@ class Hybrid(Strategy):
         if self._stage_group is not None and self._stage_group.size > 1:
             average_gradients(self._stage_group, self._params)
         # nonfinite_loss="skip": every stage skips together (a stage's own gradients may all be finite)
-        self.steps.step(self._optimizer, self._params, agree=self._sum_over_all)
-
-    def _sum_over_all(self, flag: torch.Tensor) -> torch.Tensor:
-        self.comm.allreduce(flag, op="sum")
-        return flag
+        self.steps.step(self._optimizer, self._params, agree=lambda flag: self.comm.allreduce(flag, op="sum"))
 
     def _replicas_weight_total(self, targets: torch.Tensor | None, weights: torch.Tensor | None,
                                reduce: bool = True) -> torch.Tensor | None:
