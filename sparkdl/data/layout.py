@@ -18,6 +18,7 @@ LABEL_COLUMN = "__sparkdl_label"
 WEIGHT_COLUMN = "__sparkdl_weight"
 SPLIT_COLUMN = "__sparkdl_split"  # 0: training row, 1: validation row
 INPUT_PREFIX = "__sparkdl_in_"
+DENSE_SOURCE = "__sparkdl_dense"  # sparse_cols runs: the source name of the dense features' column
 
 # How a column's rows are stored: "fixed" (a number or a fixed-length array per row: one contiguous
 # block), "binary" (bytes per row), "ragged" (arrays of varying length) or "text" (a string per row).
@@ -49,6 +50,22 @@ class TensorColumn:
 
 
 @dataclass(frozen=True)
+class SparseFeature:
+    """One categorical input (data.sparse_cols) as the prepared rows hold it: its table rows (int64,
+    one per row, or a RAGGED list for multi-hot) and, where weighted, one float per id. The driver
+    maps the user's ids to rows in Spark SQL (data/sparse_inputs.py); scoring from pandas maps them
+    the same way in numpy (data/sparse_hash.py), hence the source's id kind and the range rule."""
+
+    source: str  # the user's categorical column; the batch's {source: Bag} key
+    table: str  # the embedding table its ids are rows of
+    num_rows: int
+    id_kind: str  # "integer" or "string": what the source column holds
+    multi_hot: bool
+    out_of_range: str = "hash"
+    source_weights: str | None = None  # the user's weights column (multi-hot only)
+
+
+@dataclass(frozen=True)
 class FeedLayout:
     """The prepared DataFrame's columns. `feature_cols` runs: one `array<float>` features column of
     `num_features` values and, when training, one scalar label column (int64 for classification,
@@ -69,6 +86,10 @@ class FeedLayout:
     source_weight_col: str | None = None
     transformed: bool = False  # transform_fn builds the model inputs from the columns on the executors
     label_ignores: bool = False  # per-position labels hold -100 somewhere: losses count positions exactly
+    # sparse_cols runs: `inputs` are the dense features (one FIXED float32 column of num_features
+    # values, absent when num_features is 0), then per feature its ids column (source = the feature's
+    # column) and, when weighted, its weights column (RAGGED float32); batches are (dense, {source: Bag}).
+    sparse: tuple[SparseFeature, ...] = ()
 
     @property
     def tensor_inputs(self) -> bool:
@@ -77,7 +98,15 @@ class FeedLayout:
 
     @property
     def source_input_cols(self) -> tuple[str, ...]:
+        if self.sparse:
+            return self.source_feature_cols + tuple(
+                c for f in self.sparse for c in (f.source, f.source_weights) if c is not None)
         return tuple(c.source for c in self.inputs) if self.inputs else self.source_feature_cols
+
+    @property
+    def dense_inputs(self) -> tuple[TensorColumn, ...]:
+        """sparse_cols runs: the dense features' column (none without feature_cols)."""
+        return self.inputs[:1] if self.sparse and self.num_features else ()
 
     def for_scoring(self) -> "FeedLayout":
         """This layout without label, weight and split: what scoring (transform, MLflow) receives."""
@@ -94,6 +123,7 @@ class FeedLayout:
         values["inputs"] = tuple(_column(c) for c in values.get("inputs", ()))
         if values.get("label") is not None:
             values["label"] = _column(values["label"])
+        values["sparse"] = tuple(SparseFeature(**f) for f in values.get("sparse", ()))
         return cls(**values)
 
 
