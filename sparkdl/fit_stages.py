@@ -148,7 +148,8 @@ def plan_fit(request: FitRequest, data: FitData) -> FitPlan:
     """Stage 3: the resolved plan (kept, named, or the planner's under "auto") and the TrainSpec."""
     config = request.config
     resolved = resolve(data.module, config.data, config.train, config.launch, config.tracking, data.prepared.layout,
-                       request.spark, data.prepared.num_rows, plan=request.kept, sample=data.sample)
+                       request.spark, data.prepared.num_rows, plan=request.kept, sample=data.sample,
+                       embeddings=config.embeddings)
     config = with_plan(request.config, resolved)
     return FitPlan(resolved, config, train_spec(request.model, config, data.prepared, resolved))
 
@@ -224,6 +225,10 @@ def probe(model: Any, config: RunConfig, prepared: Any) -> tuple[Any, int, Any, 
     """(module, output width the loss sees, probe batch, per-row output shape): a zero batch of the
     feature width (no batch, shape ()), or (input_cols) a few real rows through the executors'
     conversion and transform_fn."""
+    if prepared.layout.sparse:
+        from sparkdl.driver.embedding_plan import probe_embedding_model
+
+        return probe_embedding_model(model, config.data, config.train, prepared.layout, prepared.sample)
     if prepared.layout.tensor_inputs:
         return probe_tensor_model(model, config.data, config.train, prepared.layout, prepared.sample)
     module, out_width = probe_model(model, config.data, config.train, prepared.layout.num_features)

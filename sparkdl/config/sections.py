@@ -22,14 +22,15 @@ from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, Trac
 from sparkdl.config.elastic import check_worker_range
 from sparkdl.config.merging import check_across_sections, merged_section
 from sparkdl.config.sparse import check_sparse_cols
+from sparkdl.config.embeddings import EmbeddingConfig, check_embedding_run
 from sparkdl.errors import ConfigError
 
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
-           "ModelConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
+           "ModelConfig", "EmbeddingConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
 
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "auto")
+STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "embeddings", "auto")
 SCHEDULES = ("1f1b", "gpipe")
 SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -312,6 +313,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     def validate(self) -> "RunConfig":
         for section in _sections(self):
@@ -319,6 +321,7 @@ class RunConfig:
             check_types(section, part)
             part.validate()
         check_across_sections(self.data, self.train, self.launch)
+        check_embedding_run(self.data, self.train, self.launch)
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

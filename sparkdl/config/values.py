@@ -264,7 +264,7 @@ def check_feature_spec(data: Any) -> None:
     if isinstance(cols, str):
         raise ConfigError(f"data.feature_cols must be a list of column names, got the string {cols!r}",
                           hint=f"write feature_cols=[{cols!r}]")
-    if not cols:
+    if not cols and data.sparse_cols is None:  # a model of categorical inputs alone has no dense ones
         raise ConfigError("data.feature_cols is empty",
                           hint="pass feature_cols=['f0', 'f1', ...] or one array/vector column, or input_cols=[...]")
     for name in cols:

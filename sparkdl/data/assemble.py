@@ -129,6 +129,50 @@ class TensorAssembler:
         return out
 
 
+class SparseAssembler:
+    """Spool rows -> ((dense, {column: Bag}), label, weight) for a sparse_cols layout: dense the
+    (B, num_features) float32 features (B x 0 without feature_cols), one Bag of table rows per
+    categorical column (one id per row, or a multi-hot list with optional weights)."""
+
+    def __init__(self, layout: FeedLayout) -> None:
+        self.layout = layout
+
+    def __call__(self, arrays: Arrays) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        from sparkdl.embeddings.bags import Bag
+
+        layout, rest = self.layout, list(arrays)
+        dense = None
+        if layout.dense_inputs:
+            dense = as_tensor(_fixed(rest.pop(0), layout.dense_inputs[0]))
+        sparse: dict[str, Bag] = {}
+        for feature in layout.sparse:
+            ids_block = rest.pop(0)
+            weights_block = rest.pop(0) if feature.source_weights is not None else None
+            if not feature.multi_hot:
+                ids = as_tensor(np.ascontiguousarray(ids_block, dtype=np.int64))
+                sparse[feature.source] = Bag(ids, torch.arange(ids.numel(), dtype=torch.int64))
+                continue
+            ids, offsets = _list_parts(ids_block, np.int64)
+            weights = as_tensor(_list_parts(weights_block, np.float32)[0]) if weights_block is not None else None
+            sparse[feature.source] = Bag(as_tensor(ids), as_tensor(offsets[:-1]), weights)
+        rows = next(iter(sparse.values())).num_bags if sparse else 0
+        if dense is None:
+            dense = torch.zeros(rows, 0)
+        label = weight = None
+        if layout.label is not None:
+            label = _to_tensor(_fixed(rest.pop(0), layout.label), layout.label, True)
+        if layout.weight_column is not None:
+            weight = as_tensor(rest.pop(0))
+        return (dense, sparse), label, weight
+
+
+def _list_parts(block: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets from 0) of a (possibly sliced) Arrow list array, as contiguous numpy."""
+    offsets = block.offsets.to_numpy().astype(np.int64)
+    values = block.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    return np.ascontiguousarray(values, dtype=dtype), offsets - offsets[0]
+
+
 def feature_batch(arrays: Arrays) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(features, labels) of a feature_cols layout, zero-copy views of the spool."""
     return as_tensor(arrays[0]), as_tensor(arrays[1]) if len(arrays) > 1 and arrays[1] is not None else None
@@ -147,6 +191,8 @@ class WeightedFeatureBatch:
 
 def assembler(layout: FeedLayout, transform_fn: Callable[[dict], dict] | None = None,
               explicit_dtypes: frozenset[str] = frozenset()) -> Assemble:
+    if layout.sparse:
+        return SparseAssembler(layout)
     if layout.tensor_inputs:
         return TensorAssembler(layout, transform_fn, explicit_dtypes)
     return WeightedFeatureBatch(layout.label_dtype is not None) if layout.weight_column else feature_batch
@@ -205,4 +251,4 @@ def sample_batch(table: pa.Table, layout: FeedLayout, transform_fn: Callable[[di
     batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
     if batch is None:
         raise ModelError("no rows to probe the model with", hint="the DataFrame must hold rows")
-    return TensorAssembler(layout, transform_fn, explicit_dtypes)(incoming_arrays(batch, layout))
+    return assembler(layout, transform_fn, explicit_dtypes)(incoming_arrays(batch, layout))

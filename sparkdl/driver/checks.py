@@ -107,7 +107,7 @@ def probe_tensor_model(model: Any, data: DataConfig, train: TrainConfig, layout:
     width = int(out.shape[-1]) if per_position else int(out[0].numel())
     beyond = train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
     if label is not None and not beyond:  # classes beyond the outputs: check_output_width says so better
-        _check_loss_on_sample(data, train, out, label, weight, loss_function(train))
+        check_loss_on_sample(data, train, out, label, weight, loss_function(train))
     return module, width, batch, tuple(out.shape[1:])
 
 
@@ -115,7 +115,7 @@ def _shape_text(tensor: Any) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')} {list(tensor.shape)}"
 
 
-def _check_loss_on_sample(data: DataConfig, train: TrainConfig, out: Any, label: Any, weight: Any,
+def check_loss_on_sample(data: DataConfig, train: TrainConfig, out: Any, label: Any, weight: Any,
                           loss_fn: Any) -> None:
     from sparkdl.strategies.inputs import loss_and_weight_sum
 

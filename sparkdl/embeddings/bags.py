@@ -33,6 +33,12 @@ class Bag:
     def num_bags(self) -> int:
         return int(self.offsets.numel())
 
+    def to(self, device: Any, non_blocking: bool = False) -> "Bag":
+        """This bag on `device` (the strategies move batches with .to, as they move tensors)."""
+        weights = self.weights.to(device, non_blocking=non_blocking) if self.weights is not None else None
+        return Bag(self.ids.to(device, non_blocking=non_blocking),
+                   self.offsets.to(device, non_blocking=non_blocking), weights)
+
 
 def as_bag(spec: TableSpec, value: Any) -> Bag:
     """A Bag from a Bag or an (ids, offsets[, weights]) tuple, refused with the table's name when the
@@ -66,3 +72,19 @@ def as_bag(spec: TableSpec, value: Any) -> Bag:
             raise ConfigError(f"{where}: per-sample weights must be a float tensor shaped like ids",
                               hint="give one weight per id")
     return value
+
+
+def concat_bags(bags: "list[Bag]") -> Bag:
+    """Several bag lists of one table as one (features sharing a table, looked up together): ids
+    end to end, each list's offsets shifted by the ids before it; weights of 1 where a list has none."""
+    if len(bags) == 1:
+        return bags[0]
+    shifts = torch.cumsum(torch.tensor([0] + [b.ids.numel() for b in bags[:-1]], dtype=torch.int64), 0)
+    weighted = any(b.weights is not None for b in bags)
+    weights = None
+    if weighted:
+        dtype = next(b.weights.dtype for b in bags if b.weights is not None)
+        weights = torch.cat([b.weights if b.weights is not None else torch.ones(b.ids.numel(), dtype=dtype)
+                             for b in bags])
+    return Bag(torch.cat([b.ids for b in bags]),
+               torch.cat([b.offsets + shift for b, shift in zip(bags, shifts.tolist())]), weights)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkdl.embeddings.bags import Bag, as_bag
+from sparkdl.embeddings.bags import Bag, as_bag, concat_bags
 from sparkdl.embeddings.placement import TableSpec, plan_placement
 from sparkdl.embeddings.sharded import initial_rows
 from sparkdl.errors import ConfigError, SparkdlError
@@ -30,7 +30,7 @@ from sparkdl.errors import ConfigError, SparkdlError
 if TYPE_CHECKING:
     from sparkdl.embeddings.sharded import ShardedEmbeddingBags
 
-__all__ = ["EmbeddingBagCollection", "deferred_tables"]
+__all__ = ["EmbeddingBagCollection", "deferred_tables", "probing_tables"]
 
 _DEFERRED = threading.local()
 
@@ -50,13 +50,29 @@ def _deferring() -> bool:
     return getattr(_DEFERRED, "depth", 0) > 0
 
 
+@contextlib.contextmanager
+def probing_tables() -> Iterator[None]:
+    """Inside, a deferred table's lookups give zeros of the right shape (the driver probes a model
+    whose tables it never holds)."""
+    depth = getattr(_DEFERRED, "probing", 0)
+    _DEFERRED.probing = depth + 1
+    try:
+        yield
+    finally:
+        _DEFERRED.probing = depth
+
+
+def _probing() -> bool:
+    return getattr(_DEFERRED, "probing", 0) > 0
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled lookups in several tables. `seed` picks the initial rows (initial_rows(spec, ..., seed));
     `sparse_grad`: the whole tables get sparse gradients (for torch.optim.SparseAdam / SGD in
     replicated use); `materialize=False`: tables stay meta tensors until materialize() or shard()."""
 
     def __init__(self, tables: Sequence[TableSpec], seed: int = 0, sparse_grad: bool = False,
-                 materialize: bool = True) -> None:
+                 materialize: bool = True, features: Mapping[str, str] | None = None) -> None:
         super().__init__()
         specs = tuple(tables)
         plan_placement(specs, 1)  # the same checks as sharding: TableSpec objects, distinct names
@@ -64,6 +80,9 @@ class EmbeddingBagCollection(nn.Module):
             raise ConfigError(f"EmbeddingBagCollection: seed={seed!r} is not an integer",
                               hint="pass an int (every rank must use the same one)")
         self.tables = specs
+        self.features: dict[str, str] = {}
+        if features:
+            self.bind_features(features)
         self.seed = seed
         self.sparse_grad = bool(sparse_grad)
         self.sharded: ShardedEmbeddingBags | None = None
@@ -94,6 +113,46 @@ class EmbeddingBagCollection(nn.Module):
         self.sharded = bags
         self.weights = nn.ParameterList()
 
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The names a batch's lookups go by, in a fixed order: the declared features, else the tables."""
+        return tuple(self.features) if self.features else tuple(s.name for s in self.tables)
+
+    def bind_features(self, features: Mapping[str, str]) -> None:
+        """Name the inputs that look rows up: {feature (a categorical column): table}. Several features
+        may share a table; each gets its own pooled output. Adds to earlier bindings, never changes one."""
+        names = {s.name for s in self.tables}
+        for feature, table in dict(features).items():
+            if table not in names:
+                raise ConfigError(f"feature {feature!r} looks up table {table!r}, which the model's "
+                                  f"EmbeddingBagCollection does not hold",
+                                  hint=f"its tables are {', '.join(sorted(names))}: declare {table!r} there "
+                                       "(a TableSpec) or point the feature at one of them")
+            if feature in names and feature != table:
+                raise ConfigError(f"feature {feature!r} is also the name of another table",
+                                  hint="name a feature after its own table, or after no table")
+            bound = self.features.get(feature)
+            if bound is not None and bound != table:
+                raise ConfigError(f"feature {feature!r} looks up table {bound!r} in the model but table "
+                                  f"{table!r} in data.sparse_cols", hint="make the two agree")
+            self.features[feature] = table
+
+    def _by_table(self, sparse: Mapping[str, Any]) -> tuple[dict[str, Bag], dict[str, list[tuple[str, int]]]]:
+        """The batch's bags grouped per table (features sharing a table looked up in one bag list) and,
+        per table, which features' bags it holds in order, with their counts."""
+        known = {s.name: s for s in self.tables}
+        grouped: dict[str, list[tuple[str, Bag]]] = {}
+        for key, value in sparse.items():
+            table = self.features.get(key, key)
+            if table not in known:
+                raise ConfigError(f"the batch looks up {key!r}, which is neither a table nor a feature of the "
+                                  "model's EmbeddingBagCollection",
+                                  hint=f"use {', '.join(self.feature_names)}")
+            grouped.setdefault(table, []).append((key, as_bag(known[table], value)))
+        merged = {table: concat_bags([b for _, b in items]) for table, items in grouped.items()}
+        parts = {table: [(key, bag.num_bags) for key, bag in items] for table, items in grouped.items()}
+        return merged, parts
+
     def table(self, name: str) -> nn.Parameter:
         """The whole weight of table `name` (replicated use)."""
         for spec, weight in zip(self.tables, self.weights):
@@ -103,31 +162,35 @@ class EmbeddingBagCollection(nn.Module):
                           hint=f"use one of {', '.join(s.name for s in self.tables)}")
 
     def forward(self, sparse: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """{name: Bag or (ids, offsets[, weights])} -> {name: pooled [B, dim]} for the tables given."""
+        """{table or feature name: Bag or (ids, offsets[, weights])} -> {that name: pooled [B, dim]}
+        for the names given."""
         if not isinstance(sparse, Mapping):
             raise ConfigError(f"the embedding lookups got {type(sparse).__name__}",
                               hint="pass a mapping {table name: Bag}")
+        merged, parts = self._by_table(sparse)
         if self.sharded is not None:
             # Training lookups must be followed by apply_gradients (ShardedEmbeddingTraining does it).
-            return self.sharded.forward(sparse, train=self.training and torch.is_grad_enabled())
-        known = {s.name for s in self.tables}
-        unknown = sorted(str(n) for n in set(sparse) - known)
-        if unknown:
-            raise ConfigError(f"the batch names embedding tables that do not exist: {', '.join(unknown)}",
-                              hint=f"use {', '.join(s.name for s in self.tables)}")
-        pooled: dict[str, torch.Tensor] = {}
-        for spec, weight in zip(self.tables, self.weights):
-            if spec.name not in sparse:
-                continue
-            if weight.is_meta:
-                raise SparkdlError(f"embedding table {spec.name!r} was built deferred and holds no rows",
-                                   hint="call materialize() for replicated use, or train the model with "
-                                        "ShardedEmbeddingTraining")
-            bag: Bag = as_bag(spec, sparse[spec.name])
-            weights = bag.weights.to(weight.dtype) if bag.weights is not None else None
-            pooled[spec.name] = F.embedding_bag(bag.ids, weight, bag.offsets, mode=spec.pooling,
-                                                per_sample_weights=weights, sparse=self.sparse_grad)
-        return pooled
+            pooled = self.sharded.forward(merged, train=self.training and torch.is_grad_enabled())
+        else:
+            pooled = {spec.name: self._whole_lookup(i, merged[spec.name])
+                      for i, spec in enumerate(self.tables) if spec.name in merged}
+        out: dict[str, torch.Tensor] = {}
+        for table, items in parts.items():
+            for (key, _), piece in zip(items, torch.split(pooled[table], [n for _, n in items])):
+                out[key] = piece
+        return out
+
+    def _whole_lookup(self, index: int, bag: Bag) -> torch.Tensor:
+        spec, weight = self.tables[index], self.weights[index]
+        if weight.is_meta:
+            if _probing():  # the driver's probe of a deferred model: shapes, not values
+                return torch.zeros(bag.num_bags, spec.dim)
+            raise SparkdlError(f"embedding table {spec.name!r} was built deferred and holds no rows",
+                               hint="call materialize() for replicated use, or train the model with "
+                                    "ShardedEmbeddingTraining")
+        weights = bag.weights.to(weight.dtype) if bag.weights is not None else None
+        return F.embedding_bag(bag.ids, weight, bag.offsets, mode=spec.pooling,
+                               per_sample_weights=weights, sparse=self.sparse_grad)
 
     def extra_repr(self) -> str:
         where = "sharded" if self.sharded is not None else ("whole" if self.is_materialized else "deferred")

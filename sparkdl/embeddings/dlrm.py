@@ -64,10 +64,12 @@ def dot_interaction(features: torch.Tensor) -> torch.Tensor:
 class DLRM(nn.Module):
     """DLRM over `dense_features` dense inputs and `tables` (all as wide as bottom[-1]). `bottom`:
     the bottom MLP's widths; `top`: the top MLP's hidden widths (a last layer to one logit is added).
-    `seed`, `sparse_grad`: the collection's (initial rows; sparse table gradients in replicated use)."""
+    `seed`, `sparse_grad`, `features`: the collection's (initial rows; sparse table gradients in
+    replicated use; {categorical column: table} when columns share a table or are named otherwise)."""
 
     def __init__(self, dense_features: int, tables: Sequence[TableSpec], bottom: Sequence[int],
-                 top: Sequence[int], seed: int = 0, sparse_grad: bool = False) -> None:
+                 top: Sequence[int], seed: int = 0, sparse_grad: bool = False,
+                 features: Mapping[str, str] | None = None) -> None:
         super().__init__()
         if isinstance(dense_features, bool) or not isinstance(dense_features, int) or dense_features < 1:
             raise ConfigError(f"DLRM: dense_features={dense_features!r} is not a positive integer",
@@ -82,16 +84,17 @@ class DLRM(nn.Module):
                               f"not {', '.join(narrow)}",
                               hint="give every TableSpec dim=bottom[-1]")
         self.bottom = _mlp((dense_features, *bottom_sizes), relu_last=True)
-        self.embeddings = EmbeddingBagCollection(specs, seed=seed, sparse_grad=sparse_grad)
-        features = 1 + len(specs)
-        self.top = _mlp((width + features * (features - 1) // 2, *top_sizes, 1), relu_last=False)
+        self.embeddings = EmbeddingBagCollection(specs, seed=seed, sparse_grad=sparse_grad, features=features)
+        count = 1 + len(self.embeddings.feature_names)
+        self.top = _mlp((width + count * (count - 1) // 2, *top_sizes, 1), relu_last=False)
 
     def forward(self, dense: torch.Tensor, sparse: Mapping[str, Any]) -> torch.Tensor:
         x = self.bottom(dense)
         pooled = self.embeddings(sparse)
-        missing = [s.name for s in self.embeddings.tables if s.name not in pooled]
+        names = self.embeddings.feature_names
+        missing = [n for n in names if n not in pooled]
         if missing:
-            raise ConfigError(f"DLRM: the batch has no ids for table(s) {', '.join(missing)}",
-                              hint="pass a Bag for every table (empty bags are fine)")
-        features = torch.stack([x] + [pooled[s.name] for s in self.embeddings.tables], dim=1)
+            raise ConfigError(f"DLRM: the batch has no ids for {', '.join(missing)}",
+                              hint="pass a Bag for every table (or declared feature; empty bags are fine)")
+        features = torch.stack([x] + [pooled[n] for n in names], dim=1)
         return self.top(torch.cat([x, dot_interaction(features)], dim=1)).squeeze(1)

@@ -107,12 +107,12 @@ class ShardedEmbeddingTraining:
                               hint="reduce the loss with .mean()")
         loss.backward()
         self.bags.apply_gradients()
-        self._average_dense_gradients()
+        self.average_dense_gradients()
         self.dense_optimizer.step()
         self.steps += 1
         return loss.detach()
 
-    def _average_dense_gradients(self) -> None:
+    def average_dense_gradients(self) -> None:
         """One allreduce (avg) of every dense gradient, with one flag per parameter: a parameter no
         rank had a gradient for keeps none (as in one process); a rank without one adds zeros."""
         params = self.dense_params

@@ -43,9 +43,9 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
     torch.manual_seed(spec.train.seed)
     strategy = build_strategy(ctx)
     loss_fn = loss_function(spec.train)
-    strategy.setup(build_model(spec.model, spec.train.seed, strategy.layers_to_build(),
-                               lazy=strategy.builds_layer_by_layer),
-                   lambda params: build_optimizer(spec.train, params),
+    with strategy.model_building():
+        model = build_model(spec.model, spec.train.seed, strategy.layers_to_build(), lazy=strategy.builds_layer_by_layer)
+    strategy.setup(model, lambda params: build_optimizer(spec.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, spec.train.checkpoint_every,
                                  spec.launch.timeout_s) if store else None

@@ -228,4 +228,16 @@ class IstLayout:
     seed: int
 
 
-StrategyLayout = Union[HybridLayout, IstLayout, None]
+@dataclass(frozen=True)
+class EmbeddingLayout:
+    """strategy "embeddings": the sparse optimizer of the tables (the embeddings section, defaults
+    filled in) and the bound on late embedding updates; built on the driver."""
+
+    optimizer: str  # "rowwise_adagrad" or "adam"
+    lr: float
+    eps: float
+    staleness: int = 0  # 0: synchronous and exact
+    features: tuple[tuple[str, str], ...] = ()  # (categorical column, its table), from data.sparse_cols
+
+
+StrategyLayout = Union[HybridLayout, IstLayout, EmbeddingLayout, None]

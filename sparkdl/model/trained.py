@@ -21,6 +21,15 @@ from typing import Any, Iterable, Iterator
 from sparkdl.errors import SparkdlError, TrainingError
 
 SKELETON_TAG = "sparkdl-weights"
+# A rank's rows of a sharded table (strategy "embeddings"): f"{state-dict key}{ROWS_MARK}{first row}";
+# the driver writes each piece into that tensor at its row, one piece in memory at a time.
+ROWS_MARK = "#rows="
+
+
+def row_piece(name: str) -> tuple[str, int] | None:
+    """(state-dict key, first row) of a table piece's name; None for a whole tensor's name."""
+    key, mark, start = name.partition(ROWS_MARK)
+    return (key, int(start)) if mark and start.isdigit() else None
 MODEL_COPY_PREFIX = "sparkdl-model-"  # a local copy of remote parts, under the private root (private_dirs)
 
 
@@ -124,7 +133,8 @@ def names_in(files: Iterable[str]) -> set[str]:
 
 def load_parts(module: Any, files: Iterable[str]) -> None:
     """Every tensor of the parts into `module`: into its own parameter/buffer memory where that is
-    real, contiguous and of the same dtype and shape; a meta (or mismatched) tensor is replaced."""
+    real, contiguous and of the same dtype and shape; a meta (or mismatched) tensor is replaced. A
+    table's row pieces go into the rows they name (a meta table gets its memory first)."""
     import torch
 
     from sparkdl.storage.files import locate, open_input
@@ -132,8 +142,11 @@ def load_parts(module: Any, files: Iterable[str]) -> None:
 
     own = module.state_dict(keep_vars=False)
     taken: dict[str, Any] = {}
+    pieces = _RowPieces(own)
 
     def target(entry: Any) -> Any:
+        if row_piece(entry.name) is not None:
+            return pieces.target(entry)
         tensor = own.get(entry.name)
         if tensor is None or tensor.is_meta or tensor.device.type != "cpu" or not tensor.is_contiguous() \
                 or tuple(tensor.shape) != entry.shape or str(tensor.dtype).removeprefix("torch.") != entry.dtype:
@@ -145,11 +158,47 @@ def load_parts(module: Any, files: Iterable[str]) -> None:
         for uri in files:
             with open_input(locate(uri)) as stream:
                 for name, tensor in read_tensors(stream, target):
-                    if tensor is not own.get(name):
+                    if row_piece(name) is None and tensor is not own.get(name):
                         taken[name] = tensor
+    taken.update(pieces.complete())
     if taken:
         module.load_state_dict(taken, strict=False, assign=any(t.is_meta for t in own.values()))
         _tie(module, aliases)
+
+
+class _RowPieces:
+    """Where each row piece of a sharded table goes: the module's own table when it is real, else a
+    new one; complete() checks that the pieces covered every row."""
+
+    def __init__(self, own: dict[str, Any]) -> None:
+        self.own, self.made, self.rows = own, {}, {}  # type: ignore[var-annotated]
+
+    def target(self, entry: Any) -> Any:
+        import torch
+
+        key, start = row_piece(entry.name)  # type: ignore[misc]
+        table = self.made.get(key, self.own.get(key))
+        if table is None:
+            raise TrainingError(f"the trained model holds rows of {key!r}, which the model does not have",
+                                hint="train and load the same model (its EmbeddingBagCollection)")
+        usable = not table.is_meta and table.device.type == "cpu" and table.is_contiguous() \
+            and str(table.dtype).removeprefix("torch.") == entry.dtype
+        if not usable:
+            table = self.made[key] = torch.empty(tuple(table.shape), dtype=getattr(torch, entry.dtype))
+        stop = start + (entry.shape[0] if entry.shape else 0)
+        if tuple(entry.shape[1:]) != tuple(table.shape[1:]) or stop > table.shape[0]:
+            raise TrainingError(f"rows {start}..{stop} of {key!r} do not fit its shape {tuple(table.shape)}",
+                                hint="train and load the same model")
+        self.rows[key] = self.rows.get(key, 0) + stop - start
+        return table[start:stop]
+
+    def complete(self) -> dict[str, Any]:
+        for key, count in self.rows.items():
+            table = self.made.get(key, self.own.get(key))
+            if count != table.shape[0]:
+                raise TrainingError(f"the trained model came back with {count} of the {table.shape[0]} rows of "
+                                    f"{key!r}", hint="a rank's part was lost on its way: see the driver's log")
+        return dict(self.made)
 
 
 def _aliases(module: Any) -> list[list[str]]:
@@ -171,6 +220,7 @@ def _tie(module: Any, aliases: list[list[str]]) -> None:
 
 
 def check_complete(module: Any, names: set[str]) -> None:
+    names = {piece[0] if (piece := row_piece(n)) is not None else n for n in names}
     missing = sorted(set(module.state_dict()) - names)
     if missing:
         raise TrainingError(f"the trained model came back without {len(missing)} of its tensors "

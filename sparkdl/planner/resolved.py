@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ConfigError
-from sparkdl.model.layouts import HybridLayout, IstLayout, StrategyLayout
+from sparkdl.model.layouts import EmbeddingLayout, HybridLayout, IstLayout, StrategyLayout
 from sparkdl.planner.plan import Candidate, Plan
 
 PLAN_FORMAT = 1
@@ -90,6 +90,12 @@ class ResolvedPlan:
         elif isinstance(self.layout, IstLayout):
             lines.append(f"ist: hidden widths {list(self.layout.widths)}, {self.layout.world} subnets, "
                          f"re-drawn every {self.layout.sync_every} steps")
+        elif isinstance(self.layout, EmbeddingLayout):
+            lines.append(f"embeddings: tables sharded over {self.world} ranks (all-to-all lookups), "
+                         f"{self.layout.optimizer} lr={self.layout.lr:g} where the rows live, "
+                         + ("synchronous (exact)" if not self.layout.staleness else
+                            f"updates up to {self.layout.staleness} steps late") + "; dense layers data parallel")
+            lines += [f"  {k.removeprefix('embeddings.')}: {v}" for k, v in self.params if k.startswith("embeddings.table")]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -99,7 +105,7 @@ class ResolvedPlan:
     def to_json(self) -> str:
         layout: dict[str, Any] | None = None
         if self.layout is not None:
-            layout = {"kind": "hybrid" if isinstance(self.layout, HybridLayout) else "ist", **asdict(self.layout)}
+            layout = {"kind": _LAYOUT_KINDS[type(self.layout)], **asdict(self.layout)}
         return json.dumps(_finite({"format": PLAN_FORMAT, "strategy": self.strategy, "world": self.world,
                                    "options": dict(self.settings), "layout": layout, "params": dict(self.params),
                                    "auto": asdict(self.auto) if self.auto is not None else None}),
@@ -156,11 +162,14 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+_LAYOUT_KINDS: dict[type, str] = {HybridLayout: "hybrid", IstLayout: "ist", EmbeddingLayout: "embeddings"}
+
+
 def _layout_from(data: dict[str, Any] | None) -> StrategyLayout:
     if data is None:
         return None
     kind = data.pop("kind")
-    target = {"hybrid": HybridLayout, "ist": IstLayout}[kind]
+    target = {kind: cls for cls, kind in _LAYOUT_KINDS.items()}[kind]
     names = {f.name for f in fields(target)}
     return target(**{k: _tuples(v) for k, v in data.items() if k in names})
 

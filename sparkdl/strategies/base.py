@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Iterable, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -61,6 +62,10 @@ class Strategy(abc.ABC):
 
     # True: given layer factories, setup receives a LazyLayers and makes each layer real itself.
     builds_layer_by_layer = False
+
+    def model_building(self) -> ContextManager[Any]:
+        """Entered while this rank builds the model (embeddings: its tables stay meta tensors)."""
+        return nullcontext()
 
     def slow_down(self, since: float) -> None:
         """Emulate a slower rank: stretch the compute done since `since` (perf_counter) to 1/speed."""

@@ -64,19 +64,20 @@ def rebuilt_inputs(spec: InputSpec, tensors: list[torch.Tensor]) -> Inputs:
 
 
 def to_device(inputs: Inputs, device: Any) -> Inputs:
+    """Nested too: a sparse_cols batch is (dense, {column: Bag}), and a Bag moves itself."""
     if isinstance(inputs, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        return {k: to_device(v, device) for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):
-        return tuple(v.to(device, non_blocking=True) for v in inputs)
+        return tuple(to_device(v, device) for v in inputs)
     return inputs.to(device, non_blocking=True) if inputs is not None else None
 
 
 def batch_rows(inputs: Inputs) -> int:
     if isinstance(inputs, dict):
-        inputs = next(iter(inputs.values()))
-    elif isinstance(inputs, (tuple, list)):
-        inputs = inputs[0]
-    return int(inputs.shape[0])
+        return batch_rows(next(iter(inputs.values())))
+    if isinstance(inputs, (tuple, list)):
+        return batch_rows(inputs[0])
+    return int(inputs.num_bags if hasattr(inputs, "num_bags") else inputs.shape[0])
 
 
 def takes_weight(loss_fn: Callable[..., Any]) -> bool:

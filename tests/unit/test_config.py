@@ -20,7 +20,7 @@ from sparkdl.config import (
 )
 from sparkdl.errors import ConfigError, SparkdlError
 
-SECTIONS = ("data", "train", "launch", "input", "output", "model", "tracking")
+SECTIONS = ("data", "train", "launch", "input", "output", "model", "tracking", "embeddings")
 DIGITS_COLS = tuple(f"p{i}" for i in range(64))
 
 

@@ -332,9 +332,9 @@ def test_dlrm_scores_one_logit_per_sample_and_refuses_bad_shapes() -> None:
         DLRM(DENSE, SPECS, bottom=[], top=[4])
     with pytest.raises(ConfigError, match="wide"):
         DLRM(DENSE, SPECS + (TableSpec("odd", 5, DIM + 1),), bottom=[8, DIM], top=[4])
-    with pytest.raises(ConfigError, match="no ids for table"):
+    with pytest.raises(ConfigError, match="no ids for tag"):
         model(dense, {k: v for k, v in sparse.items() if k != "tag"})
-    with pytest.raises(ConfigError, match="do not exist"):
+    with pytest.raises(ConfigError, match="neither a table nor a feature"):
         model(dense, {**sparse, "nope": sparse["tag"]})
 
 

@@ -98,8 +98,31 @@ def test_sparse_columns_are_no_other_column(kwargs: dict, pattern: str) -> None:
 def test_input_cols_runs_are_checked_too() -> None:
     with pytest.raises(ConfigError, match=r"column 'q' is both in data.sparse_cols and in data.input_cols"):
         RunConfig.from_kwargs(input_cols={"query": "q"}, sparse_cols={"q": {"num_rows": 3}}).validate()
-    ok = RunConfig.from_kwargs(input_cols=["pixels"], sparse_cols={"user": {"num_rows": 3}}).validate()
-    assert ok.data.sparse_cols == {"user": {"num_rows": 3}}
+    with pytest.raises(ConfigError, match="goes with feature_cols"):
+        RunConfig.from_kwargs(input_cols=["pixels"], sparse_cols={"user": {"num_rows": 3}}).validate()
+
+
+def test_sparse_runs_train_with_the_embeddings_strategy_and_refuse_what_it_cannot_do() -> None:
+    ok = RunConfig.from_kwargs(feature_cols=[], sparse_cols={"user": {"num_rows": 3}}, embedding_lr=0.05,
+                               embedding_optimizer="adam", embedding_staleness=2).validate()
+    assert ok.embeddings.embedding_lr == 0.05 and ok.train.strategy == "auto"
+    assert RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}},
+                                 strategy="embeddings").validate().train.strategy == "embeddings"
+    with pytest.raises(ConfigError, match="data.feature_cols is empty"):
+        RunConfig.from_kwargs(feature_cols=[]).validate()
+    with pytest.raises(ConfigError, match="not train.strategy='hybrid'"):
+        RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}}, strategy="hybrid").validate()
+    with pytest.raises(ConfigError, match="data.sparse_cols is not set"):
+        RunConfig.from_kwargs(feature_cols=["f"], strategy="embeddings").validate()
+    for option, value in (("accumulate_steps", 2), ("precision", "bf16"), ("nonfinite_loss", "skip"),
+                          ("backend", "horovod"), ("min_workers", 1)):
+        with pytest.raises(ConfigError, match="not supported with data.sparse_cols"):
+            RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}}, checkpoint_dir="/tmp/c",
+                                  **{option: value}).validate()
+    for option, value in (("embedding_optimizer", "sgd"), ("embedding_lr", -1.0), ("embedding_staleness", -1),
+                          ("embedding_eps", float("nan"))):
+        with pytest.raises(ConfigError, match=f"embeddings.{option}"):
+            RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}}, **{option: value}).validate()
 
 
 def test_unset_means_no_sparse_inputs() -> None:
