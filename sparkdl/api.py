@@ -194,7 +194,11 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
     fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, prediction_col,
                          batch_size, carried)
     profile = gpu_task_profile(spark, gpus_per_task) if gpus_per_task else None
-    if layout.tensor_inputs:
+    if layout.sparse:  # ids mapped to table rows by the SQL training used
+        from sparkdl.data.sparse_feed import scoring_columns
+
+        prepared = df.withColumns(scoring_columns(df, layout))
+    elif layout.tensor_inputs:
         from sparkdl.data.tensor_feed import selected_inputs
 
         prepared = df.withColumns({c.column: selected_inputs(df, c) for c in layout.inputs})

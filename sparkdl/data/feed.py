@@ -129,13 +129,14 @@ def check_weight(df: DataFrame, name: str, stats: dict) -> None:
 _PACKED = 1 << 32  # a scalar column's nulls count below this bit of its one check sum, NaN/Inf above it
 
 
-def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
-           classification: bool, weight_col: str | None = None, on_invalid: str = "skip",
-           packed: bool = True) -> dict[str, int | None]:
+def feed_stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
+               classification: bool, weight_col: str | None = None, on_invalid: str = "skip",
+               packed: bool = True, extra: Sequence[Column] = ()) -> dict[str, int | None]:
     """Every count the driver's checks need, in one aggregation job. A scalar feature column's nulls
     and NaN/Inf rows share one sum (`packed`): Spark's aggregation slows with the number of
     aggregates (1M rows x 64 columns: 4-6 s with two per column, 1.5-2 s with one); a DataFrame of
-    2^32 rows or more, where the packed counts could overflow, is counted again unpacked."""
+    2^32 rows or more, where the packed counts could overflow, is counted again unpacked. `extra`:
+    more named aggregates for the same job (a sparse_cols run's checks of its categorical columns)."""
     aggs: list[Column] = [F.count(F.lit(1)).alias("rows"), *weight_aggregates(weight_col)]
     packed_columns = []
     for i, name in enumerate(feature_cols):
@@ -171,9 +172,9 @@ def _stats(df: DataFrame, feature_cols: Sequence[str], label_col: str | None,
             aggs += [F.min(label).alias("label_min"), F.max(label).alias("label_max"),
                      F.sum((label != F.floor(label)).cast("long")).alias("label_fractional"),
                      F.max(F.when(~invalid, label)).alias("valid_label_max")]
-    stats = df.agg(*aggs).collect()[0].asDict()
+    stats = df.agg(*aggs, *extra).collect()[0].asDict()
     if packed_columns and stats["rows"] >= _PACKED:
-        return _stats(df, feature_cols, label_col, classification, weight_col, on_invalid, packed=False)
+        return feed_stats(df, feature_cols, label_col, classification, weight_col, on_invalid, packed=False, extra=extra)
     for i in packed_columns:
         checks = stats.pop(f"checks_{i}") or 0
         stats[f"null_{i}"], stats[f"nonfinite_{i}"] = checks % _PACKED, checks // _PACKED
@@ -247,13 +248,13 @@ def _prepare_one(df: DataFrame, feature_cols: Sequence[str], label_col: str | No
     if label_col is not None:
         label_type(df, label_col)
         label_dtype = "int64" if classification else "float32"
-    stats = _stats(df, feature_cols, label_col, classification, weight_col, on_invalid)
+    stats = feed_stats(df, feature_cols, label_col, classification, weight_col, on_invalid)
     if not stats["rows"]:
         raise EmptyDataError(f"{what} has no rows", hint="check the filters or the input path")
     if weight_col is not None:
         check_weight(df, weight_col, stats)
-    num_features = _checked_feature_width(df, feature_cols, stats, what, on_invalid)
-    num_classes = _checked_label(label_col, stats, classification, what, on_invalid) if label_col is not None else None
+    num_features = checked_feature_width(df, feature_cols, stats, what, on_invalid)
+    num_classes = checked_label(label_col, stats, classification, what, on_invalid) if label_col is not None else None
     dropped = int(stats["invalid_rows"] or 0) if on_invalid == "skip" else 0
     if dropped:
         if dropped == stats["rows"]:
@@ -292,7 +293,7 @@ def _flat(df: DataFrame, feature_cols: Sequence[str], label_col: str | None, lab
     return df.selectExpr(*columns)
 
 
-def _checked_feature_width(df: DataFrame, feature_cols: Sequence[str], stats: dict, what: str, on_invalid: str) -> int:
+def checked_feature_width(df: DataFrame, feature_cols: Sequence[str], stats: dict, what: str, on_invalid: str) -> int:
     """Feature values per row, from the stats job; the first column with nulls, NaN/Inf (unless
     skipped), null elements or rows of unequal length raises, naming it."""
     num_features = 0
@@ -326,7 +327,7 @@ def _checked_feature_width(df: DataFrame, feature_cols: Sequence[str], stats: di
     return num_features
 
 
-def _checked_label(label_col: str, stats: dict, classification: bool, what: str, on_invalid: str) -> int | None:
+def checked_label(label_col: str, stats: dict, classification: bool, what: str, on_invalid: str) -> int | None:
     """The number of classes (None for regression), from the stats job; nulls, NaN/Inf (unless
     skipped) or labels that are no class index raise, naming the column."""
     nulls = stats["null_label"] or 0

@@ -1,6 +1,7 @@
 """The one preparation call of fit, plan and run: every option taken from the run's config, so the
 three cannot drift apart (validation rows, seed, invalid rows, classification), whichever layout
-the run uses (feature_cols: data/feed.py; input_cols: data/tensor_feed.py), and whoever delivers
+the run uses (feature_cols: data/feed.py; input_cols: data/tensor_feed.py; sparse_cols:
+data/sparse_feed.py), and whoever delivers
 the rows (Spark's rows, blocks of rows packed on the JVM: data/packed_delivery.py, or the ranks
 reading a plain Parquet scan: data/parquet_source.py)."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pyspark.sql import DataFrame
 from sparkdl.data.feed import PreparedData, is_classification, prepare
 from sparkdl.data.packed_delivery import with_packed_delivery
 from sparkdl.data.parquet_source import direct_candidate, with_parquet_source
+from sparkdl.data.sparse_feed import prepare_sparse
 from sparkdl.data.tensor_feed import prepare_tensors
 from sparkdl.config.elastic import is_elastic
 
@@ -28,6 +30,9 @@ def prepare_run(df: DataFrame, data: "DataConfig", train: "TrainConfig", launch:
     # A run that may resume at another size deals its rows in a fixed order, so a resized attempt
     # sees what a fresh fit at that size would (a shuffle's arrival order varies run to run).
     fixed = is_elastic(launch) or bool(train.resume_run)
+    if data.sparse_cols is not None:
+        return prepare_sparse(df, data, classification=classification, num_workers=launch.num_workers,
+                              validation_df=validation_df, seed=train.seed, fixed_order=fixed)
     if data.input_cols is not None:
         return prepare_tensors(df, data, classification=classification, num_workers=launch.num_workers,
                                validation_df=validation_df, seed=train.seed, fixed_order=fixed)

@@ -140,6 +140,11 @@ def rows_sql(column: SparseColumn) -> str:
     return f"transform({name}, {_VAR} -> CAST({element_row_sql(_VAR, column.kind, column.input)} AS BIGINT))"
 
 
+def weights_sql(column: SparseColumn) -> str:
+    """SQL of a weighted input's weights as the workers receive them: array<float>."""
+    return f"CAST({quoted(column.input.weights_col or '')} AS ARRAY<FLOAT>)"
+
+
 def sparse_columns(columns: tuple[SparseColumn, ...]) -> list[Column]:
     """The prepared columns, in declaration order: each input's rows (bigint or array<bigint>) and,
     where weighted, its weights as array<float> (positions unchanged: weight j goes with id j)."""
@@ -148,7 +153,7 @@ def sparse_columns(columns: tuple[SparseColumn, ...]) -> list[Column]:
         ids, weights = prepared_names(index)
         out.append(F.expr(f"{rows_sql(column)} AS {quoted(ids)}"))
         if column.weighted:
-            out.append(F.expr(f"CAST({quoted(column.input.weights_col)} AS ARRAY<FLOAT>) AS {quoted(weights)}"))
+            out.append(F.expr(f"{weights_sql(column)} AS {quoted(weights)}"))
     return out
 
 

@@ -316,7 +316,7 @@ def prepare_tensors(df: DataFrame, data: "DataConfig", *, classification: bool, 
                                     prepared.layout)
         classes = [n for n in (prepared.layout.num_classes, validation.layout.num_classes) if n is not None]
         prepared = replace(prepared, layout=replace(validation.layout, num_classes=max(classes) if classes else None))
-    sample = _sample(prepared.df)
+    sample = sample_rows(prepared.df)
     sharded = split_and_shard(prepared, validation, num_workers=num_workers,
                               validation_fraction=data.validation_fraction, seed=seed, fixed_order=fixed_order)
     return replace(sharded, sample=sample)
@@ -349,7 +349,7 @@ def _like_training(validation: PreparedData, training: FeedLayout) -> PreparedDa
                                                      or validation.layout.label_ignores))
 
 
-def _sample(selected: DataFrame) -> Any:
+def sample_rows(selected: DataFrame) -> Any:
     """The first few prepared rows as an Arrow table (one small job)."""
     import pyarrow as pa
 

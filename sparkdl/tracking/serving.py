@@ -8,13 +8,13 @@ No pyspark and no mlflow at import: executors and scoring servers load it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import numpy as np
 import pyarrow as pa
 
 from sparkdl.data.arrow_rows import slice_rows
-from sparkdl.data.layout import BINARY, FIXED, RAGGED, TEXT, FeedLayout
+from sparkdl.data.layout import BINARY, FIXED, RAGGED, TEXT, FeedLayout, SparseFeature
 
 if TYPE_CHECKING:
     import torch
@@ -89,15 +89,19 @@ def _values(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") and not isinstance(value, np.ndarray) else value
 
 
+def _dense_block(layout: FeedLayout, columns: Any) -> np.ndarray:
+    """(rows, num_features) float32 from the feature columns, in source_feature_cols order."""
+    return np.column_stack([np.stack([np.asarray(v, np.float32).reshape(-1) for v in _values(columns[c])])
+                            for c in layout.source_feature_cols])
+
+
 def arrays_from_columns(layout: FeedLayout, columns: Any) -> tuple:
     """Spool-like arrays (arrow_rows.py) from user-facing columns: a dict, a pandas DataFrame, or
     (feature_cols layouts) a 2-d array of features."""
+    if layout.sparse:
+        return _sparse_arrays(layout, columns)
     if not layout.tensor_inputs:
-        if isinstance(columns, np.ndarray):
-            matrix = columns
-        else:
-            matrix = np.column_stack([np.stack([np.asarray(v, np.float32).reshape(-1) for v in _values(columns[c])])
-                                      for c in layout.source_feature_cols])
+        matrix = columns if isinstance(columns, np.ndarray) else _dense_block(layout, columns)
         return (np.ascontiguousarray(np.asarray(matrix, np.float32).reshape(len(matrix), -1)),)
     arrays = []
     for column in layout.inputs:
@@ -119,3 +123,66 @@ def arrays_from_columns(layout: FeedLayout, columns: Any) -> tuple:
             arrays.append(pa.array([np.asarray(v, column.storage) for v in values],
                                    pa.large_list(pa.from_numpy_dtype(np.dtype(column.storage)))))
     return tuple(arrays)
+
+
+def _sparse_arrays(layout: FeedLayout, columns: Any) -> tuple:
+    """sparse_cols layouts, in layout.inputs order: the dense block (with feature_cols), then per
+    categorical input its table rows (int64 per row, or large_list<int64> for multi-hot) and its
+    weights (large_list<float32>). Ids map to rows by data/sparse_hash.py's rule, the one the
+    prepared Spark columns follow, so serving scores the rows training looked up."""
+    from sparkdl.errors import ArrayLengthError, MissingColumnError
+
+    for name in (*layout.source_feature_cols, *(c for f in layout.sparse for c in (f.source, f.source_weights))):
+        if name is not None and name not in columns:
+            raise MissingColumnError(f"input column {name!r} is missing", hint="pass every column the model was "
+                                     f"trained on: {list(layout.source_input_cols)}")
+    arrays: list[Any] = []
+    if layout.num_features:
+        arrays.append(np.ascontiguousarray(np.asarray(_dense_block(layout, columns), np.float32)))
+    for feature in layout.sparse:
+        values = _values(columns[feature.source])
+        if not feature.multi_hot:
+            arrays.append(_id_rows(feature, values))
+            continue
+        if any(v is None for v in values):
+            _refuse_nulls(feature)
+        lengths = np.fromiter((len(v) for v in values), np.int64, len(values))
+        rows = _id_rows(feature, [x for v in values for x in v])
+        offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+        arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(rows, pa.int64())))
+        if feature.source_weights is not None:
+            weights = [np.asarray(w, np.float32).reshape(-1) for w in _values(columns[feature.source_weights])]
+            if [len(w) for w in weights] != lengths.tolist():
+                raise ArrayLengthError(f"weights column {feature.source_weights!r} does not hold one weight per id "
+                                       f"of sparse column {feature.source!r} in every row",
+                                       hint="weights need one number per id, in the same order")
+            arrays.append(pa.array(weights, pa.large_list(pa.float32())))
+    return tuple(arrays)
+
+
+def _id_rows(feature: SparseFeature, ids: Any) -> np.ndarray:
+    """Table rows (int64) of one flat list of a SparseFeature's ids, refused naming the column when
+    they are not of the kind training saw (or null), or out of range under "refuse"."""
+    from sparkdl.data.sparse_hash import SparseIdError, table_rows
+    from sparkdl.errors import ColumnTypeError
+
+    values = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if values.size == 0:
+        return np.zeros(0, np.int64)
+    strings = values.dtype.kind == "U" or (values.dtype.kind == "O" and all(isinstance(v, str) for v in values.flat))
+    if not (values.dtype.kind in "iu" if feature.id_kind == "integer" else strings):
+        if any(v is None or (isinstance(v, float) and v != v) for v in values.flat):
+            _refuse_nulls(feature)
+        raise ColumnTypeError(f"sparse column {feature.source!r} holds {values.dtype} values, but the model was "
+                              f"trained on {feature.id_kind} ids", hint=f"pass {feature.id_kind} ids, as in training")
+    try:
+        return table_rows(values, feature.num_rows, feature.out_of_range)
+    except SparseIdError as err:
+        raise SparseIdError(f"sparse column {feature.source!r} (table {feature.table!r}): {err.message}",
+                            hint=err.hint) from None
+
+
+def _refuse_nulls(feature: SparseFeature) -> NoReturn:
+    from sparkdl.errors import NullValuesError
+
+    raise NullValuesError(f"sparse column {feature.source!r} holds null ids", hint="fill or drop them before scoring")
