@@ -1,0 +1,114 @@
+"""A recommender model through fit: categorical columns (data.sparse_cols) looked up in embedding
+tables sharded over two executors (strategy "embeddings"), the trained tables returned piece by
+piece, transform and MLflow's pyfunc scoring the same rows alike."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sparkdl import TorchEstimator
+from sparkdl.data.sparse_hash import integer_rows, string_rows
+from sparkdl.embeddings import DLRM, Bag, TableSpec
+from sparkdl.embeddings.optimizers import RowwiseAdagrad
+from sparkdl.embeddings.sharded import initial_rows
+from sparkdl.errors import ConfigError, ModelError
+
+ROWS, DIM, USERS, ITEMS, TAGS = 64, 4, 50, 40, 30
+SPECS = (TableSpec("users", USERS, DIM), TableSpec("items", ITEMS, DIM), TableSpec("tags", TAGS, DIM))
+SPARSE = {"user": {"table": "users", "num_rows": USERS}, "item": {"table": "items", "num_rows": ITEMS},
+          "tags": {"num_rows": TAGS, "weights_col": "tag_w"}}
+COMMON = dict(num_workers=2, tracking=False, progress=False, loss="bce_with_logits", feature_cols=["f0", "f1"],
+              sparse_cols=SPARSE, label_col="clicked", shuffle=False)
+
+
+def dlrm() -> nn.Module:
+    return DLRM(2, SPECS, bottom=[8, DIM], top=[8], features={"user": "users", "item": "items", "tags": "tags"})
+
+
+def click_rows() -> list[tuple]:
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(ROWS):
+        user = int(rng.integers(0, USERS)) if i % 7 else 10**9 + i  # every 7th out of range: hashed
+        tags = [int(t) for t in rng.integers(0, TAGS, size=int(rng.integers(0, 4)))]
+        rows.append((float(rng.normal()), float(rng.normal()), user, f"item-{rng.integers(0, 60)}", tags,
+                     [float(w) for w in rng.uniform(0.5, 2.0, size=len(tags))], int(rng.integers(0, 2))))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def clicks(spark):  # type: ignore[no-untyped-def]
+    schema = ("f0 double, f1 double, user bigint, item string, tags array<int>, tag_w array<double>, "
+              "clicked int")
+    return spark.createDataFrame(click_rows(), schema).repartition(2).cache()
+
+
+def local_batch(rows: list[tuple]) -> tuple[torch.Tensor, dict[str, Bag], torch.Tensor]:
+    """The rows as the model sees them, ids mapped to table rows by the documented rules."""
+    dense = torch.tensor([[r[0], r[1]] for r in rows], dtype=torch.float32)
+    users = torch.from_numpy(integer_rows([r[2] for r in rows], USERS))
+    items = torch.from_numpy(string_rows([r[3] for r in rows], ITEMS))
+    tags = torch.tensor([t for r in rows for t in r[4]], dtype=torch.int64)
+    weights = torch.tensor([w for r in rows for w in r[5]], dtype=torch.float32)
+    lengths = torch.tensor([len(r[4]) for r in rows])
+    single = torch.arange(len(rows))
+    sparse = {"user": Bag(users, single), "item": Bag(items, single), "tags": Bag.from_lengths(tags, lengths, weights)}
+    return dense, sparse, torch.tensor([float(r[6]) for r in rows])
+
+
+def one_step_reference(lr: float, table_lr: float) -> nn.Module:
+    """One process, one step on every row: SGD on the dense layers, row-wise Adagrad on the rows touched."""
+    torch.manual_seed(0)
+    model = dlrm()
+    dense, sparse, labels = local_batch(click_rows())
+    loss = nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)
+    loss.backward()
+    optimizer, tables = RowwiseAdagrad(lr=table_lr), model.embeddings.weights
+    with torch.no_grad():
+        for param in model.parameters():
+            if all(param is not t for t in tables) and param.grad is not None:
+                param -= lr * param.grad
+        for table in tables:
+            rows = torch.nonzero(table.grad.abs().sum(1)).reshape(-1)
+            optimizer.update(table.data, optimizer.init_state(table.data), rows, table.grad[rows])
+    return model
+
+
+def test_one_sharded_step_through_fit_equals_one_process_on_every_row(clicks) -> None:  # type: ignore[no-untyped-def]
+    estimator = TorchEstimator(model=dlrm, epochs=1, batch_size=ROWS // 2, optimizer="sgd", lr=0.1,
+                               embedding_lr=0.05, **COMMON)
+    trained = estimator.fit(clicks)
+    assert trained.options.get("train.strategy") == "embeddings", trained.options
+    expected = one_step_reference(lr=0.1, table_lr=0.05)
+    got = trained.torch_module().state_dict()
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    untouched = torch.ones(USERS, dtype=torch.bool)
+    untouched[local_batch(click_rows())[1]["user"].ids] = False
+    torch.testing.assert_close(got["embeddings.weights.0"][untouched],
+                               initial_rows(SPECS[0], 0, USERS)[untouched])  # rows no batch touched: as drawn
+
+
+def test_trained_model_scores_a_dataframe_as_the_module_does(clicks) -> None:  # type: ignore[no-untyped-def]
+    trained = TorchEstimator(model=dlrm, epochs=2, batch_size=8, lr=0.01, embedding_optimizer="adam",
+                             **COMMON).fit(clicks)
+    assert len(trained.history) == 2 and all(np.isfinite(h["loss"]) for h in trained.history)
+    scored = trained.transform(clicks).orderBy("user", "item").collect()
+    assert len(scored) == ROWS
+    rows = [(r.f0, r.f1, r.user, r.item, list(r.tags), list(r.tag_w), r.clicked) for r in scored]
+    dense, sparse, _ = local_batch(rows)
+    with torch.no_grad():
+        expected = torch.sigmoid(trained.torch_module()(dense, sparse)) > 0.5
+    assert [bool(r.prediction) for r in scored] == expected.tolist()
+
+
+def test_a_model_without_the_declared_tables_is_refused_before_training(clicks) -> None:  # type: ignore[no-untyped-def]
+    def short() -> nn.Module:
+        return DLRM(2, SPECS[:2], bottom=[8, DIM], top=[8])
+
+    with pytest.raises(ModelError, match="table 'tags'"):
+        TorchEstimator(model=short, epochs=1, batch_size=8, **COMMON).fit(clicks)
+    with pytest.raises(ConfigError, match="not train.strategy='data_parallel'"):
+        TorchEstimator(model=dlrm, epochs=1, batch_size=8, strategy="data_parallel", **COMMON).fit(clicks)
