@@ -15,6 +15,8 @@ from sparkdl.config.values import choice, positive_int_or_zero
 from sparkdl.errors import ConfigError
 
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
+# "auto": the planner prices both on the measured links and the ids' measured frequency
+EMBEDDING_PLACEMENTS = ("auto", "sharded", "replicated")
 EMBEDDING_STRATEGY = "embeddings"
 
 
@@ -28,9 +30,13 @@ class EmbeddingConfig:
     embedding_eps: float = 0.0  # 0: the optimizer's own default
     # Persia's hybrid mode: embedding updates may land up to this many steps late (0 = exact, synchronous)
     embedding_staleness: int = 0
+    # "sharded": every table's rows spread over the ranks (all-to-all of the touched rows); "replicated":
+    # every rank holds every table (its whole gradient allreduced each step); "auto": the cheaper
+    embedding_placement: str = "auto"
 
     def validate(self) -> None:
         choice("embeddings.embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
+        choice("embeddings.embedding_placement", self.embedding_placement, EMBEDDING_PLACEMENTS)
         for key in ("embedding_lr", "embedding_eps"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

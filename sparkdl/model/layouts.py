@@ -238,6 +238,8 @@ class EmbeddingLayout:
     eps: float
     staleness: int = 0  # 0: synchronous and exact
     features: tuple[tuple[str, str], ...] = ()  # (categorical column, its table), from data.sparse_cols
+    replicated: bool = False  # every rank holds every table (whole gradients allreduced), not sharded
+    shardings: tuple[tuple[str, str], ...] = ()  # sharded: (table, "row" | "table"); unlisted: the model's
 
 
 StrategyLayout = Union[HybridLayout, IstLayout, EmbeddingLayout, None]
