@@ -4,7 +4,8 @@ Owns: table specs and their placement over W ranks (placement.py: stdlib only, s
 price placements), the per-step id bucketing (bucketing.py), the sparse row optimizers that run where
 the rows live (optimizers.py), and ShardedEmbeddingBags (sharded.py): lookups of only the rows a batch
 touches by all-to-all, pooled locally, their gradients sent back to the owners by all-to-all, applied
-synchronously or with a bounded staleness.
+synchronously or with a bounded staleness; ReplicatedEmbeddingBags (replicated.py) is its twin with
+every table whole on every rank (local lookups, whole gradients allreduced).
 
 The model users write (collection.py, dlrm.py): any nn.Module holding one EmbeddingBagCollection
 (every table; {name: Bag} -> {name: pooled [B, dim]}) and calling it from its forward(dense, sparse);
@@ -28,7 +29,8 @@ from typing import Any
 _WHERE = {"EmbeddingBagCollection": "collection", "deferred_tables": "collection", "DLRM": "dlrm",
           "ShardedEmbeddingTraining": "hybrid_step", "RowwiseAdagrad": "optimizers", "SparseAdam": "optimizers",
           "Placement": "placement", "TableSpec": "placement", "plan_placement": "placement", "Bag": "sharded",
-          "ShardedEmbeddingBags": "sharded", "initial_rows": "sharded"}
+          "ShardedEmbeddingBags": "sharded", "initial_rows": "sharded",
+          "ReplicatedEmbeddingBags": "replicated", "replicated_placement": "replicated"}
 
 __all__ = sorted(_WHERE)
 

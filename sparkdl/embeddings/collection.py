@@ -28,6 +28,7 @@ from sparkdl.embeddings.sharded import initial_rows
 from sparkdl.errors import ConfigError, SparkdlError
 
 if TYPE_CHECKING:
+    from sparkdl.embeddings.replicated import ReplicatedEmbeddingBags
     from sparkdl.embeddings.sharded import ShardedEmbeddingBags
 
 __all__ = ["EmbeddingBagCollection", "deferred_tables", "probing_tables"]
@@ -85,7 +86,7 @@ class EmbeddingBagCollection(nn.Module):
             self.bind_features(features)
         self.seed = seed
         self.sparse_grad = bool(sparse_grad)
-        self.sharded: ShardedEmbeddingBags | None = None
+        self.sharded: ShardedEmbeddingBags | ReplicatedEmbeddingBags | None = None
         deferred = _deferring() or not materialize
         self.weights = nn.ParameterList(
             [nn.Parameter(torch.empty(s.num_rows, s.dim, device="meta")) if deferred
@@ -105,9 +106,13 @@ class EmbeddingBagCollection(nn.Module):
             if self.weights[i].is_meta:
                 self.weights[i] = nn.Parameter(initial_rows(spec, 0, spec.num_rows, seed=self.seed))
 
-    def shard(self, bags: "ShardedEmbeddingBags") -> None:
-        """Look rows up through `bags` (which must hold these tables) and drop the local tables."""
-        if tuple(bags.placement.tables) != self.tables:
+    def shard(self, bags: "ShardedEmbeddingBags | ReplicatedEmbeddingBags") -> None:
+        """Look rows up through `bags` (which must hold these tables: their sharding may differ) and
+        drop the local tables."""
+        def shape(specs: Sequence[TableSpec]) -> list[tuple[str, int, int, str]]:
+            return [(s.name, s.num_rows, s.dim, s.pooling) for s in specs]
+
+        if shape(bags.placement.tables) != shape(self.tables):
             raise ConfigError("the sharded embedding bags hold other tables than this collection",
                               hint="plan the placement from the collection's own tables")
         self.sharded = bags

@@ -13,10 +13,15 @@ would. A step, on every rank with its own batch:
 
 which is the step of a single process on the global batch with the same optimizers (exact, up to
 summation order), or with embedding updates up to `staleness` steps late (Persia's hybrid mode).
+
+`replicated=True` keeps every table whole on every rank instead (ReplicatedEmbeddingBags: local
+lookups, the whole tables' gradients allreduced): the same step, priced differently. `shardings`
+overrides each named table's TableSpec.sharding ("row" / "table") before the placement is planned.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
@@ -26,6 +31,7 @@ from sparkdl.comm.base import Communicator
 from sparkdl.embeddings.collection import EmbeddingBagCollection, deferred_tables, find_collection
 from sparkdl.embeddings.optimizers import SparseOptimizer
 from sparkdl.embeddings.placement import TableSpec, plan_placement
+from sparkdl.embeddings.replicated import ReplicatedEmbeddingBags
 from sparkdl.embeddings.sharded import ShardedEmbeddingBags
 from sparkdl.errors import ConfigError
 
@@ -51,15 +57,31 @@ def _build(model: "nn.Module | Callable[[], nn.Module]") -> nn.Module:
     return built
 
 
+def with_shardings(tables: tuple[TableSpec, ...], shardings: Mapping[str, str] | None) -> tuple[TableSpec, ...]:
+    """`tables` with the sharding of each table `shardings` names replaced (TableSpec checks the value)."""
+    if not shardings:
+        return tables
+    if not isinstance(shardings, Mapping):
+        raise ConfigError(f"shardings must map table names to 'row' or 'table', not {type(shardings).__name__}",
+                          hint="e.g. shardings={'user': 'row', 'country': 'table'}")
+    unknown = sorted(set(shardings) - {s.name for s in tables}, key=str)
+    if unknown:
+        raise ConfigError(f"shardings names embedding tables the model does not hold: {', '.join(map(str, unknown))}",
+                          hint=f"its tables are {', '.join(s.name for s in tables)}")
+    return tuple(dataclasses.replace(s, sharding=shardings[s.name]) if s.name in shardings else s for s in tables)
+
+
 class ShardedEmbeddingTraining:
     """`model`: an nn.Module or a zero-argument factory (preferred: tables never built whole) whose
     forward takes (dense, sparse); `dense_optimizer_factory(params)`: a torch optimizer over the dense
     parameters; `table_optimizer`: RowwiseAdagrad or SparseAdam; `loss_fn(output, labels)`: the mean
-    over the local batch."""
+    over the local batch. `replicated`: every table whole on every rank (ReplicatedEmbeddingBags);
+    `shardings`: {table name: "row" | "table"} over the specs' own sharding (sharded placement)."""
 
     def __init__(self, comm: Communicator, model: "nn.Module | Callable[[], nn.Module]",
                  dense_optimizer_factory: DenseOptimizerFactory, table_optimizer: SparseOptimizer,
-                 loss_fn: LossFn, staleness: int = 0) -> None:
+                 loss_fn: LossFn, staleness: int = 0, replicated: bool = False,
+                 shardings: Mapping[str, str] | None = None) -> None:
         if not callable(dense_optimizer_factory) or not callable(loss_fn):
             raise ConfigError("ShardedEmbeddingTraining needs callables for dense_optimizer_factory and loss_fn",
                               hint="e.g. lambda params: torch.optim.Adam(params, lr=1e-3) and "
@@ -70,9 +92,14 @@ class ShardedEmbeddingTraining:
         if self.collection.sharded is not None:
             raise ConfigError("the model's EmbeddingBagCollection is sharded already",
                               hint="build a fresh model (or pass a factory) for each ShardedEmbeddingTraining")
-        placement = plan_placement(self.collection.tables, comm.size)
-        self.bags = ShardedEmbeddingBags(comm, placement, table_optimizer, staleness=staleness,
-                                         seed=self.collection.seed)
+        placement = plan_placement(with_shardings(self.collection.tables, shardings), comm.size)
+        self.bags: ShardedEmbeddingBags | ReplicatedEmbeddingBags
+        if replicated:
+            self.bags = ReplicatedEmbeddingBags(comm, placement, table_optimizer, staleness=staleness,
+                                                seed=self.collection.seed)
+        else:
+            self.bags = ShardedEmbeddingBags(comm, placement, table_optimizer, staleness=staleness,
+                                             seed=self.collection.seed)
         self.collection.shard(self.bags)
         deferred = [name for name, p in self.model.named_parameters() if p.is_meta]
         if deferred:

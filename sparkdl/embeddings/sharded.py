@@ -218,6 +218,10 @@ class ShardedEmbeddingBags:
 
     def load_shard_state(self, state: Mapping[str, Any]) -> None:
         """Restore what shard_state() returned on the same rank of the same placement."""
+        if state.get("kind", "sharded") != "sharded":  # replicated.py's states say so
+            raise SparkdlError(f"the embedding state was saved by a {state.get('kind')} run, but this run "
+                               "shards its tables", hint="resume with the embeddings placement the checkpoint "
+                                                         "was written under (sharded or replicated)")
         if state.get("format") != STATE_FORMAT or state.get("world_size") != self.comm.size \
                 or state.get("rank") != self.comm.rank:
             raise SparkdlError(f"the embedding shard state is for rank {state.get('rank')} of "
