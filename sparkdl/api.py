@@ -55,7 +55,7 @@ def plan(model: ModelSpec, df: DataFrame, config: RunConfig | None = None, **opt
     module, _, sample, _ = probe(model, config, prepared)
     quiet = replace(config.tracking, progress=False)
     return resolve(module, config.data, config.train, config.launch, quiet, prepared.layout, spark_of(df),
-                   prepared.num_rows, fallback=False, sample=sample, embeddings=config.embeddings)
+                   prepared.num_rows, fallback=False, sample=sample, embeddings=config.embeddings, rows=prepared.df)
 
 
 def fit(df: DataFrame, model: ModelSpec, config: RunConfig, validation_df: DataFrame | None = None,

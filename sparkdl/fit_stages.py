@@ -149,7 +149,7 @@ def plan_fit(request: FitRequest, data: FitData) -> FitPlan:
     config = request.config
     resolved = resolve(data.module, config.data, config.train, config.launch, config.tracking, data.prepared.layout,
                        request.spark, data.prepared.num_rows, plan=request.kept, sample=data.sample,
-                       embeddings=config.embeddings)
+                       embeddings=config.embeddings, rows=data.prepared.df)
     config = with_plan(request.config, resolved)
     return FitPlan(resolved, config, train_spec(request.model, config, data.prepared, resolved))
 

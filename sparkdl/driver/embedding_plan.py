@@ -10,7 +10,6 @@ if TYPE_CHECKING:
     from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
     from sparkdl.config.embeddings import EmbeddingConfig
     from sparkdl.data.layout import FeedLayout
-    from sparkdl.model.layouts import EmbeddingLayout
     from sparkdl.planner.resolved import ResolvedPlan
 
 
@@ -76,27 +75,61 @@ def check_tables(collection: Any, layout: "FeedLayout") -> None:
                              hint="declare the same num_rows in both (ids are hashed onto num_rows rows)")
 
 
-def embedding_layout(embeddings: "EmbeddingConfig", layout: "FeedLayout") -> tuple["EmbeddingLayout", dict[str, str]]:
-    """The ranks' layout and the MLflow params that describe it."""
-    from sparkdl.model.layouts import EmbeddingLayout
-
-    planned = EmbeddingLayout(optimizer=embeddings.embedding_optimizer, lr=float(embeddings.embedding_lr),
-                              eps=float(embeddings.embedding_eps), staleness=int(embeddings.embedding_staleness),
-                              features=tuple((f.source, f.table) for f in layout.sparse))
-    params = {"embeddings.optimizer": planned.optimizer, "embeddings.staleness": str(planned.staleness),
-              "embeddings.tables": ",".join(sorted({f.table for f in layout.sparse}))}
-    return planned, params
-
-
-def resolve_embeddings(train: "TrainConfig", launch: "LaunchConfig", layout: "FeedLayout",
-                       embeddings: "EmbeddingConfig | None") -> "ResolvedPlan":
-    """sparse_cols runs train with strategy "embeddings" (config/embeddings.py refused the rest)."""
+def resolve_embeddings(module: Any, data: "DataConfig", train: "TrainConfig", launch: "LaunchConfig",
+                       layout: "FeedLayout", embeddings: "EmbeddingConfig | None", cluster: Any = None,
+                       rows: Any = None, num_rows: int | None = None) -> "ResolvedPlan":
+    """sparse_cols runs train with strategy "embeddings" (config/embeddings.py refused the rest), its
+    tables sharded or replicated as embedding_placement says; under "auto" the planner prices both
+    from the measured links and the sampled ids of `rows` (the prepared DataFrame) and chooses.
+    `cluster`: a function measuring (or recalling) the cluster, called only then."""
     from sparkdl.config import merged_section
     from sparkdl.config.embeddings import EmbeddingConfig
     from sparkdl.driver.checks import check_backend
+    from sparkdl.embeddings.collection import find_collection
+    from sparkdl.model.layouts import EmbeddingLayout
     from sparkdl.planner.resolved import ResolvedPlan
 
     train = merged_section("train", train, {"strategy": "embeddings"})
     check_backend(train, launch)
-    planned, params = embedding_layout(embeddings or EmbeddingConfig(), layout)
+    embeddings = embeddings or EmbeddingConfig()
+    placement, decision = embeddings.embedding_placement, None
+    if placement == "auto" and launch.num_workers > 1 and cluster is not None and rows is not None:
+        decision = decide_placement(find_collection(module).tables, data, launch, layout, embeddings, cluster(), rows,
+                                    num_rows or 1, train.seed)
+        placement = "sharded" if decision.sharded else "replicated"
+    elif placement == "auto":
+        placement = "sharded"  # one rank (or nothing to measure with): no exchange either way
+    planned = EmbeddingLayout(optimizer=embeddings.embedding_optimizer, lr=float(embeddings.embedding_lr),
+                              eps=float(embeddings.embedding_eps), staleness=int(embeddings.embedding_staleness),
+                              features=tuple((f.source, f.table) for f in layout.sparse),
+                              replicated=placement == "replicated",
+                              shardings=decision.choice.shardings if decision is not None and decision.sharded else (),
+                              decision=decision.explain() if decision is not None else "")
+    params = {"embeddings.optimizer": planned.optimizer, "embeddings.staleness": str(planned.staleness),
+              "embeddings.placement": placement, "embeddings.placement_chosen_by": "planner" if decision else "option",
+              "embeddings.tables": ",".join(sorted({f.table for f in layout.sparse}))}
+    if decision is not None:
+        params.update({f"embeddings.{o.name.split('(')[0]}_comm_ms": f"{o.step_s * 1e3:.3f}" for o in decision.options
+                       if o.name == "replicated" or o is decision.choice})
     return ResolvedPlan.build(train, launch.num_workers, planned, params, None)
+
+
+def decide_placement(tables: Any, data: "DataConfig", launch: "LaunchConfig", layout: "FeedLayout",
+                     embeddings: "EmbeddingConfig", cluster: Any, rows: Any, num_rows: int, seed: int) -> Any:
+    """The planner's EmbeddingDecision: the sampled ids' frequencies (one Spark job), the calibrated
+    cluster's links and the rank memory budget."""
+    from sparkdl.data.sparse_id_counts import table_id_counts
+    from sparkdl.planner.candidates import rank_memory_budget
+    from sparkdl.planner.embeddings import decide_embeddings, measure_ids
+    from sparkdl.planner.ends import calibration_ends
+
+    world = launch.num_workers
+    counts = table_id_counts(rows, layout, num_rows, seed)
+    stats = {t.name: measure_ids(t.name, t.num_rows, counts[t.name].counts, counts[t.name].sample_rows,
+                                 data.batch_size, world, counts[t.name].tail_ids, counts[t.name].tail_total)
+             for t in tables if t.name in counts}
+    for t in tables:  # a table no column feeds is never looked up
+        stats.setdefault(t.name, measure_ids(t.name, t.num_rows, (), 1, data.batch_size, world))
+    net = calibration_ends(cluster, launch)[0].net
+    return decide_embeddings(tables, stats, world, net, rank_memory_budget(launch, cluster),
+                             embeddings.embedding_optimizer, all_peers=True)

@@ -152,19 +152,22 @@ def model_input(layout: FeedLayout, sample: Any = None) -> Any:
 
 def resolve(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, tracking: TrackingConfig,
             layout: FeedLayout, spark: Any, num_rows: int | None = None, *, plan: ResolvedPlan | None = None,
-            fallback: bool = True, sample: Any = None, embeddings: EmbeddingConfig | None = None) -> ResolvedPlan:
+            fallback: bool = True, sample: Any = None, embeddings: EmbeddingConfig | None = None,
+            rows: Any = None) -> ResolvedPlan:
     """The one resolved plan of a run: a kept `plan` checked against this model and data, or the
     named strategy's layout, or (strategy="auto") the planner's choice and then its layout. Every
     configuration that cannot run raises here, before any job. The plan carries the train section
     the run trains with (`ResolvedPlan.train`). `fallback`: see make_plan; `sample`: the probe batch
-    of an input_cols run (see model_input); `embeddings`: the section of a sparse_cols run."""
+    of an input_cols run (see model_input); `embeddings`, `rows`: a sparse_cols run's section and
+    prepared DataFrame (its ids are sampled to price the tables' placement)."""
     from sparkdl.driver.checks import check_backend, check_fragments, check_strategy_inputs
     from sparkdl.planner.resolved import ResolvedPlan
 
     if layout.sparse:
         from sparkdl.driver.embedding_plan import resolve_embeddings
 
-        return resolve_embeddings(train, launch, layout, embeddings)
+        return resolve_embeddings(module, data, train, launch, layout, embeddings,
+                                  lambda: calibrate(spark, launch.num_workers, launch.threads_per_worker), rows, num_rows)
     inputs = model_input(layout, sample)
     if plan is not None:
         return reuse(plan, module, data, train, launch, layout, inputs)

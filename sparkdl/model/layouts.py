@@ -240,6 +240,7 @@ class EmbeddingLayout:
     features: tuple[tuple[str, str], ...] = ()  # (categorical column, its table), from data.sparse_cols
     replicated: bool = False  # every rank holds every table (whole gradients allreduced), not sharded
     shardings: tuple[tuple[str, str], ...] = ()  # sharded: (table, "row" | "table"); unlisted: the model's
+    decision: str = ""  # the planner's explain() of replicated against sharded (embedding_placement="auto")
 
 
 StrategyLayout = Union[HybridLayout, IstLayout, EmbeddingLayout, None]

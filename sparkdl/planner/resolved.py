@@ -91,11 +91,14 @@ class ResolvedPlan:
             lines.append(f"ist: hidden widths {list(self.layout.widths)}, {self.layout.world} subnets, "
                          f"re-drawn every {self.layout.sync_every} steps")
         elif isinstance(self.layout, EmbeddingLayout):
-            lines.append(f"embeddings: tables sharded over {self.world} ranks (all-to-all lookups), "
-                         f"{self.layout.optimizer} lr={self.layout.lr:g} where the rows live, "
+            if self.layout.decision:
+                lines += [self.layout.decision, ""]
+            where = "replicated on every rank (whole gradients allreduced)" if self.layout.replicated else \
+                f"sharded over {self.world} ranks (all-to-all lookups)"
+            lines.append(f"embeddings: tables {where}, "
+                         f"{self.layout.optimizer} (lr {self.layout.lr:g}) where the rows live, ".replace("(lr 0)", "(its default lr)")
                          + ("synchronous (exact)" if not self.layout.staleness else
                             f"updates up to {self.layout.staleness} steps late") + "; dense layers data parallel")
-            lines += [f"  {k.removeprefix('embeddings.')}: {v}" for k, v in self.params if k.startswith("embeddings.table")]
         return "\n".join(lines)
 
     def __str__(self) -> str:

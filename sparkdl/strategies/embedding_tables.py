@@ -58,7 +58,8 @@ class ShardedEmbeddings(Strategy):
         collection.bind_features(dict(layout.features))
         self._loss_fn = loss_fn
         self.training = ShardedEmbeddingTraining(self.comm, model, make_optimizer, table_optimizer(layout),
-                                                 loss_fn, staleness=layout.staleness)
+                                                 loss_fn, staleness=layout.staleness, replicated=layout.replicated,
+                                                 shardings=dict(layout.shardings) or None)
         self._optimizer = self.training.dense_optimizer
         self.steps.attach(self._optimizer)
         prefix = next(name for name, m in model.named_modules() if m is collection)

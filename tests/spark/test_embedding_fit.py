@@ -112,3 +112,65 @@ def test_a_model_without_the_declared_tables_is_refused_before_training(clicks) 
         TorchEstimator(model=short, epochs=1, batch_size=8, **COMMON).fit(clicks)
     with pytest.raises(ConfigError, match="not train.strategy='data_parallel'"):
         TorchEstimator(model=dlrm, epochs=1, batch_size=8, strategy="data_parallel", **COMMON).fit(clicks)
+
+
+def test_auto_placement_prices_replicated_against_sharded_and_says_which(clicks) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+
+    options = {**COMMON, "epochs": 1, "batch_size": 8}
+    auto = sparkdl.plan(dlrm, clicks, **options)
+    assert auto.strategy == "embeddings"
+    text = auto.explain()
+    assert "chosen:" in text and "replicated" in text and "sharded" in text, text
+    chosen = dict(auto.params)["embeddings.placement"]
+    assert auto.layout.replicated == (chosen == "replicated")
+    assert f"embeddings: tables {'replicated' if chosen == 'replicated' else 'sharded'}" in text
+    # Whole tables with their gradients and state over the budget: only sharding fits.
+    tight = sparkdl.plan(dlrm, clicks, max_memory_per_rank=3000, **options)
+    assert not tight.layout.replicated and dict(tight.params)["embeddings.placement"] == "sharded"
+    assert "exceed one rank's" in tight.explain()
+    named = sparkdl.plan(dlrm, clicks, embedding_placement="replicated", **options)
+    assert named.layout.replicated and "chosen:" not in named.explain()
+
+
+KILL = {"path": "", "calls": 0}
+
+
+def killing_bce(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """BCE with logits; rank 1 kills its process (SIGKILL) at its 10th step, once per marker file."""
+    import os
+    import signal
+    from pathlib import Path
+
+    # Counted on the ranks only: the driver's probe calls it too, and KILL travels by value as it is then.
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+    KILL["calls"] += rank >= 0
+    if rank == 1 and KILL["calls"] == 10 and KILL["path"] and not os.path.exists(KILL["path"]):
+        Path(KILL["path"]).touch()
+        from sparkdl.executor.checkpoint_async import wait_idle
+
+        wait_idle(60)  # the saves queued so far are on disk: the resume point does not race the disk
+        os.kill(os.getpid(), signal.SIGKILL)
+    return nn.functional.binary_cross_entropy_with_logits(output, labels.float())
+
+
+@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+def test_a_killed_rank_resumes_its_shards_exactly(clicks, tmp_path, capsys, placement) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    options = {**COMMON, "loss": killing_bce, "task": "regression", "epochs": 2, "batch_size": 4, "lr": 0.01,
+               "embedding_optimizer": "adam", "embedding_placement": placement, "peer_failure_delay_s": 0.5}
+    KILL.update(path=str(tmp_path / "killed"), calls=0)
+    open(KILL["path"], "w").close()  # present: the reference run never kills
+    reference = TorchEstimator(model=dlrm, **options).fit(clicks)
+    os.remove(KILL["path"])
+    resumed = TorchEstimator(model=dlrm, checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=3,
+                             **options).fit(clicks)
+    assert os.path.exists(KILL["path"]), "rank 1 was never killed"
+    err = capsys.readouterr().err
+    assert "attempt 1 of 4 failed" in err, err
+    assert any(h.get("resumed_from_step") for h in resumed.history), (resumed.history, err)
+    assert resumed.history[1]["loss"] == pytest.approx(reference.history[1]["loss"], rel=1e-5)
+    got, want = resumed.torch_module().state_dict(), reference.torch_module().state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
