@@ -197,6 +197,33 @@ class EmbeddingBagCollection(nn.Module):
         return F.embedding_bag(bag.ids, weight, bag.offsets, mode=spec.pooling,
                                per_sample_weights=weights, sparse=self.sparse_grad)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A table backed by a file (embeddings/mapped.py) travels as its file's name, not its rows:
+        scoring tasks that see the file map it; others get a meta tensor that loading fills."""
+        from sparkdl.embeddings.mapped import mapped_path
+
+        state = self.__dict__.copy()
+        weights = state["_modules"].get("weights")
+        paths = [mapped_path(w) for w in weights] if weights is not None else []
+        if not any(paths):
+            return state
+        light = nn.ParameterList([nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), w.requires_grad)
+                                  if p else w for w, p in zip(weights, paths)])
+        state["_modules"] = {**state["_modules"], "weights": light}
+        state["_mapped_tables"] = [(i, p, tuple(w.shape), str(w.dtype).removeprefix("torch."))
+                                   for i, (w, p) in enumerate(zip(weights, paths)) if p]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from sparkdl.embeddings.mapped import map_readonly
+
+        mapped = state.pop("_mapped_tables", [])
+        super().__setstate__(state)
+        for index, path, shape, dtype in mapped:
+            table = map_readonly(path, shape, getattr(torch, dtype))
+            if table is not None:
+                self.weights[index] = nn.Parameter(table, requires_grad=False)
+
     def extra_repr(self) -> str:
         where = "sharded" if self.sharded is not None else ("whole" if self.is_materialized else "deferred")
         return f"{where}: " + ", ".join(f"{s.name}[{s.num_rows}x{s.dim}, {s.pooling}]" for s in self.tables)

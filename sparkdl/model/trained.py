@@ -166,6 +166,20 @@ def load_parts(module: Any, files: Iterable[str]) -> None:
         _tie(module, aliases)
 
 
+def _new_table(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Memory for a whole table: a file-backed mapping when large (the set may exceed the driver's
+    memory: embeddings/mapped.py), else plain memory."""
+    import math
+
+    import torch
+
+    from sparkdl.embeddings.mapped import MAPPED_TABLE_BYTES, mapped_table
+
+    if math.prod(shape) * torch.empty(0, dtype=dtype).element_size() >= MAPPED_TABLE_BYTES:
+        return mapped_table(shape, dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
 class _RowPieces:
     """Where each row piece of a sharded table goes: the module's own table when it is real, else a
     new one; complete() checks that the pieces covered every row."""
@@ -184,7 +198,7 @@ class _RowPieces:
         usable = not table.is_meta and table.device.type == "cpu" and table.is_contiguous() \
             and str(table.dtype).removeprefix("torch.") == entry.dtype
         if not usable:
-            table = self.made[key] = torch.empty(tuple(table.shape), dtype=getattr(torch, entry.dtype))
+            table = self.made[key] = _new_table(tuple(table.shape), getattr(torch, entry.dtype))
         stop = start + (entry.shape[0] if entry.shape else 0)
         if tuple(entry.shape[1:]) != tuple(table.shape[1:]) or stop > table.shape[0]:
             raise TrainingError(f"rows {start}..{stop} of {key!r} do not fit its shape {tuple(table.shape)}",

@@ -1,0 +1,78 @@
+"""Embedding tables too large to hold in memory comfortably, backed by files instead.
+
+The driver gets a trained model's tables piece by piece (model/trained.py); a table of
+MAPPED_TABLE_BYTES or more is written into a file-backed tensor (a shared mapping of a private file
+in a directory this process holds), so the whole set never sits in the driver's anonymous memory:
+the kernel pages it in and out like any file. Scoring processes that can see the same file (the
+driver, executors on the driver's host: local and local-cluster masters, or a shared mount) map it
+read-only instead of receiving the table in a pickle; a process that cannot see it gets the table as
+a meta tensor, which loading the model's files fills (module_from_files).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+MAPPED_TABLE_BYTES = 64 << 20
+_REGISTRY: dict[int, str] = {}  # data_ptr of a mapped table -> its file
+_LOCK = threading.Lock()
+_HELD: list[Any] = []
+_COUNT = [0]  # this process's held directory of table files (storage/private_dirs.py)
+
+
+def _directory() -> str:
+    from sparkdl.storage.private_dirs import hold_new_directory, private_root
+
+    with _LOCK:
+        if not _HELD:  # held while this process lives; a later one sweeps it once this one is gone
+            _HELD.append(hold_new_directory(private_root("models"), "sparkdl-tables-"))
+        return str(_HELD[0].path)
+
+
+def mapped_table(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor of `shape` backed by a new private file (shared mapping: writes reach the file)."""
+    from sparkdl.storage.private_dirs import create_private_file
+
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    directory = _directory()
+    with _LOCK:
+        _COUNT[0] += 1
+        path = os.path.join(directory, f"table-{_COUNT[0]}.bin")
+    fd = create_private_file(path)
+    try:
+        os.ftruncate(fd, numel * torch.empty(0, dtype=dtype).element_size())
+    finally:
+        os.close(fd)
+    tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
+    with _LOCK:
+        _REGISTRY[tensor.untyped_storage().data_ptr()] = path
+    return tensor
+
+
+def mapped_path(tensor: torch.Tensor) -> str | None:
+    """The file behind a table mapped_table (or map_readonly) made; None for any other tensor."""
+    if tensor.is_meta or tensor.device.type != "cpu":
+        return None
+    return _REGISTRY.get(tensor.untyped_storage().data_ptr())
+
+
+def map_readonly(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The table in `path` mapped privately (copy on write: this process never changes the file);
+    None when the file is not here or not of this size."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    try:
+        if os.path.getsize(path) != numel * torch.empty(0, dtype=dtype).element_size():
+            return None
+    except OSError:
+        return None
+    tensor = torch.from_file(path, shared=False, size=numel, dtype=dtype).view(*shape)
+    with _LOCK:
+        _REGISTRY[tensor.untyped_storage().data_ptr()] = path
+    return tensor
