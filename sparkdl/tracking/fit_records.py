@@ -48,6 +48,15 @@ def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> An
     variable-length columns are among them."""
     import numpy as np
 
+    if layout.sparse:  # the user's own columns: serving maps raw ids to rows as transform does
+        from sparkdl.data.feed_sql import quoted
+
+        names = list(layout.source_input_cols)
+        frame = df.select(*[quoted(c) for c in names]).limit(rows).toPandas()
+        for name in names:  # lists, not numpy arrays: MLflow's schema takes them as array columns
+            if frame[name].dtype == object:
+                frame[name] = frame[name].map(lambda v: list(v) if isinstance(v, (np.ndarray, tuple)) else v)
+        return frame
     if layout.tensor_inputs:
         from sparkdl.data.arrow_rows import incoming_arrays
         from sparkdl.data.layout import FIXED

@@ -169,6 +169,9 @@ def _id_rows(feature: SparseFeature, ids: Any) -> np.ndarray:
     values = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
     if values.size == 0:
         return np.zeros(0, np.int64)
+    if values.ndim != 1:
+        raise ColumnTypeError(f"sparse column {feature.source!r} holds lists, but the model was trained on one id "
+                              "per row", hint="pass one id per row, as in training")
     strings = values.dtype.kind == "U" or (values.dtype.kind == "O" and all(isinstance(v, str) for v in values.flat))
     if not (values.dtype.kind in "iu" if feature.id_kind == "integer" else strings):
         if any(v is None or (isinstance(v, float) and v != v) for v in values.flat):

@@ -174,3 +174,24 @@ def test_a_killed_rank_resumes_its_shards_exactly(clicks, tmp_path, capsys, plac
     got, want = resumed.torch_module().state_dict(), reference.torch_module().state_dict()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
+
+
+def test_the_logged_model_serves_raw_ids_from_pandas_as_transform_scores_them(clicks, mlflow_server) -> None:  # type: ignore[no-untyped-def]
+    """MLflow's pyfunc gets the user's columns (ids out of range, strings, lists with weights) and maps
+    them to rows with the rules training used; also with the model never loaded on the driver."""
+    import mlflow.pyfunc
+
+    options = {**COMMON, "tracking": True, "tracking_uri": mlflow_server.uri, "epochs": 1, "batch_size": 8}
+    for load in (True, False):
+        model = TorchEstimator(model=dlrm, load_model=load, **options).fit(clicks)
+        assert model.model_uri
+        rows = spark_rows = clicks.orderBy("user", "item").collect()
+        frame = clicks.sparkSession.createDataFrame(spark_rows, clicks.schema).toPandas()
+        mlflow.set_tracking_uri(mlflow_server.uri)
+        try:
+            served = mlflow.pyfunc.load_model(model.model_uri).predict(
+                frame[["f0", "f1", "user", "item", "tags", "tag_w"]])
+        finally:
+            mlflow.set_tracking_uri(None)
+        scored = {(r.user, r.item): r.prediction for r in model.transform(clicks).collect()}
+        assert list(served["prediction"]) == [scored[(r.user, r.item)] for r in rows]

@@ -85,6 +85,7 @@ def test_refuse_names_the_column() -> None:
     ({"user": [1.0, None, 3.0]}, NullValuesError, r"sparse column 'user' holds null ids"),
     ({"tags": [[1], None, [2]]}, NullValuesError, r"sparse column 'tags' holds null ids"),
     ({"tag_w": [[1.0, 0.5], [], [0.25]]}, ArrayLengthError, r"weights column 'tag_w' .* sparse column 'tags'"),
+    ({"user": [[1, 2], [3, 4], [5, 6]]}, ColumnTypeError, r"sparse column 'user' holds lists.*one id per row"),
 ])
 def test_bad_values_name_the_column(change: dict, error: type, pattern: str) -> None:
     with pytest.raises(error, match=pattern):
