@@ -190,6 +190,12 @@ class EmbeddingBagCollection(nn.Module):
         if weight.is_meta:
             if _probing():  # the driver's probe of a deferred model: shapes, not values
                 return torch.zeros(bag.num_bags, spec.dim)
+            missing = getattr(self, "_unreachable", {}).get(index)
+            if missing is not None:
+                raise SparkdlError(f"embedding table {spec.name!r} is a file on the driver's host ({missing}) that "
+                                   "this host cannot read",
+                                   hint="save the model (TorchModel.save / MLflow) to storage every host reaches and "
+                                        "score with the loaded model, or score where the driver's files are visible")
             raise SparkdlError(f"embedding table {spec.name!r} was built deferred and holds no rows",
                                hint="call materialize() for replicated use, or train the model with "
                                     "ShardedEmbeddingTraining")
@@ -219,10 +225,13 @@ class EmbeddingBagCollection(nn.Module):
 
         mapped = state.pop("_mapped_tables", [])
         super().__setstate__(state)
+        self._unreachable: dict[int, str] = {}
         for index, path, shape, dtype in mapped:
             table = map_readonly(path, shape, getattr(torch, dtype))
             if table is not None:
                 self.weights[index] = nn.Parameter(table, requires_grad=False)
+            else:  # loading the model's files fills it; scoring before that says where the rows were
+                self._unreachable[index] = path
 
     def extra_repr(self) -> str:
         where = "sharded" if self.sharded is not None else ("whole" if self.is_materialized else "deferred")

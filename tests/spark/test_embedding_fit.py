@@ -195,3 +195,11 @@ def test_the_logged_model_serves_raw_ids_from_pandas_as_transform_scores_them(cl
             mlflow.set_tracking_uri(None)
         scored = {(r.user, r.item): r.prediction for r in model.transform(clicks).collect()}
         assert list(served["prediction"]) == [scored[(r.user, r.item)] for r in rows]
+
+
+def test_late_embedding_updates_stay_within_their_bound_and_validation_looks_rows_up(clicks) -> None:  # type: ignore[no-untyped-def]
+    trained = TorchEstimator(model=dlrm, epochs=2, batch_size=4, lr=0.01, embedding_staleness=2,
+                             validation_fraction=0.25, metrics=["auc"], **COMMON).fit(clicks)
+    lags = [h["max_embedding_max_lag_per_rank"] for h in trained.history]
+    assert max(lags) == 2, trained.history  # updates did run late, never later than the bound
+    assert all(0.0 <= h["val_auc"] <= 1.0 and np.isfinite(h["val_loss"]) for h in trained.history)

@@ -22,7 +22,7 @@ def test_every_example_is_short_and_documented() -> None:
     scripts = sorted(EXAMPLES.glob("*.py")) + sorted(EXAMPLES.glob("*.sh"))
     assert {p.name for p in scripts} >= {"data_parallel.py", "hybrid.py", "ist.py", "diloco.py", "custom_loop.py",
                                         "horovod_backend.py", "spark_submit_train.sh", "cnn_images.py",
-                                        "language_model.py"}
+                                        "language_model.py", "recommender.py"}
     for path in scripts:
         text = path.read_text()
         assert len(text.splitlines()) < 100, path.name
@@ -31,6 +31,10 @@ def test_every_example_is_short_and_documented() -> None:
 
 def test_data_parallel_example(spark) -> None:  # type: ignore[no-untyped-def]
     assert run_example("data_parallel.py", "--epochs", "4") > 0.8
+
+
+def test_recommender_example(spark) -> None:  # type: ignore[no-untyped-def]
+    assert run_example("recommender.py", "--epochs", "3", "--rows", "3000") > 0.6
 
 
 def test_hybrid_example(spark) -> None:  # type: ignore[no-untyped-def]

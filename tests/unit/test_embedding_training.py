@@ -7,6 +7,7 @@ ids, multi-hot bags of 0-4 ids, per-id weights on the sum-pooled tables. Pure te
 collection against F.embedding_bag, deferred tables, the dot interaction, bad models refused."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -352,3 +353,39 @@ def test_training_refuses_models_without_exactly_one_collection() -> None:
     with pytest.raises(ConfigError, match="0 EmbeddingBagCollection"):
         find_collection(nn.Linear(2, 2))
     assert find_collection(build_model()) is not None
+
+
+def test_a_file_backed_table_pickles_as_its_file_and_maps_back(monkeypatch) -> None:
+    import pickle
+
+    from sparkdl.embeddings import mapped
+    from sparkdl.model.tensor_files import write_tensors
+    from sparkdl.model.trained import load_parts
+
+    spec = TableSpec("big", 4096, 8)
+    monkeypatch.setattr(mapped, "MAPPED_TABLE_BYTES", 1024)
+    with deferred_tables():
+        model = EmbeddingBagCollection([spec])
+    rows = torch.arange(4096 * 8, dtype=torch.float32).reshape(4096, 8)
+    parts = []
+    for start, stop in ((0, 1000), (1000, 4096)):  # two ranks' pieces, written as the ranks write them
+        path = f"/tmp/sparkdl-test-piece-{os.getpid()}-{start}.bin"
+        with open(path, "wb") as stream:
+            write_tensors(stream, {f"weights.0#rows={start}": rows[start:stop]})
+        parts.append(path)
+    load_parts(model, parts)
+    for path in parts:
+        os.remove(path)
+    table = model.weights[0]
+    assert mapped.mapped_path(table) is not None and torch.equal(table, rows)
+    data = pickle.dumps(model)
+    assert len(data) < 64 * 1024  # the file's name travels, not the 128 KiB of rows
+    back = pickle.loads(data)
+    assert torch.equal(back.weights[0], rows)
+    ids = torch.tensor([5, 4095])
+    torch.testing.assert_close(back({"big": Bag(ids, torch.tensor([0, 1]))})["big"], rows[ids])
+    os.remove(mapped.mapped_path(table))  # another host: the file is not there
+    elsewhere = pickle.loads(data)
+    assert elsewhere.weights[0].is_meta
+    with pytest.raises(SparkdlError, match="file on the driver's host"):
+        elsewhere({"big": Bag(ids, torch.tensor([0, 1]))})
