@@ -335,7 +335,8 @@ def resizer(df: Any, validation_df: Any, model: Any, probed: tuple[Any, Any], co
                                 "data": {"batch_size": kept_batch(global_batch, accumulate, workers)}}).validate()
         prepared = prepare_run(df, sized.data, sized.train, sized.launch, validation_df)
         again = resolve(probed[0], sized.data, sized.train, sized.launch, sized.tracking, prepared.layout,
-                        spark_of(df), prepared.num_rows, sample=probed[1])
+                        spark_of(df), prepared.num_rows, sample=probed[1], embeddings=sized.embeddings,
+                        rows=prepared.df)
         return prepared.launch_df(), train_spec(model, with_plan(sized, again), prepared, again, run_id=run_id)
     return resize
 

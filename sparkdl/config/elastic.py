@@ -8,7 +8,7 @@ from sparkdl.errors import ConfigError
 
 # Strategies whose checkpoint carries to another world size (executor/reshape.py): replicated state,
 # DiLoCo's global model and outer optimizer, sharded data parallel's shards re-split.
-RESHAPEABLE = ("data_parallel", "sharded")
+RESHAPEABLE = ("data_parallel", "sharded", "embeddings")
 
 
 def _whole(name: str, value: Any) -> int:

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.config.elastic import is_elastic
 from sparkdl.config.values import choice, positive_int_or_zero
 from sparkdl.errors import ConfigError
 
@@ -67,8 +66,7 @@ def check_embedding_run(data: Any, train: Any, launch: Any) -> None:
                "train.batch_balance": train.batch_balance != "equal", "train.precision": train.precision != "32",
                # a skipped step would still have applied its (non-finite) embedding updates
                "train.nonfinite_loss='skip'": train.nonfinite_loss == "skip",
-               "launch.backend": launch.backend != "torch",
-               "launch.min_workers/max_workers (elastic runs)": is_elastic(launch)}
+               "launch.backend": launch.backend != "torch"}
     for option, set_ in refused.items():
         if set_:
             raise ConfigError(f"{option} is not supported with data.sparse_cols (sharded embedding tables) yet",

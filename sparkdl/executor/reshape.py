@@ -6,7 +6,9 @@ What carries over, per strategy (config_elastic.RESHAPEABLE):
 - DiLoCo: rank 0's part, with every replica restarting from the global model and the outer
   optimizer's state (diloco.OuterSync: progress since each fragment's last sync and the residuals
   of the old ranks are dropped);
-- sharded: every old rank's shards laid end to end, each new rank cutting its own (sharded.py).
+- sharded: every old rank's shards laid end to end, each new rank cutting its own (sharded.py);
+- embeddings: each new rank reads the old parts one at a time and keeps the rows of its own
+  placement (strategies/embedding_reshape.py).
 The position (epoch, step, global step), rank 0's history and early stopping's state continue;
 the epoch's running sums start again (the epoch's loss is over the steps after the resume), and a
 new rank without a part of its own takes rank 0's RNG state.
@@ -40,6 +42,9 @@ def reshaper(train: Any) -> Callable[[CheckpointStore, StepRecord, int, Any], Re
         first = _read(store, latest.step, 0)
         if train.strategy == "sharded":
             state = gathered_shards([_read(store, latest.step, r)["strategy"] for r in range(written_by)])
+        elif train.strategy == "embeddings":  # each rank reads the old parts one at a time, keeps its rows
+            state = {"reshape_from": written_by, "steps": first["strategy"].get("steps", {}),
+                     "read_part": lambda r: first["strategy"] if r == 0 else _read(store, latest.step, r)["strategy"]}
         else:
             state = first.get("strategy")
             if state is None:

@@ -114,7 +114,7 @@ class ShardedEmbeddings(Strategy):
 
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]
-        return False  # every rank saves its own shards
+        return bool(self.layout.replicated)  # sharded: every rank saves its own shards
 
     def finish(self) -> None:
         self.training.flush()
@@ -124,6 +124,11 @@ class ShardedEmbeddings(Strategy):
         return {"training": self.training.state(), "steps": self.steps.state_dict()}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        if "reshape_from" in state:  # written by another number of ranks (executor/reshape.py)
+            from sparkdl.strategies.embedding_reshape import reshaped_state
+
+            state = {"training": reshaped_state(self.training.bags, int(state["reshape_from"]), state["read_part"]),
+                     "steps": state.get("steps", {})}
         if "training" not in state:
             raise ConfigError("this checkpoint was not written by strategy 'embeddings'",
                               hint="resume with the strategy the run was trained with")

@@ -203,3 +203,26 @@ def test_late_embedding_updates_stay_within_their_bound_and_validation_looks_row
     lags = [h["max_embedding_max_lag_per_rank"] for h in trained.history]
     assert max(lags) == 2, trained.history  # updates did run late, never later than the bound
     assert all(0.0 <= h["val_auc"] <= 1.0 and np.isfinite(h["val_loss"]) for h in trained.history)
+
+
+@pytest.mark.parametrize("first, then", [("sharded", "sharded"), ("replicated", "sharded")])
+def test_checkpoints_carry_over_to_another_number_of_ranks_and_placement(clicks, tmp_path, first, then) -> None:  # type: ignore[no-untyped-def]
+    """Two ranks checkpoint an epoch's end; four ranks (and another placement) continue that
+    checkpoint, each keeping only its own rows, cut from the old parts one at a time: with nothing
+    left to train the tables come back as the two ranks had them."""
+    import os
+
+    checkpoints = tmp_path / "checkpoints"
+    options = {**COMMON, "batch_size": 8, "embedding_optimizer": "adam"}
+    one = TorchEstimator(model=dlrm, epochs=1, embedding_placement=first, **options).fit(clicks)
+    TorchEstimator(model=dlrm, epochs=2, embedding_placement=first, checkpoint_dir=str(checkpoints),
+                   **options).fit(clicks)  # saves the end of epoch 1
+    (run_id,) = os.listdir(checkpoints)
+    four = {**options, "num_workers": 4, "batch_size": 4, "checkpoint_dir": str(checkpoints), "resume_run": run_id}
+    carried = TorchEstimator(model=dlrm, epochs=1, embedding_placement=then, **four).fit(clicks)
+    got, want = carried.torch_module().state_dict(), one.torch_module().state_dict()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0, msg=key)
+    if first == then:  # and training goes on from there on four ranks
+        more = TorchEstimator(model=dlrm, epochs=2, embedding_placement=then, **four).fit(clicks)
+        assert more.history[-1]["steps"] == 64 // 16 and np.isfinite(more.history[-1]["loss"])

@@ -115,10 +115,13 @@ def test_sparse_runs_train_with_the_embeddings_strategy_and_refuse_what_it_canno
     with pytest.raises(ConfigError, match="data.sparse_cols is not set"):
         RunConfig.from_kwargs(feature_cols=["f"], strategy="embeddings").validate()
     for option, value in (("accumulate_steps", 2), ("precision", "bf16"), ("nonfinite_loss", "skip"),
-                          ("backend", "horovod"), ("min_workers", 1)):
+                          ("backend", "horovod")):
         with pytest.raises(ConfigError, match="not supported with data.sparse_cols"):
             RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}}, checkpoint_dir="/tmp/c",
                                   **{option: value}).validate()
+    elastic = RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}}, checkpoint_dir="/tmp/c",
+                                    min_workers=1).validate()  # shards are re-cut for the new size
+    assert elastic.launch.min_workers == 1
     for option, value in (("embedding_optimizer", "sgd"), ("embedding_lr", -1.0), ("embedding_staleness", -1),
                           ("embedding_eps", float("nan"))):
         with pytest.raises(ConfigError, match=f"embeddings.{option}"):
