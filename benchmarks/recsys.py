@@ -1,10 +1,17 @@
-"""Recommender embeddings, sharded against replicated, on W gloo ranks of this machine (issue 45, first part).
+"""Recommender embeddings: sharded against replicated (and, on the bed, TorchDistributor DDP) (issue 45).
 
     PYTHONPATH=. .venv/bin/python benchmarks/recsys.py [--steps 30] [--batch 1024] [--big] [--link account|sleep]
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/recsys.py --mode bed [--world 2] [--steps-per-epoch 6]
+        [--epochs 3] [--rows-min 10000] [--rows-max 100000] [--variants sharded,replicated,ddp]
 
-No Spark yet: the issue's full benchmark (Spark, the multi-host bed at 100 Mbit/s, and PySpark
-TorchDistributor DDP with the same model) needs ShardedEmbeddingTraining wired into TorchEstimator.fit
-(data.sparse_cols), which does not exist yet. This one runs W (2) real gloo ranks on 127.0.0.1
+--mode bed (benchmarks/recsys_bed.py, recsys_bed_driver.py on the bed's driver host): the issue's
+full benchmark through Spark on the multi-host bed, worker links shaped at --gbps (0.1: 100 Mbit/s):
+TorchEstimator.fit with sparse_cols and embedding_placement "sharded" and "replicated", and PySpark's
+TorchDistributor running DDP (gloo) on the same DLRM with its tables whole, the same data, batch,
+epochs and Adam; bytes per step from the worker hosts' link counters, samples/s of the steady
+epochs, held-out AUC. Writes benchmarks/results/recsys_bed.json (--out). Its docstring has the details.
+
+--mode local (the default) runs without Spark: W (2) real gloo ranks on 127.0.0.1
 (tests/support/gloo_world.py), each link emulated at --gbps (0.1: 100 Mbit/s) and --latency-ms by
 sparkdl.comm.emulated.EmulatedNetwork, and two variants one after the other in the same processes,
 with the same model, data, seeds, optimizers and number of steps:
@@ -22,8 +29,8 @@ Data: a synthetic Criteo-like click log: 26 single-hot categorical columns, ids 
 (--zipf 1.1) over each table's rows and scattered over the id space by a fixed permutation (so hot
 rows land on every shard), 13 dense standard-normal features, labels drawn from a planted logistic
 model (a per-id effect for each column plus a linear dense term), so that AUC means something. Tables:
-26 log-spaced sizes from --rows-min (1e5) to --rows-max (1e6) (10.2M rows, 661 MB of fp32 at dim 16);
---big: up to 1e7 rows.
+26 log-spaced sizes from --rows-min (local 1e5, bed 1e4) to --rows-max (local 1e6: 10.2M rows, 661 MB of
+fp32 at dim 16; bed 1e5: 1.02M rows, 65 MB); --big: up to 1e7 rows.
 
 --link account (default): the emulator's delay (latency x messages + bytes sent / bandwidth, less
 the real time the operation took: EmulatedNetwork's own formula, subclassed to add instead of sleep)
@@ -49,6 +56,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 from gloo_world import run_world  # noqa: E402
 
@@ -251,29 +259,45 @@ def summarize(per_rank: list[dict[str, Any]], opts: dict[str, Any]) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("local", "bed"), default="local",
+                        help="local: gloo ranks on this machine, links emulated; bed: Spark on the multi-host bed "
+                             "against TorchDistributor DDP (benchmarks/recsys_bed.py)")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="local: steps")
+    parser.add_argument("--steps-per-epoch", type=int, default=6, help="bed: steps a rank per epoch")
+    parser.add_argument("--epochs", type=int, default=3, help="bed: epochs (the first one is not timed)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1024, help="samples per rank per step")
     parser.add_argument("--held-out", type=int, default=20000)
-    parser.add_argument("--rows-min", type=int, default=100_000)
-    parser.add_argument("--rows-max", type=int, default=1_000_000)
+    parser.add_argument("--rows-min", type=int, help="smallest table (local 1e5, bed 1e4)")
+    parser.add_argument("--rows-max", type=int, help="largest table (local 1e6, bed 1e5)")
     parser.add_argument("--big", action="store_true", help="tables up to 1e7 rows (--rows-max 10_000_000)")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--gbps", type=float, default=0.1)
     parser.add_argument("--latency-ms", type=float, default=0.2)
     parser.add_argument("--link", choices=("account", "sleep"), default="account")
-    parser.add_argument("--dense-lr", type=float, default=1e-3)
-    parser.add_argument("--table-lr", type=float, default=0.1)
+    parser.add_argument("--dense-lr", type=float, help="local 1e-3, bed 1e-2 (Adam)")
+    parser.add_argument("--table-lr", type=float, help="local (row-wise Adagrad) 0.1, bed (Adam) 1e-3")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", default="sharded,replicated")
+    parser.add_argument("--variants", help="local: sharded,replicated; bed: sharded,replicated,ddp")
+    parser.add_argument("--bed-timeout-s", type=float, default=1500.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    opts = {k: v for k, v in vars(args).items() if k not in ("out", "big")}
+    bed = args.mode == "bed"
+    defaults = {"rows_min": 10_000 if bed else 100_000, "rows_max": 100_000 if bed else 1_000_000,
+                "dense_lr": 1e-2 if bed else 1e-3, "table_lr": 1e-3 if bed else 0.1,
+                "variants": "sharded,replicated,ddp" if bed else "sharded,replicated"}
+    opts = {k: v for k, v in vars(args).items() if k not in ("out", "big", "mode")}
+    opts.update({k: v for k, v in defaults.items() if opts[k] is None})
     if args.big:
         opts["rows_max"] = 10_000_000
-    opts["variants"] = [v for v in args.variants.split(",") if v]
+    opts["variants"] = [v for v in opts["variants"].split(",") if v]
+    if bed:
+        import recsys_bed
+
+        recsys_bed.main(opts, args.out or HERE / "results" / "recsys_bed.json")
+        return
     started = time.perf_counter()
     per_rank = run_world(args.world, rank_main, opts, timeout=1800.0)
     result = {"config": {**opts, "tables": TABLES, "dense_features": DENSE,
