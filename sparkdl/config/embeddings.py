@@ -66,7 +66,11 @@ def check_embedding_run(data: Any, train: Any, launch: Any) -> None:
                "train.batch_balance": train.batch_balance != "equal", "train.precision": train.precision != "32",
                # a skipped step would still have applied its (non-finite) embedding updates
                "train.nonfinite_loss='skip'": train.nonfinite_loss == "skip",
-               "launch.backend": launch.backend != "torch"}
+               "launch.backend": launch.backend != "torch",
+               # tables and lookups stay on CPU for now; the dense layers would need moving to the GPU
+               "launch.gpus_per_worker": launch.gpus_per_worker > 0,
+               # the dense gradients go in one averaging allreduce of their own
+               "train.sync_dtype": train.sync_dtype != "fp32", "train.islands": bool(train.islands)}
     for option, set_ in refused.items():
         if set_:
             raise ConfigError(f"{option} is not supported with data.sparse_cols (sharded embedding tables) yet",

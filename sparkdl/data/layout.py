@@ -63,6 +63,7 @@ class SparseFeature:
     multi_hot: bool
     out_of_range: str = "hash"
     source_weights: str | None = None  # the user's weights column (multi-hot only)
+    dim: int | None = None  # the table's width as sparse_cols declares it (None: the model's)
 
 
 @dataclass(frozen=True)

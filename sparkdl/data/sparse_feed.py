@@ -111,7 +111,7 @@ def sparse_feature(column: SparseColumn) -> SparseFeature:
     item = column.input
     return SparseFeature(source=item.column, table=item.table_name, num_rows=int(item.num_rows or 0),
                          id_kind=column.kind, multi_hot=column.multi_hot, out_of_range=item.out_of_range,
-                         source_weights=item.weights_col)
+                         source_weights=item.weights_col, dim=item.dim)
 
 
 def _input_columns(num_features: int, columns: Sequence[SparseColumn]) -> tuple[TensorColumn, ...]:
@@ -175,7 +175,19 @@ def scoring_columns(df: DataFrame, layout: FeedLayout) -> dict[str, Column]:
                                   f"the model was trained on {_describe(feature)}",
                                   hint=f"give {feature.source!r} the type it had in training")
         ids, weights = prepared_names(index)
-        out[ids] = F.expr(rows_sql(column))
+        out[ids] = F.expr(_refusing_nulls(rows_sql(column), feature))
         if column.weighted:
-            out[weights] = F.expr(weights_sql(column))
+            out[weights] = F.expr(_refusing_nulls(weights_sql(column), feature, feature.source_weights))
     return out
+
+
+def _refusing_nulls(sql: str, feature: SparseFeature, name: str | None = None) -> str:
+    """Training refused null ids (and weights) in its statistics job; scoring meets them row by row,
+    so the row's expression raises, naming the column, instead of scoring a made-up row."""
+    column = name or feature.source
+    message = (f"sparkdl: column {column!r} (data.sparse_cols) holds a null id, weight or array in a row to score; "
+               "fill or drop such rows first")
+    value = f"({sql})"
+    test = f"{value} IS NULL" + (f" OR exists({value}, x -> x IS NULL)" if feature.multi_hot else "")
+    quoted_message = message.replace("\\", "\\\\").replace("'", "\\'")
+    return f"CASE WHEN {test} THEN raise_error('{quoted_message}') ELSE {value} END"

@@ -59,8 +59,17 @@ def probe_embedding_model(model: Any, data: "DataConfig", train: "TrainConfig", 
 
 
 def check_tables(collection: Any, layout: "FeedLayout") -> None:
-    """Every table data.sparse_cols names exists in the model with the same number of rows."""
+    """Every table data.sparse_cols names exists in the model with the same rows (and dim and
+    pooling where they matter); columns sharing a table need the model to name them."""
     specs = {s.name: s for s in collection.tables}
+    shared = sorted({f.table for f in layout.sparse if sum(g.table == f.table for g in layout.sparse) > 1})
+    unnamed = [t for t in shared if not any(collection.features.get(f.source) == t for f in layout.sparse)]
+    if unnamed:
+        columns = [f.source for f in layout.sparse if f.table == unnamed[0]]
+        raise ModelError(f"columns {columns} share table {unnamed[0]!r}, but the model's EmbeddingBagCollection does "
+                         "not name them (its outputs are sized per feature when it is built)",
+                         hint=f"pass features={{{', '.join(f'{c!r}: {unnamed[0]!r}' for c in columns)}, ...}} to "
+                              "DLRM / EmbeddingBagCollection")
     for feature in layout.sparse:
         spec = specs.get(feature.table)
         if spec is None:
@@ -69,6 +78,13 @@ def check_tables(collection: Any, layout: "FeedLayout") -> None:
                              f"{', '.join(sorted(specs)) or 'none'})",
                              hint=f"add TableSpec({feature.table!r}, num_rows={feature.num_rows}, dim=...) to the "
                                   "model, or set table=... on the column")
+        if feature.source_weights is not None and spec.pooling != "sum":
+            raise ModelError(f"column {feature.source!r} has weights ({feature.source_weights!r}) but its table "
+                             f"{feature.table!r} pools by {spec.pooling!r}",
+                             hint="per-id weights need TableSpec(..., pooling='sum'), or drop weights_col")
+        if feature.dim is not None and spec.dim != feature.dim:
+            raise ModelError(f"table {feature.table!r} is {spec.dim} wide in the model but dim={feature.dim} in "
+                             "data.sparse_cols", hint="declare the same dim in both, or leave dim out of sparse_cols")
         if spec.num_rows != feature.num_rows:
             raise ModelError(f"table {feature.table!r} has {spec.num_rows} rows in the model but num_rows="
                              f"{feature.num_rows} in data.sparse_cols",
@@ -77,11 +93,12 @@ def check_tables(collection: Any, layout: "FeedLayout") -> None:
 
 def resolve_embeddings(module: Any, data: "DataConfig", train: "TrainConfig", launch: "LaunchConfig",
                        layout: "FeedLayout", embeddings: "EmbeddingConfig | None", cluster: Any = None,
-                       rows: Any = None, num_rows: int | None = None) -> "ResolvedPlan":
+                       rows: Any = None, num_rows: int | None = None, kept: Any = None) -> "ResolvedPlan":
     """sparse_cols runs train with strategy "embeddings" (config/embeddings.py refused the rest), its
     tables sharded or replicated as embedding_placement says; under "auto" the planner prices both
     from the measured links and the sampled ids of `rows` (the prepared DataFrame) and chooses.
-    `cluster`: a function measuring (or recalling) the cluster, called only then."""
+    `cluster`: a function measuring (or recalling) the cluster, called only then; `kept`: a plan to
+    train with instead (plan=, plan_from_run, plan_file), checked against this run."""
     from sparkdl.config import merged_section
     from sparkdl.config.embeddings import EmbeddingConfig
     from sparkdl.driver.checks import check_backend
@@ -91,6 +108,8 @@ def resolve_embeddings(module: Any, data: "DataConfig", train: "TrainConfig", la
 
     train = merged_section("train", train, {"strategy": "embeddings"})
     check_backend(train, launch)
+    if kept is not None:
+        return _kept(kept, train, launch, layout)
     embeddings = embeddings or EmbeddingConfig()
     placement, decision = embeddings.embedding_placement, None
     if placement == "auto" and launch.num_workers > 1 and cluster is not None and rows is not None:
@@ -112,6 +131,22 @@ def resolve_embeddings(module: Any, data: "DataConfig", train: "TrainConfig", la
         params.update({f"embeddings.{o.name.split('(')[0]}_comm_ms": f"{o.step_s * 1e3:.3f}" for o in decision.options
                        if o.name == "replicated" or o is decision.choice})
     return ResolvedPlan.build(train, launch.num_workers, planned, params, None)
+
+
+def _kept(kept: Any, train: "TrainConfig", launch: "LaunchConfig", layout: "FeedLayout") -> "ResolvedPlan":
+    from sparkdl.errors import ConfigError
+    from sparkdl.model.layouts import EmbeddingLayout
+    from sparkdl.planner.resolved import ResolvedPlan
+
+    if not isinstance(kept.layout, EmbeddingLayout):
+        raise ConfigError(f"the kept plan trains with strategy {kept.strategy!r}, but a run with data.sparse_cols "
+                          "trains with 'embeddings'", hint="plan this run again (sparkdl.plan with the same sparse_cols)")
+    features = tuple((f.source, f.table) for f in layout.sparse)
+    if kept.world != launch.num_workers or tuple(kept.layout.features) != features:
+        raise ConfigError(f"the kept plan was made for {kept.world} workers and columns {list(kept.layout.features)}, "
+                          f"this run has {launch.num_workers} and {list(features)}",
+                          hint="plan this run again, or keep its workers and sparse_cols")
+    return ResolvedPlan.build(train, launch.num_workers, kept.layout, dict(kept.params), None)
 
 
 def decide_placement(tables: Any, data: "DataConfig", launch: "LaunchConfig", layout: "FeedLayout",

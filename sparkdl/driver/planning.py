@@ -167,7 +167,8 @@ def resolve(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchCon
         from sparkdl.driver.embedding_plan import resolve_embeddings
 
         return resolve_embeddings(module, data, train, launch, layout, embeddings,
-                                  lambda: calibrate(spark, launch.num_workers, launch.threads_per_worker), rows, num_rows)
+                                  lambda: calibrate(spark, launch.num_workers, launch.threads_per_worker), rows, num_rows,
+                                  kept=plan)
     inputs = model_input(layout, sample)
     if plan is not None:
         return reuse(plan, module, data, train, launch, layout, inputs)

@@ -71,6 +71,18 @@ def with_shardings(tables: tuple[TableSpec, ...], shardings: Mapping[str, str] |
     return tuple(dataclasses.replace(s, sharding=shardings[s.name]) if s.name in shardings else s for s in tables)
 
 
+def adopt_rows(collection: EmbeddingBagCollection, bags: Any) -> None:
+    """A model given with whole tables (pretrained, warm-started) starts from them, not from the
+    seed's rows: each rank copies the rows it holds (replicated: every row)."""
+    rank = bags.comm.rank
+    with torch.no_grad():
+        for t, spec in enumerate(collection.tables):
+            weight, shard = collection.weights[t], bags.shards[t]
+            start, stop = (0, spec.num_rows) if shard.shape[0] == spec.num_rows else \
+                bags.placement.rows_of(spec.name, rank)
+            shard.copy_(weight.detach()[start:stop].to(shard.dtype))
+
+
 class ShardedEmbeddingTraining:
     """`model`: an nn.Module or a zero-argument factory (preferred: tables never built whole) whose
     forward takes (dense, sparse); `dense_optimizer_factory(params)`: a torch optimizer over the dense
@@ -100,6 +112,8 @@ class ShardedEmbeddingTraining:
         else:
             self.bags = ShardedEmbeddingBags(comm, placement, table_optimizer, staleness=staleness,
                                              seed=self.collection.seed)
+        if self.collection.is_materialized:
+            adopt_rows(self.collection, self.bags)
         self.collection.shard(self.bags)
         deferred = [name for name, p in self.model.named_parameters() if p.is_meta]
         if deferred:

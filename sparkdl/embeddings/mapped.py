@@ -5,19 +5,20 @@ MAPPED_TABLE_BYTES or more is written into a file-backed tensor (a shared mappin
 in a directory this process holds), so the whole set never sits in the driver's anonymous memory:
 the kernel pages it in and out like any file. Scoring processes that can see the same file (the
 driver, executors on the driver's host: local and local-cluster masters, or a shared mount) map it
-read-only instead of receiving the table in a pickle; a process that cannot see it gets the table as
+read-only instead of receiving the table in a pickle (the file goes with the last tensor on it); a process that cannot see it gets the table as
 a meta tensor, which loading the model's files fills (module_from_files).
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import weakref
 from typing import Any
 
 import torch
 
 MAPPED_TABLE_BYTES = 64 << 20
-_REGISTRY: dict[int, str] = {}  # data_ptr of a mapped table -> its file
 _LOCK = threading.Lock()
 _HELD: list[Any] = []
 _COUNT = [0]  # this process's held directory of table files (storage/private_dirs.py)
@@ -43,22 +44,38 @@ def mapped_table(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with _LOCK:
         _COUNT[0] += 1
         path = os.path.join(directory, f"table-{_COUNT[0]}.bin")
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     fd = create_private_file(path)
     try:
-        os.ftruncate(fd, numel * torch.empty(0, dtype=dtype).element_size())
-    finally:
+        # Reserved now: a mapping of a sparse file that outgrows the disk kills the process (SIGBUS).
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError as exc:
         os.close(fd)
+        os.unlink(path)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            from sparkdl.errors import ResourceError
+
+            raise ResourceError(f"no room for an embedding table of {nbytes / 2**30:.2f} GiB under {directory}",
+                                hint="free space there, or point TMPDIR at a larger disk") from None
+        raise
+    os.close(fd)
     tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
-    with _LOCK:
-        _REGISTRY[tensor.untyped_storage().data_ptr()] = path
+    weakref.finalize(tensor.untyped_storage(), _unlink, path)  # with the last tensor on it (torch keeps one storage object)
     return tensor
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def mapped_path(tensor: torch.Tensor) -> str | None:
     """The file behind a table mapped_table (or map_readonly) made; None for any other tensor."""
     if tensor.is_meta or tensor.device.type != "cpu":
         return None
-    return _REGISTRY.get(tensor.untyped_storage().data_ptr())
+    return tensor.untyped_storage().filename
 
 
 def map_readonly(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -72,7 +89,4 @@ def map_readonly(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch
             return None
     except OSError:
         return None
-    tensor = torch.from_file(path, shared=False, size=numel, dtype=dtype).view(*shape)
-    with _LOCK:
-        _REGISTRY[tensor.untyped_storage().data_ptr()] = path
-    return tensor
+    return torch.from_file(path, shared=False, size=numel, dtype=dtype).view(*shape)

@@ -54,6 +54,10 @@ class ShardedEmbeddings(Strategy):
         if not isinstance(layout, EmbeddingLayout):
             raise ConfigError("strategy 'embeddings' needs its layout from the driver's plan",
                               hint="train through fit()/TorchEstimator with data.sparse_cols set")
+        if self.comm.device.type != "cpu":
+            raise ConfigError(f"strategy 'embeddings' trains on CPU, but this rank got {self.comm.device}",
+                              hint="run sparse_cols fits on CPU executors (launch.gpus_per_worker=0, no GPU "
+                                   "resources in the Spark app) for now")
         collection = find_collection(model)
         collection.bind_features(dict(layout.features))
         self._loss_fn = loss_fn
@@ -114,7 +118,9 @@ class ShardedEmbeddings(Strategy):
 
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]
-        return bool(self.layout.replicated)  # sharded: every rank saves its own shards
+        # Sharded: every rank saves its own shards. Replicated with late updates: every rank flushes
+        # its queue when it saves, so every rank saves (a rank that did not would keep older rows).
+        return bool(self.layout.replicated and not self.layout.staleness)
 
     def finish(self) -> None:
         self.training.flush()

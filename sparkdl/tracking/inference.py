@@ -121,6 +121,8 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
 
         device = inference_device(task_gpu_addresses(), torch.cuda.is_available(),
                                   os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if served is not None and served.layout.sparse:
+            device = "cpu"  # embedding tables (maybe mapped files) are looked up where they are, never copied
         key = (model_key, device)
         if key not in _MODULE_CACHE:
             if _MODULE_CACHE:

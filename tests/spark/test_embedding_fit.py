@@ -102,6 +102,10 @@ def test_trained_model_scores_a_dataframe_as_the_module_does(clicks) -> None:  #
     with torch.no_grad():
         expected = torch.sigmoid(trained.torch_module()(dense, sparse)) > 0.5
     assert [bool(r.prediction) for r in scored] == expected.tolist()
+    from pyspark.sql import functions as F
+
+    with pytest.raises(Exception, match="column 'user' .* holds a null id"):
+        trained.transform(clicks.withColumn("user", F.when(F.col("f0") > 0, F.col("user")))).collect()
 
 
 def test_a_model_without_the_declared_tables_is_refused_before_training(clicks) -> None:  # type: ignore[no-untyped-def]
@@ -131,6 +135,8 @@ def test_auto_placement_prices_replicated_against_sharded_and_says_which(clicks)
     assert "exceed one rank's" in tight.explain()
     named = sparkdl.plan(dlrm, clicks, embedding_placement="replicated", **options)
     assert named.layout.replicated and "chosen:" not in named.explain()
+    kept = TorchEstimator(model=dlrm, plan=named.to_json(), **options).fit(clicks)  # trains the kept layout
+    assert "touched" in kept.history[0]["embedding_bytes_per_step"]  # replicated's touched-row mask went out
 
 
 KILL = {"path": "", "calls": 0}
@@ -226,3 +232,22 @@ def test_checkpoints_carry_over_to_another_number_of_ranks_and_placement(clicks,
     if first == then:  # and training goes on from there on four ranks
         more = TorchEstimator(model=dlrm, epochs=2, embedding_placement=then, **four).fit(clicks)
         assert more.history[-1]["steps"] == 64 // 16 and np.isfinite(more.history[-1]["loss"])
+
+
+def test_tables_the_columns_cannot_use_are_refused_before_training(clicks) -> None:  # type: ignore[no-untyped-def]
+    def unnamed() -> nn.Module:  # two columns on one table, the model not told which
+        return DLRM(2, SPECS, bottom=[8, DIM], top=[8])
+
+    shared = {**SPARSE, "user": {"table": "items", "num_rows": ITEMS}}
+    with pytest.raises(ModelError, match=r"(?s)columns \['user', 'item'\] share table 'items'.*features="):
+        TorchEstimator(model=unnamed, epochs=1, batch_size=8, **{**COMMON, "sparse_cols": shared}).fit(clicks)
+
+    def mean_tags() -> nn.Module:
+        specs = SPECS[:2] + (TableSpec("tags", TAGS, DIM, pooling="mean"),)
+        return DLRM(2, specs, bottom=[8, DIM], top=[8], features={"user": "users", "item": "items", "tags": "tags"})
+
+    with pytest.raises(ModelError, match="pools by 'mean'"):
+        TorchEstimator(model=mean_tags, epochs=1, batch_size=8, **COMMON).fit(clicks)
+    wide = {**SPARSE, "tags": {**SPARSE["tags"], "dim": DIM + 1}}
+    with pytest.raises(ModelError, match="4 wide in the model but dim=5"):
+        TorchEstimator(model=dlrm, epochs=1, batch_size=8, **{**COMMON, "sparse_cols": wide}).fit(clicks)

@@ -293,3 +293,23 @@ def test_replicated_placement_names_every_row_once_on_rank_zero() -> None:
         assert all(placement.rows_of(spec.name, r)[0] == placement.rows_of(spec.name, r)[1] for r in (1, 2))
     with pytest.raises(ConfigError, match="repeat"):
         replicated_placement(SPECS + SPECS[:1], 2)
+
+
+def _pretrained_rank(comm: Communicator, replicated: bool) -> dict[str, bool]:
+    from sparkdl.embeddings import EmbeddingBagCollection, ShardedEmbeddingTraining, TableSpec
+
+    specs = (TableSpec("u", 10, 3), TableSpec("v", 7, 3))
+    model = EmbeddingBagCollection(specs)
+    with torch.no_grad():
+        for t, weight in enumerate(model.weights):
+            weight.copy_(torch.arange(weight.numel(), dtype=torch.float32).reshape(weight.shape) + 100 * t)
+    expected = {s.name: w.detach().clone() for s, w in zip(specs, model.weights)}
+    training = ShardedEmbeddingTraining(comm, nn.Sequential(model, nn.Linear(3, 1)), lambda p: torch.optim.SGD(p, lr=0.1),
+                                        RowwiseAdagrad(), lambda out, y: out.sum(), replicated=replicated)
+    return {n: torch.equal(t, expected[n]) for n, t in training.full_tables().items()}
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_model_given_with_whole_tables_starts_from_its_rows(replicated: bool) -> None:
+    """Pretrained tables in a model instance are kept, not redrawn from the seed."""
+    assert all(all(r.values()) for r in run_world(2, _pretrained_rank, replicated))

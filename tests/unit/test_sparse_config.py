@@ -115,7 +115,7 @@ def test_sparse_runs_train_with_the_embeddings_strategy_and_refuse_what_it_canno
     with pytest.raises(ConfigError, match="data.sparse_cols is not set"):
         RunConfig.from_kwargs(feature_cols=["f"], strategy="embeddings").validate()
     for option, value in (("accumulate_steps", 2), ("precision", "bf16"), ("nonfinite_loss", "skip"),
-                          ("backend", "horovod")):
+                          ("backend", "horovod"), ("gpus_per_worker", 1), ("sync_dtype", "int8")):
         with pytest.raises(ConfigError, match="not supported with data.sparse_cols"):
             RunConfig.from_kwargs(feature_cols=["f"], sparse_cols={"u": {"num_rows": 3}}, checkpoint_dir="/tmp/c",
                                   **{option: value}).validate()
