@@ -54,7 +54,7 @@ class ShardedEmbeddings(Strategy):
         if not isinstance(layout, EmbeddingLayout):
             raise ConfigError("strategy 'embeddings' needs its layout from the driver's plan",
                               hint="train through fit()/TorchEstimator with data.sparse_cols set")
-        if self.comm.device.type != "cpu":
+        if torch.device(self.comm.device).type != "cpu":
             raise ConfigError(f"strategy 'embeddings' trains on CPU, but this rank got {self.comm.device}",
                               hint="run sparse_cols fits on CPU executors (launch.gpus_per_worker=0, no GPU "
                                    "resources in the Spark app) for now")
