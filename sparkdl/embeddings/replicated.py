@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from sparkdl.comm.base import Communicator
 from sparkdl.embeddings.bags import as_bag
+from sparkdl.embeddings.late_updates import LateUpdates
 from sparkdl.embeddings.optimizers import SparseOptimizer
 from sparkdl.embeddings.placement import Placement, TableSpec, plan_placement, whole_on
 from sparkdl.embeddings.sharded import initial_rows
@@ -65,7 +66,7 @@ def ring_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
-class ReplicatedEmbeddingBags:
+class ReplicatedEmbeddingBags(LateUpdates):
     """Every table of `placement` whole on every rank. `placement` names the tables (any placement
     of them over comm.size ranks); `optimizer`: RowwiseAdagrad or SparseAdam."""
 
@@ -162,28 +163,7 @@ class ReplicatedEmbeddingBags:
         for grad, flag in zip(grads, flags):
             rows = torch.nonzero(flag > 0).reshape(-1)
             updates.append((rows, grad[rows].div_(world)))
-        self._pending.append((lookup.step, updates))
-        while len(self._pending) > self.staleness:
-            self._apply_oldest()
-
-    def _apply_oldest(self) -> None:
-        _, updates = self._pending.popleft()
-        for weight, state, (rows, grads) in zip(self.shards, self.states, updates):
-            with torch.no_grad():
-                self.optimizer.update(weight, state, rows, grads)
-
-    def _bound_staleness(self) -> None:
-        """Before the lookups of step s: no queued update older than s - staleness, then the lag this
-        lookup sees (s minus the oldest step still queued)."""
-        while self._pending and self.steps - self._pending[0][0] > self.staleness:
-            self._apply_oldest()
-        if self._pending:
-            self.max_lag = max(self.max_lag, self.steps - self._pending[0][0])
-
-    def flush(self) -> None:
-        """Apply every queued update now (before a checkpoint, an evaluation or the end of training)."""
-        while self._pending:
-            self._apply_oldest()
+        self._queue(lookup.step, updates)
 
     def local_weight(self, name: str) -> torch.Tensor:
         """Table `name` whole (every rank holds it)."""
@@ -195,8 +175,7 @@ class ReplicatedEmbeddingBags:
         tables = {spec.name: {"start": 0, "stop": spec.num_rows, "weight": weight.clone(),
                               "optimizer": {k: v.clone() for k, v in state.items()}}
                   for spec, weight, state in zip(self.placement.tables, self.shards, self.states)}
-        pending = [{"step": step, "rows": [r.clone() for r, _ in ups], "grads": [g.clone() for _, g in ups]}
-                   for step, ups in self._pending]
+        pending = self._pending_state()
         return {"format": STATE_FORMAT, "kind": STATE_KIND, "rank": self.comm.rank,
                 "world_size": self.comm.size, "steps": self.steps, "max_lag": self.max_lag,
                 "tables": tables, "pending": pending}
@@ -220,5 +199,5 @@ class ReplicatedEmbeddingBags:
             saved = state["tables"][spec.name]
             self.shards[t] = saved["weight"].clone()
             self.states[t] = {k: v.clone() for k, v in saved["optimizer"].items()}
-        self._pending = deque((p["step"], list(zip(p["rows"], p["grads"]))) for p in state["pending"])
+        self._load_pending(state["pending"])
         self.steps, self.max_lag, self._lookup = int(state["steps"]), int(state["max_lag"]), None

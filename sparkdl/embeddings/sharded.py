@@ -30,6 +30,7 @@ from sparkdl.comm.base import Communicator
 from sparkdl.embeddings import exchange
 from sparkdl.embeddings.bags import Bag, as_bag
 from sparkdl.embeddings.bucketing import Buckets, bucket
+from sparkdl.embeddings.late_updates import LateUpdates
 from sparkdl.embeddings.optimizers import SparseOptimizer
 from sparkdl.embeddings.placement import Placement, TableSpec
 from sparkdl.errors import ConfigError, SparkdlError
@@ -67,7 +68,7 @@ class _Lookup:
     requested: list[list[torch.Tensor]]  # [r][t]: local rows rank r asked this rank for
 
 
-class ShardedEmbeddingBags:
+class ShardedEmbeddingBags(LateUpdates):
     """The tables of `placement`, this rank's shards only. `optimizer`: RowwiseAdagrad or SparseAdam."""
 
     def __init__(self, comm: Communicator, placement: Placement, optimizer: SparseOptimizer,
@@ -177,28 +178,7 @@ class ShardedEmbeddingBags:
             summed = torch.zeros(unique.numel(), int(self._dims[t]), dtype=self.shards[t].dtype)
             summed.index_add_(0, inverse, torch.cat([got[r][t] for r in range(world)]))
             updates.append((unique, summed.div_(world)))
-        self._pending.append((lookup.step, updates))
-        while len(self._pending) > self.staleness:
-            self._apply_oldest()
-
-    def _apply_oldest(self) -> None:
-        _, updates = self._pending.popleft()
-        for weight, state, (rows, grads) in zip(self.shards, self.states, updates):
-            with torch.no_grad():
-                self.optimizer.update(weight, state, rows, grads)
-
-    def _bound_staleness(self) -> None:
-        """Before the lookups of step s: no queued gradients older than s - staleness, then the lag
-        this lookup sees (s minus the oldest step still queued)."""
-        while self._pending and self.steps - self._pending[0][0] > self.staleness:
-            self._apply_oldest()
-        if self._pending:
-            self.max_lag = max(self.max_lag, self.steps - self._pending[0][0])
-
-    def flush(self) -> None:
-        """Apply every queued update now (before a checkpoint, an evaluation or the end of training)."""
-        while self._pending:
-            self._apply_oldest()
+        self._queue(lookup.step, updates)
 
     def local_weight(self, name: str) -> torch.Tensor:
         """This rank's rows of table `name` (rows_of(name) of the placement)."""
@@ -211,8 +191,7 @@ class ShardedEmbeddingBags:
             start, stop = self.placement.rows_of(spec.name, self.comm.rank)
             tables[spec.name] = {"start": start, "stop": stop, "weight": weight.clone(),
                                  "optimizer": {k: v.clone() for k, v in state.items()}}
-        pending = [{"step": step, "rows": [r.clone() for r, _ in ups], "grads": [g.clone() for _, g in ups]}
-                   for step, ups in self._pending]
+        pending = self._pending_state()
         return {"format": STATE_FORMAT, "rank": self.comm.rank, "world_size": self.comm.size,
                 "steps": self.steps, "max_lag": self.max_lag, "tables": tables, "pending": pending}
 
@@ -236,5 +215,5 @@ class ShardedEmbeddingBags:
                                    hint="resume with the placement the state was saved under")
             self.shards[t] = saved["weight"].clone()
             self.states[t] = {k: v.clone() for k, v in saved["optimizer"].items()}
-        self._pending = deque((p["step"], list(zip(p["rows"], p["grads"]))) for p in state["pending"])
+        self._load_pending(state["pending"])
         self.steps, self.max_lag, self._lookup = int(state["steps"]), int(state["max_lag"]), None
