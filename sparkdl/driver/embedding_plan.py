@@ -154,7 +154,7 @@ def decide_placement(tables: Any, data: "DataConfig", launch: "LaunchConfig", la
     """The planner's EmbeddingDecision: the sampled ids' frequencies (one Spark job), the calibrated
     cluster's links and the rank memory budget."""
     from sparkdl.data.sparse_id_counts import table_id_counts
-    from sparkdl.planner.candidates import rank_memory_budget
+    from sparkdl.planner.budget import rank_memory_budget
     from sparkdl.planner.embeddings import decide_embeddings, measure_ids
     from sparkdl.planner.ends import calibration_ends
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from sparkdl.config.elastic import is_elastic
-from sparkdl.config import DataConfig, LaunchConfig, TrainConfig, parse_bytes
+from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
+from sparkdl.planner.budget import rank_memory_budget
 from sparkdl.data.epochs import epoch_plan, expected_row_counts
 from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
@@ -301,22 +302,6 @@ def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput 
         return None
     subnet = extract_subnet(model, layout, partition(layout, 0), 0)
     return layer_costs(subnet, num_features, rows, driver_flops, ratio)[1]
-
-
-def rank_memory_budget(launch: LaunchConfig, cluster: ClusterInfo) -> float | None:
-    """What one rank may hold: launch.max_memory_per_rank, and spark.executor.pyspark.memory, which
-    Spark divides among the executor's task slots and enforces on each Python worker (as an
-    address-space limit, so the RSS a rank reaches is below it), whichever is less."""
-    limits = []
-    if launch.max_memory_per_rank is not None:
-        limits.append(parse_bytes(launch.max_memory_per_rank, "launch.max_memory_per_rank"))
-    if cluster.pyspark_memory:
-        per_executor = parse_bytes(cluster.pyspark_memory if any(c.isalpha() for c in cluster.pyspark_memory)
-                                   else f"{cluster.pyspark_memory}m", "spark.executor.pyspark.memory")
-        executors = max(1, len(cluster.executors))
-        slots_each = max(1, math.ceil((cluster.slots or launch.num_workers) / executors))
-        limits.append(per_executor / slots_each)
-    return min(limits) if limits else None
 
 
 def _fits(memory: float, budget: float | None) -> tuple[bool, str]:

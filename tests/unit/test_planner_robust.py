@@ -181,7 +181,7 @@ def test_declared_figures_are_the_same_at_both_ends() -> None:
 def test_sharded_is_priced_and_the_executors_python_memory_bounds_every_candidate() -> None:
     from dataclasses import replace
 
-    from sparkdl.planner.candidates import rank_memory_budget
+    from sparkdl.planner.budget import rank_memory_budget
 
     cluster = calibration((5e10, 5e10), 1e-4, 1e9)
     free = plan(cluster)
