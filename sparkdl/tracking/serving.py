@@ -130,7 +130,7 @@ def _sparse_arrays(layout: FeedLayout, columns: Any) -> tuple:
     categorical input its table rows (int64 per row, or large_list<int64> for multi-hot) and its
     weights (large_list<float32>). Ids map to rows by data/sparse_hash.py's rule, the one the
     prepared Spark columns follow, so serving scores the rows training looked up."""
-    from sparkdl.errors import ArrayLengthError, MissingColumnError
+    from sparkdl.errors import ArrayLengthError, MissingColumnError, NullValuesError
 
     for name in (*layout.source_feature_cols, *(c for f in layout.sparse for c in (f.source, f.source_weights))):
         if name is not None and name not in columns:
@@ -144,14 +144,22 @@ def _sparse_arrays(layout: FeedLayout, columns: Any) -> tuple:
         if not feature.multi_hot:
             arrays.append(_id_rows(feature, values))
             continue
-        if any(v is None for v in values):
+        if any(_missing(v) for v in values):
             _refuse_nulls(feature)
         lengths = np.fromiter((len(v) for v in values), np.int64, len(values))
         rows = _id_rows(feature, [x for v in values for x in v])
         offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
         arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(rows, pa.int64())))
         if feature.source_weights is not None:
-            weights = [np.asarray(w, np.float32).reshape(-1) for w in _values(columns[feature.source_weights])]
+            given = _values(columns[feature.source_weights])
+            if any(_missing(w) for w in given):
+                raise NullValuesError(f"weights column {feature.source_weights!r} of sparse column "
+                                      f"{feature.source!r} holds a null", hint="give every id a weight (1.0 = unweighted)")
+            weights = [np.asarray(w, np.float32).reshape(-1) for w in given]
+            if any(not np.isfinite(w).all() for w in weights):
+                raise NullValuesError(f"weights column {feature.source_weights!r} of sparse column "
+                                      f"{feature.source!r} holds NaN or infinite weights",
+                                      hint="give every id a finite weight (1.0 = unweighted)")
             if [len(w) for w in weights] != lengths.tolist():
                 raise ArrayLengthError(f"weights column {feature.source_weights!r} does not hold one weight per id "
                                        f"of sparse column {feature.source!r} in every row",
@@ -174,7 +182,7 @@ def _id_rows(feature: SparseFeature, ids: Any) -> np.ndarray:
                               "per row", hint="pass one id per row, as in training")
     strings = values.dtype.kind == "U" or (values.dtype.kind == "O" and all(isinstance(v, str) for v in values.flat))
     if not (values.dtype.kind in "iu" if feature.id_kind == "integer" else strings):
-        if any(v is None or (isinstance(v, float) and v != v) for v in values.flat):
+        if any(_missing(v) for v in values.flat):
             _refuse_nulls(feature)
         raise ColumnTypeError(f"sparse column {feature.source!r} holds {values.dtype} values, but the model was "
                               f"trained on {feature.id_kind} ids", hint=f"pass {feature.id_kind} ids, as in training")
@@ -183,6 +191,13 @@ def _id_rows(feature: SparseFeature, ids: Any) -> np.ndarray:
     except SparseIdError as err:
         raise SparseIdError(f"sparse column {feature.source!r} (table {feature.table!r}): {err.message}",
                             hint=err.hint) from None
+
+
+def _missing(value: Any) -> bool:
+    """None, NaN, or pandas' NA/NaT (what a null becomes in a frame), never a list of ids."""
+    if value is None or (isinstance(value, float) and value != value):
+        return True
+    return type(value).__name__ in ("NAType", "NaTType")
 
 
 def _refuse_nulls(feature: SparseFeature) -> NoReturn:

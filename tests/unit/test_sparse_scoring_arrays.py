@@ -86,6 +86,10 @@ def test_refuse_names_the_column() -> None:
     ({"tags": [[1], None, [2]]}, NullValuesError, r"sparse column 'tags' holds null ids"),
     ({"tag_w": [[1.0, 0.5], [], [0.25]]}, ArrayLengthError, r"weights column 'tag_w' .* sparse column 'tags'"),
     ({"user": [[1, 2], [3, 4], [5, 6]]}, ColumnTypeError, r"sparse column 'user' holds lists.*one id per row"),
+    ({"tags": [[1], float("nan"), [2]]}, NullValuesError, r"sparse column 'tags' holds null ids"),
+    ({"user": pd.array([3, None, 1], dtype="Int64")}, NullValuesError, r"sparse column 'user' holds null ids"),
+    ({"tag_w": [[1.0, 0.5], None, [0.25]]}, NullValuesError, r"weights column 'tag_w' .* holds a null"),
+    ({"tag_w": [[1.0, float("nan")], [], [0.25]]}, NullValuesError, r"weights column 'tag_w' .* NaN"),
 ])
 def test_bad_values_name_the_column(change: dict, error: type, pattern: str) -> None:
     with pytest.raises(error, match=pattern):
