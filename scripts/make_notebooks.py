@@ -309,6 +309,52 @@ with torch.no_grad():
 print(bytes(ids).decode("utf-8", "replace"))'''),
 ]
 
+RECOMMENDER = [
+    ("markdown", "# A click-through model: categorical columns, embedding tables sharded over the workers\n\n"
+                 "User ids, item names and weighted tag lists (`sparse_cols`) beside two dense features; "
+                 "sparkdl's DLRM looks each column up in its embedding table. The tables live sharded over the "
+                 "workers (or replicated, when the planner finds that cheaper: `explain()` says), the dense "
+                 "layers train data parallel. docs/recommenders.md has the details."),
+    ("code", SESSION),
+    ("code", '''import numpy as np
+
+rng = np.random.default_rng(0)
+rows = []
+for _ in range(2000 if SMALL else 20000):  # every 4th item popular, every 3rd user keen, tag 7 helps
+    user, item = int(rng.integers(0, 150)), int(rng.integers(0, 60))
+    tags = [int(t) for t in rng.integers(0, 20, size=int(rng.integers(0, 4)))]
+    x0, x1 = float(rng.normal()), float(rng.normal())
+    logit = 2.5 * (item % 4 == 0) + 1.5 * (user % 3 == 0) + 1.5 * (7 in tags) + 0.8 * x0 - 2.0
+    rows.append((x0, x1, user, f"item-{item}", tags, [1.0] * len(tags), int(rng.random() < 1 / (1 + np.exp(-logit)))))
+clicks = spark.createDataFrame(rows, "f0 double, f1 double, user bigint, item string, tags array<int>, "
+                                     "tag_w array<double>, clicked int").cache()
+clicks.show(3)'''),
+    ("markdown", "The model is a factory: every process builds it with deferred tables and keeps only its rows. "
+                 "`features` binds the columns to the tables; strings (and ids beyond a table) are hashed onto "
+                 "its rows by Spark's xxhash64, the same way when MLflow serves the model."),
+    ("code", '''import sparkdl
+from sparkdl import TorchEstimator
+from sparkdl.embeddings import DLRM, TableSpec
+
+tables = [TableSpec("users", 200, 8), TableSpec("items", 64, 8), TableSpec("tags", 32, 8)]
+
+def dlrm():
+    return DLRM(2, tables, bottom=[16, 8], top=[16], features={"user": "users", "item": "items", "tags": "tags"})
+
+options = dict(feature_cols=["f0", "f1"], label_col="clicked", loss="bce_with_logits",
+               sparse_cols={"user": {"table": "users", "num_rows": 200}, "item": {"table": "items", "num_rows": 64},
+                            "tags": {"num_rows": 32, "weights_col": "tag_w"}},
+               embedding_lr=0.1, lr=0.01, batch_size=64, epochs=3 if SMALL else 8, num_workers=2,
+               validation_fraction=0.2, metrics=["auc"], progress=False, tracking=False)
+print(sparkdl.plan(dlrm, clicks, **options).explain())'''),
+    ("code", '''model = TorchEstimator(model=dlrm, **options).fit(clicks)
+for h in model.history:
+    print(f"epoch {h['epoch']}: loss {h['loss']:.4f}  val AUC {h['val_auc']:.3f}  "
+          f"embedding bytes/step {sum(h['embedding_bytes_per_step'].values())}")
+assert model.history[-1]["val_auc"] > 0.6
+model.transform(clicks.limit(5)).select("user", "item", "tags", "prediction").show()'''),
+]
+
 
 def write(name: str, cells: list[tuple[str, str]]) -> None:
     notebook = nbformat.v4.new_notebook()
@@ -322,6 +368,6 @@ def write(name: str, cells: list[tuple[str, str]]) -> None:
 if __name__ == "__main__":
     for filename, cells in (("quickstart.ipynb", QUICKSTART), ("planner.ipynb", PLANNER), ("hybrid.ipynb", HYBRID),
                             ("ist.ipynb", IST), ("diloco.ipynb", DILOCO), ("cnn_images.ipynb", CNN_IMAGES),
-                            ("language_model.ipynb", LANGUAGE_MODEL)):
+                            ("language_model.ipynb", LANGUAGE_MODEL), ("recommender.ipynb", RECOMMENDER)):
         write(filename, cells)
         print("wrote", NOTEBOOKS / filename)
