@@ -11,7 +11,6 @@ label is an input_cols-style TensorColumn too. Sharding and validation rows are 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from pyspark.sql import Column, DataFrame
@@ -19,13 +18,13 @@ from pyspark.sql import functions as F
 
 from sparkdl.config.sparse import SparseInput, SparseInputs, sparse_inputs
 from sparkdl.data.feed import (PreparedData, check_columns, check_weight, checked_feature_width, checked_label,
-                               feed_stats, split_and_shard)
+                               feed_stats)
 from sparkdl.data.feed_sql import feature_kind, features_expression, label_type, quoted, row_invalid
 from sparkdl.data.layout import (DENSE_SOURCE, FIXED, INPUT_PREFIX, LABEL_COLUMN, RAGGED, WEIGHT_COLUMN,
                                  FeedLayout, SparseFeature, TensorColumn)
 from sparkdl.data.sparse_inputs import (SparseColumn, check_sparse_stats, prepared_names, rows_sql,
                                         sparse_aggregates, sparse_columns, sparse_schema, weights_sql)
-from sparkdl.data.tensor_feed import sample_rows
+from sparkdl.data.tensor_feed import sampled_and_sharded
 from sparkdl.errors import ArrayLengthError, ColumnTypeError, ConfigError, EmptyDataError
 
 if TYPE_CHECKING:
@@ -48,12 +47,8 @@ def prepare_sparse(df: DataFrame, data: "DataConfig", *, classification: bool, n
     if validation_df is not None:
         validation = _prepare_one(validation_df, data, inputs, classification, "validation_df")
         _check_like_training(validation.layout, prepared.layout)
-        classes = [n for n in (prepared.layout.num_classes, validation.layout.num_classes) if n is not None]
-        prepared = replace(prepared, layout=replace(prepared.layout, num_classes=max(classes) if classes else None))
-    sample = sample_rows(prepared.df)
-    sharded = split_and_shard(prepared, validation, num_workers=num_workers,
-                              validation_fraction=data.validation_fraction, seed=seed, fixed_order=fixed_order)
-    return replace(sharded, sample=sample)
+    return sampled_and_sharded(prepared, validation, data, num_workers=num_workers, seed=seed,
+                               fixed_order=fixed_order)
 
 
 def _prepare_one(df: DataFrame, data: "DataConfig", inputs: SparseInputs, classification: bool,

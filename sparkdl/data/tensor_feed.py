@@ -314,8 +314,19 @@ def prepare_tensors(df: DataFrame, data: "DataConfig", *, classification: bool, 
     if validation_df is not None:
         validation = _like_training(_prepare_one(validation_df, data, classification, "validation_df"),
                                     prepared.layout)
+        # validation's layout (cast like training's), with training's classes: the two are merged next
+        prepared = replace(prepared, layout=replace(validation.layout, num_classes=prepared.layout.num_classes))
+    return sampled_and_sharded(prepared, validation, data, num_workers=num_workers, seed=seed,
+                               fixed_order=fixed_order)
+
+
+def sampled_and_sharded(prepared: PreparedData, validation: PreparedData | None, data: "DataConfig", *,
+                        num_workers: int, seed: int, fixed_order: bool) -> PreparedData:
+    """The end of a tensor-column prepare (input_cols, sparse_cols): the classes either side saw, a
+    few prepared rows to probe the model with, then feed.split_and_shard."""
+    if validation is not None:
         classes = [n for n in (prepared.layout.num_classes, validation.layout.num_classes) if n is not None]
-        prepared = replace(prepared, layout=replace(validation.layout, num_classes=max(classes) if classes else None))
+        prepared = replace(prepared, layout=replace(prepared.layout, num_classes=max(classes) if classes else None))
     sample = sample_rows(prepared.df)
     sharded = split_and_shard(prepared, validation, num_workers=num_workers,
                               validation_fraction=data.validation_fraction, seed=seed, fixed_order=fixed_order)

@@ -24,6 +24,18 @@ class LateUpdates:
     max_lag: int
     _pending: "deque[tuple[int, Updates]]"
 
+    @staticmethod
+    def _check_arguments(placement: Any, comm: Any, staleness: Any) -> None:
+        """What sharded and replicated bags refuse alike: a placement for another world, a bad bound."""
+        from sparkdl.errors import ConfigError
+
+        if placement.world_size != comm.size:
+            raise ConfigError(f"the placement is for {placement.world_size} ranks but the run has {comm.size}",
+                              hint="plan the placement with plan_placement(specs, comm.size)")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ConfigError(f"staleness={staleness!r} is not an integer >= 0",
+                              hint="0: synchronous updates; tau > 0: embedding updates may lag tau steps")
+
     def _queue(self, step: int, updates: Updates) -> None:
         self._pending.append((step, updates))
         while len(self._pending) > self.staleness:

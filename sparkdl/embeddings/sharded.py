@@ -73,12 +73,7 @@ class ShardedEmbeddingBags(LateUpdates):
 
     def __init__(self, comm: Communicator, placement: Placement, optimizer: SparseOptimizer,
                  staleness: int = 0, seed: int = 0) -> None:
-        if placement.world_size != comm.size:
-            raise ConfigError(f"the placement is for {placement.world_size} ranks but the run has {comm.size}",
-                              hint="plan the placement with plan_placement(specs, comm.size)")
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-            raise ConfigError(f"staleness={staleness!r} is not an integer >= 0",
-                              hint="0: synchronous updates; tau > 0: embedding updates may lag tau steps")
+        self._check_arguments(placement, comm, staleness)
         self.comm, self.placement, self.optimizer, self.staleness = comm, placement, optimizer, staleness
         self.shards = [initial_rows(s, *placement.rows_of(s.name, comm.rank), seed=seed) for s in placement.tables]
         self.states = [optimizer.init_state(w) for w in self.shards]
