@@ -26,11 +26,13 @@ def test_dynamic_local_updates_let_the_fast_rank_work(spark) -> None:  # type: i
     rows = model.transform(digits_dataframe(spark, indices=test_idx)).select("label", "prediction").collect()
     assert float(np.mean([r["label"] == r["prediction"] for r in rows])) > 0.6  # it trains (chance: 0.1; the schedule follows measured speeds)
     for record in model.history:
-        fast, slow = record["diloco_inner_steps_by_rank"]
-        assert slow == record["steps"]  # the slow rank: one inner step per batch, no row skipped
         rounds = record["diloco_round_steps_by_rank"]
         assert len(rounds) == 2 and all(h >= 5 for h in rounds[0] + rounds[1])
-        assert fast >= slow
+        # Each round the replica measured slower takes one inner step per batch (no row skipped), the
+        # other echoes batches. Which one was slower is measured: on a loaded machine a stall of the
+        # emulated-fast rank can make it the slower one for a round (once in ~4 clean runs under load).
+        assert all(min(pair) == 5 for pair in zip(*rounds)), rounds
+        assert min(record["diloco_inner_steps_by_rank"]) >= record["steps"]
         assert record["diloco_max_staleness"] <= 1
     # H_w of the fast rank from its measured compute speed: emulate_speed stretches forward and backward
     # only (not the AdamW step), and a busy machine adds noise, so the measured ratio is below 3
