@@ -163,7 +163,7 @@ def load_parts(module: Any, files: Iterable[str]) -> None:
     taken.update(pieces.complete())
     if taken:
         module.load_state_dict(taken, strict=False, assign=any(t.is_meta for t in own.values()))
-        _tie(module, aliases)
+        _tie(module, aliases, set(taken))
 
 
 def _new_table(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -223,18 +223,23 @@ def _aliases(module: Any) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _tie(module: Any, aliases: list[list[str]]) -> None:
-    """Assigning tensors name by name unties shared weights: every alias takes the first's tensor."""
-    for first, *others in aliases:
+def _tie(module: Any, aliases: list[list[str]], loaded: set[str]) -> None:
+    """Assigning tensors name by name unties shared weights: every alias takes the tensor of the
+    first name that was loaded (a sharded run sends a tied tensor once, under one name)."""
+    for names in aliases:
+        first = next((name for name in names if name in loaded), names[0])
         owner, _, attribute = first.rpartition(".")
         shared = getattr(module.get_submodule(owner) if owner else module, attribute)
-        for name in others:
+        for name in names:
             owner, _, attribute = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, attribute, shared)
 
 
 def check_complete(module: Any, names: set[str]) -> None:
     names = {piece[0] if (piece := row_piece(n)) is not None else n for n in names}
+    for group in _aliases(module):  # a tied tensor may come back under one of its names
+        if names & set(group):
+            names |= set(group)
     missing = sorted(set(module.state_dict()) - names)
     if missing:
         raise TrainingError(f"the trained model came back without {len(missing)} of its tensors "
