@@ -118,6 +118,22 @@ class TorchModel(Model, MLWritable, MLReadable):
                     self._pending_parts = None
         return self._module
 
+    def save_adapter(self, path: str) -> list[str]:
+        """The trained PEFT adapter in PEFT's own layout (adapter_config.json, adapter_model.safetensors)
+        under `path`: `peft.PeftModel.from_pretrained(base, path)` loads it with peft alone."""
+        from sparkdl.model.adapters import save_adapter
+
+        return save_adapter(self.torch_module(), path)
+
+    def merged(self) -> "TorchModel":
+        """A TorchModel of the adapter merged into its base (peft's merge_and_unload): the plain model,
+        scored without peft. This model is left as it is; the copy has no MLflow model of its own."""
+        from sparkdl.model.adapters import merged_module
+
+        model = self.copy()
+        model._module, model._pending_parts, model.model_uri = merged_module(self.torch_module()), None, None
+        return model
+
     def setInferenceGpus(self, gpus_per_task: float) -> "TorchModel":
         """Score under a task ResourceProfile with `gpus_per_task` GPUs (0.25: four tasks per GPU),
         so a CPU-default application can run transform on its executors' GPUs."""

@@ -24,7 +24,9 @@ from sparkdl.driver.checks import (before_training, check_enough_rows, check_out
 from sparkdl.driver.planning import check_kept_world, resolve
 from sparkdl.driver.shipping import ship_by_value
 from sparkdl.errors import ConfigError, ModelError
-from sparkdl.model.trained import ModelParts, check_complete, load_parts, real_where_state_cannot_reach
+from sparkdl.model.trained import (ModelParts, add_frozen_part, check_complete, load_parts,
+                                   real_where_state_cannot_reach)
+from sparkdl.model.trained_state import held_frozen_keys
 from sparkdl.planner.resolved import ResolvedPlan
 from sparkdl.tracking.fit_records import fit_extras, input_example, run_params
 from sparkdl.tracking.phases import Phases
@@ -203,8 +205,10 @@ def take_the_model(parts: ModelParts, module: Any, model: Any, config: RunConfig
     in memory, or on any failure; a model left in them keeps them (ModelParts.remove_when_unused)."""
     load = config.output.load_model
     try:
-        check_complete(module, parts.tensor_names())
         module = real_where_state_cannot_reach(module, model, config.train.seed)
+        if tracker.run_id or not load:  # their files must make the whole model: frozen weights come from here
+            add_frozen_part(parts, module)
+        check_complete(module, parts.tensor_names() | held_frozen_keys(module))
         if load:
             load_parts(module, parts.files)
         module.eval()

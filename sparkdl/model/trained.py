@@ -235,6 +235,37 @@ def _tie(module: Any, aliases: list[list[str]], loaded: set[str]) -> None:
             setattr(module.get_submodule(owner) if owner else module, attribute, shared)
 
 
+FROZEN_PART = "frozen.safetensors"  # the driver's frozen parameters beside the ranks' parts
+
+
+def add_frozen_part(parts: ModelParts, module: Any) -> None:
+    """The frozen parameters the ranks did not send (model/trained_state.py), written once from the
+    driver's own copy as one more file of `parts`, so that the files alone make the whole model (the
+    MLflow model, a lazily loaded or saved TorchModel). Nothing when the parts hold them all."""
+    import os
+
+    from sparkdl.model.tensor_files import tensor_pieces
+    from sparkdl.model.trained_state import frozen_state
+    from sparkdl.storage.private_dirs import hold_new_directory, open_private, private_root
+
+    have = parts.tensor_names()
+    frozen = {name: tensor for name, tensor in frozen_state(module).items() if name not in have}
+    if not frozen:
+        return
+    meta = sorted(name for name, tensor in frozen.items() if tensor.is_meta)
+    if meta:
+        raise TrainingError(f"the driver's copy of the model has no values for {len(meta)} frozen parameter(s) "
+                            f"({', '.join(meta[:4])}), and the ranks do not send frozen ones",
+                            hint="build frozen layers outside layer factories, or leave them trainable")
+    if parts.owned_directory is None:
+        parts.owned_directory = hold_new_directory(private_root("models"), MODEL_COPY_PREFIX).path
+    path = os.path.join(parts.owned_directory, FROZEN_PART)
+    with open_private(path) as out:
+        for piece in tensor_pieces(frozen, {"format": "sparkdl-frozen-1"})[1]:
+            out.write(piece)
+    parts.files = (*parts.files, path)
+
+
 def check_complete(module: Any, names: set[str]) -> None:
     names = {piece[0] if (piece := row_piece(n)) is not None else n for n in names}
     for group in _aliases(module):  # a tied tensor may come back under one of its names
@@ -335,8 +366,8 @@ def real_where_state_cannot_reach(module: Any, model: Any, seed: int) -> Any:
 
     factories = LayerFactories.of(model)
     if factories is not None and on_meta(module):
-        for index in range(len(factories)):
-            if _meta_beyond_state(module[index], f"{index}."):
+        for index in range(len(factories)):  # frozen parameters never come back from the ranks either
+            if _meta_beyond_state(module[index], f"{index}.") or _frozen_meta(module[index]):
                 module[index] = factories.layer(index, seed)
     return module
 
@@ -350,3 +381,7 @@ def _meta_beyond_state(layer: Any, prefix: str) -> bool:
     named = {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_buffers()}
     attributes = (v for m in layer.modules() for v in vars(m).values())  # a tensor kept as a plain attribute
     return bool(named - set(layer.state_dict())) or any(getattr(v, "is_meta", False) is True for v in attributes)
+
+
+def _frozen_meta(layer: Any) -> bool:
+    return any(p.is_meta and not p.requires_grad for p in layer.parameters())

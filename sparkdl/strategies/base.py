@@ -11,6 +11,7 @@ from torch import nn
 from sparkdl.comm.base import Communicator
 from sparkdl.config import TrainConfig
 from sparkdl.model.layouts import StrategyLayout
+from sparkdl.model.trained_state import load_trained_state, trained_state
 from sparkdl.strategies.inputs import Inputs, call_model, to_device, weighted_terms
 from sparkdl.strategies.stepping import SINGLE, Accumulation, OptimizerSteps, ScheduleFactory, float_output
 
@@ -137,7 +138,8 @@ class Strategy(abc.ABC):
         """The model this rank trains (the whole model, or this rank's part of it)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.module().state_dict().items()}
+        """The trained state (model/trained_state.py): frozen parameters are never checkpointed or returned."""
+        return trained_state(self.module())
 
     # Every rank holds the same training state (data parallel with allreduce): only rank 0's is saved.
     replicated_state = False
@@ -152,7 +154,7 @@ class Strategy(abc.ABC):
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.module().load_state_dict(state["module"])
+        load_trained_state(self.module(), state["module"])
         if "optimizer" in state:
             self._optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
         self.steps.load_state_dict(state.get("steps", {}))
@@ -163,7 +165,7 @@ class Strategy(abc.ABC):
 
     def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
         """Put a snapshot back (after the last step: the result becomes the best epoch's model)."""
-        self.module().load_state_dict(snapshot)
+        load_trained_state(self.module(), snapshot)
 
     def result_state(self) -> dict[str, torch.Tensor] | None:
         """What this rank contributes to the trained model the driver assembles (None: nothing).

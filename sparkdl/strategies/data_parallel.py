@@ -28,10 +28,16 @@ FIRST_BUCKET_BYTES = 1 << 20  # overlapped: the last layers' bucket goes out ear
 
 
 def broadcast_module(comm: Communicator, module: nn.Module, src: int = 0) -> None:
-    """Every rank ends with src's parameters and buffers."""
+    """Every rank ends with src's trainable parameters and buffers. Frozen ones (a PEFT adapter's
+    base) are not sent: every rank built them alike (model/trained_state.py), which one small
+    allgather of their fingerprints checks."""
+    from sparkdl.model.trained_state import check_same_frozen, module_frozen_digest
+
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
+        for tensor in [p for p in module.parameters() if p.requires_grad] + list(module.buffers()):
             comm.broadcast(tensor.data, src=src)
+    if comm.size > 1 and any(not p.requires_grad for p in module.parameters()):
+        check_same_frozen(comm.allgather_object(module_frozen_digest(module)))
 
 
 def average_gradients(comm: Communicator, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES,

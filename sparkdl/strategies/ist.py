@@ -25,6 +25,7 @@ from torch import nn
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST, Communicator
 from sparkdl.errors import ModelError
 from sparkdl.model.layouts import IstLayout
+from sparkdl.model.trained_state import load_trained_state
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.data_parallel import broadcast_module
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
@@ -298,7 +299,7 @@ class Ist(Strategy):
                 "optimizer": self._optimizer.state_dict(), "steps": self.steps.state_dict()}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self._model.load_state_dict(state["module"])
+        load_trained_state(self._model, state["module"])
         self._round = int(state["round"])
         self._begin_round()  # the round's partition and a subnet of the right shapes
         self._subnet.load_state_dict(state["subnet"])

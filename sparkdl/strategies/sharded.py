@@ -247,10 +247,8 @@ class Sharded(DataParallel):
                 if self._owners[id(param)] == self.comm.rank:
                     mine[self._names[id(param)]] = param.detach().cpu().clone()
             layer.release()
-        frozen = {name: p.detach().cpu() for name, p in self._model.named_parameters() if not p.requires_grad}
-        if self.comm.rank == 0:
+        if self.comm.rank == 0:  # frozen parameters stay: the driver's copy has them (model/trained_state.py)
             kept = set(self._model.state_dict())  # persistent buffers only: what the model loads back
-            mine.update(frozen)
             mine.update({name: b.detach().cpu() for name, b in self._model.named_buffers() if name in kept})
         return mine
 
