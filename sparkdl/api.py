@@ -125,7 +125,7 @@ def _run_feed(spark: SparkSession, df: DataFrame | None, config: RunConfig) -> R
 def _run_spec(train_fn: Callable[[WorkerContext], Any], config: RunConfig, feed: RunFeed) -> TrainSpec:
     from sparkdl.driver.job import new_run_id
 
-    ship_by_value(train_fn, config.data.transform_fn)
+    ship_by_value(train_fn, config.data.transform_fn, spark=feed.job_df.sparkSession)
     spec = TrainSpec(run_id=new_run_id(), data=config.data, train=config.train, launch=config.launch,
                      tracking=config.tracking, layout=feed.layout, train_fn=train_fn, source=feed.source,
                      row_counts=feed.row_counts, rows=feed.rows, packed_rows=feed.packed)
@@ -188,7 +188,7 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
     metadata = {"sparkdl.output_shape": list(served.output_shape)} if served is not None else {}
     out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True, metadata)])
     spark = df.sparkSession
-    ship_by_value(module, served.transform_fn if served is not None else None)
+    ship_by_value(module, served.transform_fn if served is not None else None, spark=spark)
     module_bytes = facts(spark).ship(dumps_any(module))
     carried = replace(served, module=None) if served is not None else None
     fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, prediction_col,

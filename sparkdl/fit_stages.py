@@ -307,7 +307,8 @@ def train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedP
     layout, rows = prepared.layout, prepared.num_rows + prepared.num_validation_rows
 
     train = config.train
-    ship_by_value(model, train.loss, train.optimizer, config.data.transform_fn, train.lr_schedule, *train.metrics)
+    ship_by_value(model, train.loss, train.optimizer, config.data.transform_fn, train.lr_schedule, *train.metrics,
+                  spark=prepared.df.sparkSession)
     # Callbacks run on the driver (a notebook's plots): the executors only learn that there are some.
     # An elastic run that may grow asks the driver at every epoch end, as callbacks do.
     asks = bool(train.callbacks) or config.launch.grow_workers

@@ -48,12 +48,14 @@ def compat_options(peer: str, workers: int, options: Mapping[str, Any]) -> Compa
     return CompatOptions(config.launch, config.tracking, config.train)
 
 
-def pickled_call(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str) -> bytes:
-    """(fn, args, kwargs) pickled by value for the ranks; a clear error naming `what` if it cannot be."""
+def pickled_call(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str, spark: Any = None) -> bytes:
+    """(fn, args, kwargs) pickled by value for the ranks; a clear error naming `what` if it cannot be.
+    `spark`: the session whose executors run the ranks (None: the driver's own child processes)."""
     from sparkdl.driver.checks import check_picklable_value
     from sparkdl.driver.shipping import ship_by_value
 
-    ship_by_value(fn, *args, *kwargs.values())  # a notebook's or script's own module travels by value
+    # What the ranks cannot import (a notebook's or script's own module) travels by value.
+    ship_by_value(fn, *args, *kwargs.values(), spark=spark)
     return check_picklable_value((fn, tuple(args), dict(kwargs)), what)
 
 

@@ -121,7 +121,8 @@ class TorchDistributor:
         if not callable(train_object):
             raise ConfigError(f"{self.name}.run: train_object must be a function or a script path, got "
                               f"{type(train_object).__name__}")
-        function = pickled_call(train_object, args, kwargs, "the training function or its arguments")
+        function = pickled_call(train_object, args, kwargs, "the training function or its arguments",
+                                None if self.local_mode else self.spark)
         return ChildCall(function=function, use_gpu=self.use_gpu, processes_per_task=per_task, name=self.name, **extra)
 
     def _launch(self, call: ChildCall, df: DataFrame | None = None) -> Any:

@@ -12,13 +12,16 @@ import logging
 import os
 import re
 import socket
-from typing import Any, ContextManager, Iterator, Protocol
+import weakref
+from typing import Any, ContextManager, Iterable, Iterator, Protocol
 
 log = logging.getLogger("sparkdl")
 _PIECE = 16 << 20  # py4j copies byte arrays through its socket: bounded pieces keep memory flat
 _LOCAL = re.compile(r"^local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$")
 _LOCAL_CLUSTER = re.compile(r"^local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]$")
 _warned: set[str] = set()
+# Per session: (module, names looked up in it) -> whether the executors can import it.
+_importable: "weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[str, ...]], bool]]" = weakref.WeakKeyDictionary()
 
 
 def is_connect(spark: Any) -> bool:
@@ -290,6 +293,32 @@ class ConnectSession:
             raise FileNotFoundError(uri)
         with fs.open_input_stream(path) as stream:
             return stream.read()
+
+
+def executors_can_import(spark: Any, questions: Iterable[tuple[str, tuple[str, ...]]]) -> frozenset[str]:
+    """Which modules of `questions` ((dotted name, top-level names looked up in it)) the executors'
+    Python can import, located without importing (spark/importable.py): one small job, a task per
+    known executor (a module counts when every task found it), classic and Connect alike. Answers
+    are kept per session, so a session asks about each module once."""
+    import pyarrow as pa
+
+    asked = sorted({(name, tuple(sorted(needed))) for name, needed in questions})
+    known = _importable.setdefault(spark, {})
+    unknown = [q for q in asked if q not in known]
+    if unknown:
+        def find(batches: Any) -> Any:
+            from sparkdl.spark.importable import importable
+
+            for _ in batches:
+                pass
+            yield pa.RecordBatch.from_pydict({"found": [importable(unknown)]}, schema=pa.schema(
+                [("found", pa.list_(pa.string()))]))
+
+        tasks = max(1, min(len(facts(spark).executors()), 16))
+        rows = spark.range(0, tasks, 1, tasks).mapInArrow(find, "found array<string>").collect()
+        everywhere = set.intersection(*(set(r["found"] or ()) for r in rows)) if rows else set()
+        known.update({q: q[0] in everywhere for q in unknown})
+    return frozenset(name for name, needed in asked if known[(name, needed)])
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
