@@ -22,6 +22,7 @@ from sparkdl.driver.checks import (before_training, check_enough_rows, check_out
                                    check_training_options, check_weighted_loss, drop_labels_beyond_the_model,
                                    probe_model, probe_tensor_model)
 from sparkdl.driver.planning import check_kept_world, resolve
+from sparkdl.driver.model_inputs import bind_model_inputs
 from sparkdl.driver.shipping import ship_by_value
 from sparkdl.errors import ConfigError, ModelError
 from sparkdl.model.trained import (ModelParts, add_frozen_part, check_complete, load_parts,
@@ -120,6 +121,7 @@ def validate(df: DataFrame, model: ModelSpec, config: RunConfig, plan: ResolvedP
     check_weighted_loss(config.data, config.train)
     callbacks = tuple(resolve_callbacks(config.train.callbacks))
     model = the_model(model, config)
+    config = replace(config, data=bind_model_inputs(config.data, config.train, model))
     kept = kept_plan(plan, config)
     if kept is not None:
         check_kept_world(kept, config.launch)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config.values import (check_feature_spec, check_input_spec, check_types, choice, parse_bytes,
+from sparkdl.config.values import (check_feature_spec, check_text_options, check_input_spec, check_types, choice, parse_bytes,
                                    parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config.training import (DELIVERY_MODES, check_emulation, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
                                      check_training_essentials)
@@ -28,7 +28,8 @@ from sparkdl.errors import ConfigError
 __all__ = ["DataConfig", "TrainConfig", "LaunchConfig", "TrackingConfig", "InputConfig", "OutputConfig",
            "ModelConfig", "EmbeddingConfig", "RunConfig", "option_owners", "parse_bytes", "parse_literal", "suggest"]
 
-LOSSES = ("cross_entropy", "mse", "bce_with_logits")
+# "causal_lm": shifted cross entropy of a causal language model; "model": the model's own loss from `labels`
+LOSSES = ("cross_entropy", "mse", "bce_with_logits", "causal_lm", "model")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 STRATEGIES = ("data_parallel", "hybrid", "ist", "sharded", "embeddings", "auto")
 SCHEDULES = ("1f1b", "gpipe")
@@ -66,6 +67,11 @@ class DataConfig:
     delivery: str = "auto"
     # categorical inputs looked up in embedding tables: [SparseInput, ...] or {column: {table, num_rows, ...}}
     sparse_cols: tuple[Any, ...] | dict[str, Any] | None = None
+    # text: a transformers tokenizer, a tokenizers.Tokenizer or a path (tokenizer.json / a directory) loaded on the
+    # executors; string input columns (and ragged token arrays) become input_ids + attention_mask per batch
+    tokenizer: Any = None
+    max_length: int = 512  # tokens per row (truncated), or per block with packing
+    packing: bool = False  # causal LMs: a batch's texts joined (end-of-text between) and cut into max_length blocks
 
     def validate(self) -> None:
         if self.input_cols is not None:
@@ -77,6 +83,7 @@ class DataConfig:
         choice("data.spool", self.spool, SPOOL_MODES)
         positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)
         choice("data.delivery", self.delivery, DELIVERY_MODES)
+        check_text_options(self)
 
 
 @dataclass(frozen=True)
@@ -160,9 +167,9 @@ class TrainConfig:
         of sparkdl.run, `builtin_loss=False`), the label column's type does."""
         if self.task != "auto":
             return self.task == "classification"
-        if callable(self.loss) or not builtin_loss:
+        if callable(self.loss) or self.loss == "model" or not builtin_loss:
             return label_is_integral
-        return self.loss == "cross_entropy"
+        return self.loss in ("cross_entropy", "causal_lm")
 
     def validate(self) -> None:
         positive_int("train.epochs", self.epochs)

@@ -303,3 +303,32 @@ def check_islands(value: Any) -> None:
         if twice:
             raise ConfigError(f"train.islands names {sorted(twice)} in two islands", hint="each host in one island")
         seen |= set(group)
+
+
+def check_text_options(data: Any) -> None:
+    """data.tokenizer, max_length and packing (text columns, data/text.py)."""
+    tokenizer = data.tokenizer
+    if not isinstance(data.max_length, int) or isinstance(data.max_length, bool) or data.max_length < 1:
+        raise ConfigError(f"data.max_length must be a positive integer (tokens per row), got {data.max_length!r}",
+                          hint="for example max_length=128")
+    if not isinstance(data.packing, bool):
+        raise ConfigError(f"data.packing must be True or False, got {data.packing!r}")
+    if tokenizer is None:
+        if data.packing:
+            raise ConfigError("data.packing=True needs data.tokenizer (it joins and cuts tokenized texts)",
+                              hint="pass tokenizer=... (a tokenizer object or a tokenizer.json path)")
+        return
+    if not isinstance(tokenizer, str) and not (callable(tokenizer) or hasattr(tokenizer, "encode_batch")):
+        raise ConfigError(f"data.tokenizer must be a transformers tokenizer, a tokenizers.Tokenizer or a path, got "
+                          f"{type(tokenizer).__name__}", hint="for example tokenizer=AutoTokenizer.from_pretrained(d)")
+    if isinstance(tokenizer, str) and not tokenizer:
+        raise ConfigError("data.tokenizer is an empty path", hint="pass a tokenizer.json path or a tokenizer directory")
+    if data.input_cols is None:
+        raise ConfigError("data.tokenizer needs input_cols naming the text column(s)",
+                          hint='for example input_cols=["text"] (or {"input_ids": "text"})')
+    if data.packing and data.weight_col is not None:
+        raise ConfigError("data.packing=True joins rows into blocks, so data.weight_col's per-row weights cannot apply",
+                          hint="drop weight_col, or packing")
+    if data.packing and data.label_col is not None:
+        raise ConfigError(f"data.packing=True trains on the texts' own tokens, but label_col={data.label_col!r} is set",
+                          hint="pass label_col=None with packing (causal language models), or packing=False")

@@ -22,6 +22,7 @@ import torch
 
 from sparkdl.data.arrow_rows import Arrays
 from sparkdl.data.layout import BINARY, FIXED, TEXT, FeedLayout, TensorColumn
+from sparkdl.data.text import TOKEN_LABELS
 from sparkdl.errors import ModelError
 
 Assemble = Callable[[Arrays], Any]
@@ -97,9 +98,17 @@ class TensorAssembler:
         label = weight = None
         if self.layout.label is not None:
             label = _to_tensor(_fixed(rest.pop(0), self.layout.label), self.layout.label, True)
+        elif self.transform_fn is not None and TOKEN_LABELS in raw:
+            label = as_tensor(np.ascontiguousarray(raw[TOKEN_LABELS]))  # a text's own tokens (data/text.py)
         if self.layout.weight_column is not None:
             weight = as_tensor(rest.pop(0))
         inputs: Any = {c.key: t for c, t in zip(columns, tensors)} if self.layout.keyword_inputs else tuple(tensors)
+        if self.layout.keyword_inputs and self.transform_fn is not None:
+            for name in getattr(self.transform_fn, "extra_outputs", ()):  # a tokenizer's attention mask, ...
+                if name in raw:
+                    inputs[name] = as_tensor(np.ascontiguousarray(raw[name]))
+        if self.layout.label_keyword is not None and label is not None:
+            inputs[self.layout.label_keyword] = label  # loss="model": the model computes its loss from them
         return inputs, label, weight
 
     def _transformed(self, raw: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +127,8 @@ class TensorAssembler:
             raise ModelError(f"transform_fn returned no value for input column(s) {missing} (it returned "
                              f"{sorted(out)})", hint=f"return a dict with the keys {self._names}")
         rows = len(next(iter(raw.values()))) if raw else 0
+        if getattr(self.transform_fn, "packing", False):  # rows joined and cut into blocks: a count of its own
+            rows = len(out[self._names[0]])
         for name in self._names:
             try:
                 got = len(out[name])

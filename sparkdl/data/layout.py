@@ -87,6 +87,7 @@ class FeedLayout:
     source_weight_col: str | None = None
     transformed: bool = False  # transform_fn builds the model inputs from the columns on the executors
     label_ignores: bool = False  # per-position labels hold -100 somewhere: losses count positions exactly
+    label_keyword: str | None = None  # loss="model": the label also goes to forward() under this keyword
     # sparse_cols runs: `inputs` are the dense features (one FIXED float32 column of num_features
     # values, absent when num_features is 0), then per feature its ids column (source = the feature's
     # column) and, when weighted, its weights column (RAGGED float32); batches are (dense, {source: Bag}).
@@ -111,7 +112,7 @@ class FeedLayout:
 
     def for_scoring(self) -> "FeedLayout":
         """This layout without label, weight and split: what scoring (transform, MLflow) receives."""
-        return replace(self, label=None, weight_column=None, label_dtype=None, split_column=None)
+        return replace(self, label=None, weight_column=None, label_dtype=None, split_column=None, label_keyword=None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

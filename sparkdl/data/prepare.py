@@ -15,6 +15,8 @@ from sparkdl.data.packed_delivery import with_packed_delivery
 from sparkdl.data.parquet_source import direct_candidate, with_parquet_source
 from sparkdl.data.sparse_feed import prepare_sparse
 from sparkdl.data.tensor_feed import prepare_tensors
+
+LABELS_KEYWORD = "labels"  # loss="model": Hugging Face's keyword for the labels a model computes its loss from
 from sparkdl.config.elastic import is_elastic
 
 if TYPE_CHECKING:
@@ -35,7 +37,8 @@ def prepare_run(df: DataFrame, data: "DataConfig", train: "TrainConfig", launch:
                               validation_df=validation_df, seed=train.seed, fixed_order=fixed)
     if data.input_cols is not None:
         return prepare_tensors(df, data, classification=classification, num_workers=launch.num_workers,
-                               validation_df=validation_df, seed=train.seed, fixed_order=fixed)
+                               validation_df=validation_df, seed=train.seed, fixed_order=fixed,
+                               label_keyword=LABELS_KEYWORD if train.loss == "model" else None)
     scan = direct_candidate(df, data, validation_df)
     prepared = prepare(df, data.feature_cols, data.label_col, classification=classification,
                        num_workers=launch.num_workers, validation_df=validation_df,

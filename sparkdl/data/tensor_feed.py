@@ -263,7 +263,8 @@ def _selected(df: DataFrame, column: TensorColumn) -> Column:
     return F.col(quoted(name)).cast(element).alias(column.column)
 
 
-def _prepare_one(df: DataFrame, data: "DataConfig", classification: bool, what: str) -> PreparedData:
+def _prepare_one(df: DataFrame, data: "DataConfig", classification: bool, what: str,
+                 label_keyword: str | None = None) -> PreparedData:
     inputs = input_columns(data)
     keys = list(data.input_cols) if isinstance(data.input_cols, dict) else [None] * len(inputs)
     extra = [c for c in (data.label_col, data.weight_col) if c is not None]
@@ -300,19 +301,22 @@ def _prepare_one(df: DataFrame, data: "DataConfig", classification: bool, what: 
                         keyword_inputs=isinstance(data.input_cols, dict), label=label,
                         weight_column=WEIGHT_COLUMN if data.weight_col else None, source_weight_col=data.weight_col,
                         transformed=data.transform_fn is not None,
-                        label_ignores=bool(stats.get("ignored_label")))
+                        label_ignores=bool(stats.get("ignored_label")),
+                        label_keyword=label_keyword)
     return PreparedData(df=df.select(*selected), layout=layout, num_rows=int(stats["rows"]) - dropped,
                         dropped_rows=dropped)
 
 
 def prepare_tensors(df: DataFrame, data: "DataConfig", *, classification: bool, num_workers: int,
-                    validation_df: DataFrame | None = None, seed: int = 0, fixed_order: bool = False) -> PreparedData:
+                    validation_df: DataFrame | None = None, seed: int = 0, fixed_order: bool = False,
+                    label_keyword: str | None = None) -> PreparedData:
     """input_cols runs: checked, selected and sharded like feed.prepare, plus a few converted rows
-    (`sample`, an Arrow table of the prepared columns) to probe the model with."""
-    prepared = _prepare_one(df, data, classification, "the DataFrame")
+    (`sample`, an Arrow table of the prepared columns) to probe the model with. `label_keyword`: the
+    forward keyword the labels also go to (loss="model")."""
+    prepared = _prepare_one(df, data, classification, "the DataFrame", label_keyword)
     validation = None
     if validation_df is not None:
-        validation = _like_training(_prepare_one(validation_df, data, classification, "validation_df"),
+        validation = _like_training(_prepare_one(validation_df, data, classification, "validation_df", label_keyword),
                                     prepared.layout)
         # validation's layout (cast like training's), with training's classes: the two are merged next
         prepared = replace(prepared, layout=replace(validation.layout, num_classes=prepared.layout.num_classes))

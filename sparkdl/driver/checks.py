@@ -55,7 +55,9 @@ def probe_model(model: Any, data: DataConfig, train: TrainConfig, num_features: 
 
     module, forward = driver_copy(model, train.seed)
     try:
-        out = forward(torch.zeros(2, num_features))
+        from sparkdl.model.calling import primary_output
+
+        out = primary_output(forward(torch.zeros(2, num_features)))
     except ModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here is a model/input mismatch
@@ -95,20 +97,34 @@ def probe_tensor_model(model: Any, data: DataConfig, train: TrainConfig, layout:
                          f"called as {how}): {type(exc).__name__}: {exc}",
                          hint="match the model's forward() to the input columns, their input_shapes and "
                               "input_dtypes") from None
+    from sparkdl.model.calling import primary_output
+
+    raw, out = out, primary_output(out)
     rows = int(label.shape[0]) if label is not None else None
     if not isinstance(out, torch.Tensor) or out.dim() < 1 or (rows is not None and out.shape[0] != rows):
-        raise ModelError("the model must return one tensor with the batch as its first dimension",
+        raise ModelError("the model must return a tensor with the batch as its first dimension (or a Hugging Face "
+                         f"ModelOutput, dict or tuple holding one), got {_output_text(raw)}",
                          hint="return logits/values of shape (batch, outputs) or (batch, positions, classes)")
     per_position = label is not None and out.dim() == label.dim() + 1 and out.dim() > 2
-    if per_position and train.loss == "cross_entropy" and tuple(out.shape[:-1]) != tuple(label.shape):
+    if per_position and train.loss in ("cross_entropy", "causal_lm") and tuple(out.shape[:-1]) != tuple(label.shape):
         raise ModelError(f"the model returns {_shape_text(out)} for per-position labels {_shape_text(label)}: "
                          "cross_entropy here takes the class dimension last", hint="return (batch, positions, "
                                                                                    "classes), e.g. logits.transpose(1, -1)")
     width = int(out.shape[-1]) if per_position else int(out[0].numel())
-    beyond = train.loss == "cross_entropy" and label is not None and label.numel() and int(label.max()) >= width
+    beyond = train.loss in ("cross_entropy", "causal_lm") and label is not None and label.numel() and int(label.max()) >= width
     if label is not None and not beyond:  # classes beyond the outputs: check_output_width says so better
-        check_loss_on_sample(data, train, out, label, weight, loss_function(train))
+        check_loss_on_sample(data, train, raw, label, weight, loss_function(train))
     return module, width, batch, tuple(out.shape[1:])
+
+
+def _output_text(output: Any) -> str:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return _shape_text(output)
+    if isinstance(output, dict):
+        return f"{type(output).__name__} with keys {sorted(output)}"
+    return type(output).__name__
 
 
 def _shape_text(tensor: Any) -> str:
@@ -121,10 +137,12 @@ def check_loss_on_sample(data: DataConfig, train: TrainConfig, out: Any, label: 
 
     loss = train.loss
     try:
-        loss_and_weight_sum(loss_fn, out.float() if out.is_floating_point() else out, label, weight)
+        loss_and_weight_sum(loss_fn, out, label, weight)
+    except ModelError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the loss cannot compare these shapes
         name = loss if isinstance(loss, str) else getattr(loss, "__name__", "the loss")
-        raise ModelError(f"loss {name!r} cannot compare the model's output ({_shape_text(out)}) with label column "
+        raise ModelError(f"loss {name!r} cannot compare the model's output ({_output_text(out)}) with label column "
                          f"{data.label_col!r} ({_shape_text(label)}): {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}",
                          hint="cross_entropy takes (B, C) logits with (B,) labels or (B, T, C) with (B, T); mse "

@@ -3,6 +3,10 @@
 
 cross_entropy takes logits (B, C) with labels (B,), and (B, T, C) with (B, T) (class dim last, as
 language models emit), ignoring label positions equal to IGNORE_INDEX; mse and bce compare equal shapes.
+causal_lm is a causal language model's loss as Hugging Face's models compute it from `labels`: the
+logits at position t predict the label at t + 1 (labels are the input ids, shifted here), positions
+labelled IGNORE_INDEX (padding) count for nothing; per element it is shaped like the label, the
+first position never counted.
 Torch only: workers and the driver use it.
 """
 from __future__ import annotations
@@ -25,6 +29,19 @@ def _cross_entropy(output: torch.Tensor, label: torch.Tensor, reduction: str) ->
                                reduction=reduction)
         return loss.view(label.shape) if reduction == "none" else loss
     return F.cross_entropy(output, label, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def _causal_lm(output: torch.Tensor, label: torch.Tensor, reduction: str) -> torch.Tensor:
+    shifted = shifted_labels(label)
+    loss = F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), shifted.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+    return loss.view(label.shape) if reduction == "none" else loss
+
+
+def shifted_labels(label: torch.Tensor) -> torch.Tensor:
+    """Labels (B, T) moved one position left, the last position ignored: what the logits at each
+    position predict."""
+    return torch.cat([label[:, 1:], torch.full_like(label[:, :1], IGNORE_INDEX)], dim=1)
 
 
 def _like_label(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -60,11 +77,17 @@ class BuiltinLoss:
         """1 for each label position that counts, 0 for cross_entropy's ignored ones; shaped like the label."""
         if self.name == "cross_entropy":
             return (label != IGNORE_INDEX).to(dtype)
+        if self.name == "causal_lm":
+            return (shifted_labels(label) != IGNORE_INDEX).to(dtype)
         return torch.ones(label.shape, dtype=dtype, device=label.device)
+
+    def predicted(self, label: torch.Tensor) -> torch.Tensor:
+        """The labels each output position is scored against (accuracy, metrics): causal_lm's shifted."""
+        return shifted_labels(label) if self.name == "causal_lm" else label
 
     def __repr__(self) -> str:
         return f"BuiltinLoss({self.name!r})"
 
 
 _IMPLEMENTATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = {
-    "cross_entropy": _cross_entropy, "mse": _mse, "bce_with_logits": _bce}
+    "cross_entropy": _cross_entropy, "mse": _mse, "bce_with_logits": _bce, "causal_lm": _causal_lm}

@@ -9,6 +9,7 @@ from torch import nn
 
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ModelError
+from sparkdl.model.calling import ModelLoss
 from sparkdl.model.losses import BuiltinLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,10 +76,13 @@ def import_callable(path: str, option: str, error: type[Exception], hint: str) -
     return target
 
 
-LOSSES: dict[str, LossFn] = {name: BuiltinLoss(name) for name in ("cross_entropy", "mse", "bce_with_logits")}
+LOSSES: dict[str, LossFn] = {name: BuiltinLoss(name) for name in ("cross_entropy", "mse", "bce_with_logits",
+                                                                   "causal_lm")}
 
 
 def loss_function(train: TrainConfig) -> LossFn:
+    if train.loss == "model":
+        return ModelLoss()
     return train.loss if callable(train.loss) else LOSSES[train.loss]
 
 

@@ -268,20 +268,20 @@ def _full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput
     local = copy.deepcopy(model)
     optimizer = build_optimizer(train, local.parameters())
     loss_fn = loss_function(train)
-    from sparkdl.strategies.inputs import call_model
+    from sparkdl.model.calling import call_model, loss_input, output_of
 
     model_input = ModelInput.of(num_features)
     x = model_input.rows(rows)
     target = model_input.labels(rows)
     if target is None:
-        out_shape = call_model(local, x).shape[1:]
-        target = torch.zeros(rows, dtype=torch.long) if train.loss == "cross_entropy" else \
+        out_shape = output_of(local, x).shape[1:]
+        target = torch.zeros(rows, dtype=torch.long) if train.loss in ("cross_entropy", "causal_lm") else \
             torch.zeros(rows, *out_shape)
     times = []
     for attempt in range(repeats + 1):
         started = time.perf_counter()
         optimizer.zero_grad()
-        loss_fn(call_model(local, x), target).backward()
+        loss_fn(loss_input(loss_fn, call_model(local, x)), target).backward()
         optimizer.step()
         if attempt:
             times.append(time.perf_counter() - started)

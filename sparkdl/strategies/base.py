@@ -12,6 +12,7 @@ from sparkdl.comm.base import Communicator
 from sparkdl.config import TrainConfig
 from sparkdl.model.layouts import StrategyLayout
 from sparkdl.model.trained_state import load_trained_state, trained_state
+from sparkdl.model.calling import loss_input, primary_output, scored_labels
 from sparkdl.strategies.inputs import Inputs, call_model, to_device, weighted_terms
 from sparkdl.strategies.stepping import SINGLE, Accumulation, OptimizerSteps, ScheduleFactory, float_output
 
@@ -125,11 +126,10 @@ class Strategy(abc.ABC):
                 labels = labels.to(device)
                 with self.steps.autocast():
                     output = call_model(module, to_device(inputs, device))
-                output = float_output(output)
                 sums += evaluation_sums(output, labels, None if weights is None else weights.to(device), loss_fn,
                                         classification)
                 if metrics is not None:
-                    metrics.add(output, labels)
+                    metrics.add(float_output(primary_output(output)), scored_labels(loss_fn, labels))
         module.train(was_training)
         return sums
 
@@ -178,7 +178,7 @@ def as_triple(batch: tuple) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
     return batch if len(batch) == 3 else (batch[0], batch[1], None)
 
 
-def evaluation_sums(output: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, loss_fn: LossFn,
+def evaluation_sums(output: Any, labels: torch.Tensor, weights: torch.Tensor | None, loss_fn: LossFn,
                     classification: bool) -> torch.Tensor:
     """One validation batch's (loss sum, correct, denominator, counted) as Strategy.evaluate sums them."""
     from sparkdl.model.losses import IGNORE_INDEX
@@ -186,10 +186,11 @@ def evaluation_sums(output: torch.Tensor, labels: torch.Tensor, weights: torch.T
     sums = torch.zeros(4, dtype=torch.float64)
     rows = labels.shape[0]
     if weights is None:
-        sums[0], sums[2] = float(loss_fn(output, labels)) * rows, rows
+        sums[0], sums[2] = float(loss_fn(loss_input(loss_fn, output), labels)) * rows, rows
     else:
         numerator, denominator = weighted_terms(loss_fn, output, labels, weights)
         sums[0], sums[2] = float(numerator), float(denominator)
+    output, labels = float_output(primary_output(output)), scored_labels(loss_fn, labels)
     if not classification or output.dim() < 2:
         return sums
     if output.dim() == labels.dim() + 1 and output.shape[:-1] == labels.shape and output.dim() > 2:

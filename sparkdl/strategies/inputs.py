@@ -15,27 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-Inputs = Any  # torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
-
-
-def call_model(module: nn.Module, inputs: Inputs) -> Any:
-    """An nn.Sequential given several inputs (or keyword inputs) hands them to its first layer and
-    runs the rest on what that returns: Sequential.forward takes one tensor, and this is how a
-    multi-input model stays cuttable into pipeline stages."""
-    if isinstance(module, nn.Sequential) and len(module) and _structured(inputs):
-        output = call_model(module[0], inputs)
-        for layer in list(module)[1:]:
-            output = layer(output)
-        return output
-    if isinstance(inputs, dict):
-        return module(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return module(*inputs)
-    return module(inputs)
-
-
-def _structured(inputs: Inputs) -> bool:
-    return isinstance(inputs, dict) or (isinstance(inputs, (tuple, list)) and len(inputs) != 1)
+# How a model is called and its output read is model/calling.py's rule (every path that runs a model).
+from sparkdl.model.calling import Inputs, call_model, loss_input, primary_output  # noqa: E402,F401
 
 
 InputSpec = tuple[tuple[str, tuple[int, ...], str], ...]  # (keyword or "" when positional, per-row shape, dtype)
@@ -92,6 +73,7 @@ def weighted_terms(loss_fn: Any, output: Any, label: torch.Tensor, weight: torch
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum over rows of w * loss, sum of w over what counts) of a batch; a custom loss taking
     `weight=` gives (its own value, 1)."""
+    output = loss_input(loss_fn, output)
     per_element = getattr(loss_fn, "per_element", None)
     if per_element is None:
         return loss_fn(output, label, weight=weight), torch.ones((), dtype=torch.float32, device=label.device)
@@ -112,7 +94,7 @@ def loss_and_weight_sum(loss_fn: Any, output: Any, label: torch.Tensor, weight: 
     """(mean loss of this batch for reporting, weighted numerator, local weight sum); the last two
     None without weights."""
     if weight is None:
-        return loss_fn(output, label), None, None
+        return loss_fn(loss_input(loss_fn, output), label), None, None
     numerator, denominator = weighted_terms(loss_fn, output, label, weight)
     mean = numerator.detach() / denominator.clamp_min(torch.finfo(torch.float32).tiny)
     return mean, numerator, denominator

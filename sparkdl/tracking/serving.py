@@ -41,7 +41,8 @@ class ServedModel:
         import torch
 
         from sparkdl.data.assemble import assembler
-        from sparkdl.strategies.inputs import call_model, to_device
+        from sparkdl.model.calling import output_of
+        from sparkdl.strategies.inputs import to_device
 
         layout = self.input_layout
         rows = len(arrays[0]) if arrays else 0
@@ -51,7 +52,7 @@ class ServedModel:
             for start in range(0, rows, batch_size):
                 chunk = tuple(slice_rows(a, start, min(rows, start + batch_size)) for a in arrays)
                 inputs = assemble(chunk)[0]
-                outputs.append(call_model(self.module, to_device(inputs, device)).detach().float().cpu())
+                outputs.append(output_of(self.module, to_device(inputs, device)).detach().float().cpu())
         return torch.cat(outputs) if outputs else None
 
     def predict_columns(self, columns: dict[str, Any]) -> dict[str, Any]:
