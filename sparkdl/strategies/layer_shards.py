@@ -1,6 +1,15 @@
-"""One top-level layer's shard under sharded data parallel (strategies/sharded.py): this rank's 1/W
-of its trainable parameters as one flat fp32 tensor, gathered into a buffer shared by every layer
-only while the layer computes, and the reduction of its gradients into the shard."""
+"""The shards of sharded data parallel (strategies/sharded.py).
+
+A `LayerShard` is this rank's 1/W of a set of trainable parameters as one flat fp32 tensor, gathered
+only while they compute, and the reduction of their gradients into it. A `Layer` is one step of
+the model's forward: its module, the shard of the parameters only it uses and the shards of
+parameters it shares with other layers (tied weights: a token embedding and the output layer). A
+shared parameter lives in exactly one shard, gathered by each layer that uses it; each use
+reduce-scatters its gradient into that shard, so the optimizer sees the sum of both uses, as in
+the whole model. (One reduction per use sends the tied tensor's gradient once more than keeping
+it whole from the head's backward to the embedding's would, but never holds a whole-vocabulary
+gradient through the backward: memory is what sharding is for.)
+"""
 from __future__ import annotations
 
 import torch
@@ -22,19 +31,19 @@ class Scratch:
 
 
 class LayerShard:
-    """One top-level layer: this rank's flat shard of its trainable parameters (padded to a
-    multiple of W), gathered into the scratch buffer only while it computes."""
+    """This rank's flat shard of `params` (padded to a multiple of W). Gathered into `scratch`
+    when one is set (a layer's own parameters: one buffer for every layer), else into buffers of
+    its own made for the gather and dropped at release (shared parameters, gathered while a layer's
+    own are: they cannot use the same buffer)."""
 
-    def __init__(self, module: nn.Module, comm: Communicator) -> None:
-        self.module, self.comm = module, comm
-        self.params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, what: str) -> None:
+        self.params, self.comm = params, comm
         odd = sorted({str(p.dtype).replace("torch.", "") for p in self.params} - {"float32"})
         if odd:
             raise ConfigError(f"strategy='sharded' keeps fp32 parameters (their shards, gradients and optimizer "
-                              f"state), but {type(module).__name__} has {', '.join(odd)} parameters",
+                              f"state), but {what} has {', '.join(odd)} parameters",
                               hint="build the model in float32 (precision='bf16' trains under autocast with fp32 "
                                    "weights), or use strategy='data_parallel'")
-        self.in_place = any(getattr(m, "inplace", False) is True for m in module.modules())
         self.shapes = [p.shape for p in self.params]
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // comm.size)
@@ -49,6 +58,7 @@ class LayerShard:
             offset += param.numel()
         self.shard = nn.Parameter(shard)
         self.scratch: Scratch | None = None
+        self._own: Scratch | None = None  # buffers made for one gather (no shared scratch)
         self.release()
 
     def gather(self, with_gradients: bool = False) -> None:
@@ -56,7 +66,7 @@ class LayerShard:
         zeroed views into the gradient buffer, which autograd accumulates into in place."""
         if not self.params:
             return
-        scratch = self.scratch
+        scratch = self._buffers()
         full = self.comm.allgather_into(self.shard.detach(), out=scratch.gathered[: self.full_size])
         if with_gradients:
             scratch.gradients[: self.full_size].zero_()
@@ -68,22 +78,94 @@ class LayerShard:
                 param.grad = scratch.gradients[offset: offset + count].view(shape)
             offset += count
 
+    def _buffers(self) -> Scratch:
+        if self.scratch is not None:
+            return self.scratch
+        if self._own is None:
+            self._own = Scratch(self.full_size, self.comm.device)
+        return self._own
+
     def release(self) -> None:
         for param in self.params:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             param.grad = None
+        self._own = None
 
     def scatter_gradients(self) -> None:
         """This rank's shard of the gradients averaged over ranks, added to what it holds (the
-        earlier micro-batches of an accumulation window)."""
+        earlier micro-batches of an accumulation window, or another layer's use of the same
+        parameters)."""
         if not self.params:
             return
-        grads = self.scratch.gradients[: self.full_size]
+        grads = self._buffers().gradients[: self.full_size]
         for param, offset in zip(self.params, offsets(self.params)):
             if param.grad is not None and param.grad.data_ptr() != grads[offset:].data_ptr():
                 grads[offset: offset + param.numel()] = param.grad.reshape(-1)  # autograd replaced the view
         mine = self.comm.reduce_scatter(grads, op="avg")
         self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
+
+
+class Layer:
+    """One layer of the cut model: its module, the shard of the parameters only it uses (`own`)
+    and the shards of those it shares with other layers, gathered and released together."""
+
+    def __init__(self, module: nn.Module, own: LayerShard, shared: list[LayerShard]) -> None:
+        self.module, self.own, self.shared = module, own, shared
+        self.in_place = any(getattr(m, "inplace", False) is True for m in module.modules())
+
+    @property
+    def shards(self) -> list[LayerShard]:
+        return [self.own, *self.shared]
+
+    def gather(self, with_gradients: bool = False) -> None:
+        for shard in self.shards:
+            shard.gather(with_gradients)
+
+    def release(self) -> None:
+        for shard in self.shards:
+            shard.release()
+
+    def scatter_gradients(self) -> None:
+        for shard in self.shards:
+            shard.scatter_gradients()
+
+
+def shared_groups(modules: list[nn.Module]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+    """The trainable parameters more than one layer uses, grouped by the layers that use them (one
+    shard per group), in the order they first appear."""
+    users: dict[int, list[int]] = {}
+    first: dict[int, nn.Parameter] = {}
+    for index, module in enumerate(modules):
+        for param in module.parameters():
+            if param.requires_grad:
+                users.setdefault(id(param), []).append(index)
+                first.setdefault(id(param), param)
+    groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for key, layers in users.items():
+        if len(layers) > 1:
+            groups.setdefault(tuple(layers), []).append(first[key])
+    return list(groups.items())
+
+
+def build_layers(modules: list[nn.Module], comm: Communicator) -> tuple[list[Layer], list[LayerShard]]:
+    """Every layer with its shards, and the shared shards (after the layers' own in the optimizer's
+    order)."""
+    groups = shared_groups(modules)
+    shared_ids = {id(p) for _, params in groups for p in params}
+    shared = [LayerShard(params, comm, f"the parameters layers {', '.join(map(str, users))} share")
+              for users, params in groups]
+    layers = []
+    for index, module in enumerate(modules):
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in shared_ids]
+        uses = [shard for (users, _), shard in zip(groups, shared) if index in users]
+        layers.append(Layer(module, LayerShard(params, comm, type(module).__name__), uses))
+    return layers, shared
+
+
+def own_layer(module: nn.Module, comm: Communicator) -> Layer:
+    """A layer that shares nothing (one built from its own factory)."""
+    return Layer(module, LayerShard([p for p in module.parameters() if p.requires_grad], comm,
+                                    type(module).__name__), [])
 
 
 def offsets(params: list[nn.Parameter]) -> list[int]:

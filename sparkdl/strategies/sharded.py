@@ -19,10 +19,13 @@ byte counts, the emulated network). NCCL's reduce-scatter and all-gather are use
 gloo, whose two collectives keep copies of the buffer resident, TorchDistCommunicator reduces with
 an in-place allreduce and gathers with one broadcast per rank (2x data parallel's bytes in all).
 
-The model is cut at its top-level layers (an nn.Sequential's children; any other module is one
-layer: its state is still sharded, its parameters are gathered whole for the step). The trained
-model is returned in pieces: each rank returns the whole parameters it owns (about 1/W of them),
-the driver merges them by name.
+The model is cut into layers by `model_layers` (an nn.Sequential's children; any other module is
+one layer: its state is still sharded, its parameters are gathered whole for the step). Layers may
+share parameters (tied weights: the output layer reusing the token embedding): such a parameter
+has one shard, which every layer using it gathers, and its gradient is the sum of every use's
+(layer_shards.py). The trained model is returned in pieces: each rank returns the whole parameters
+it owns (about 1/W of them) under the model's first name for each, the driver merges them by name
+and ties the other names back (model/trained.py).
 """
 from __future__ import annotations
 
@@ -33,12 +36,12 @@ import torch
 from torch import nn
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST
-from sparkdl.errors import ConfigError, ModelError
+from sparkdl.errors import ModelError
 from sparkdl.model.layer_factories import LazyLayers
 from sparkdl.strategies.base import LossFn, OptimizerFactory
 from sparkdl.strategies.data_parallel import DataParallel, broadcast_module
 from sparkdl.strategies.inputs import call_model, loss_and_weight_sum
-from sparkdl.strategies.layer_shards import LayerShard, Scratch
+from sparkdl.strategies.layer_shards import Layer, LayerShard, Scratch, build_layers, own_layer
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
 
@@ -46,7 +49,7 @@ class _Gathering(nn.Module):
     """The sharded model as one module for validation and inference: each layer's parameters are
     gathered for its forward only."""
 
-    def __init__(self, layers: list[LayerShard]) -> None:
+    def __init__(self, layers: list[Layer]) -> None:
         super().__init__()
         self.layers = layers
         self.children_ = nn.ModuleList([layer.module for layer in layers])  # train()/eval() reach them
@@ -74,16 +77,17 @@ class Sharded(DataParallel):
             model = model.to(self.comm.device)
             broadcast_module(self.comm, model)
         self._model = model
-        count = len(model) if isinstance(model, nn.Sequential) and len(model) else 0
-        self._layers = [self._layer(model, i, lazy) for i in range(count)] if count else [LayerShard(model, self.comm)]
-        modules = [layer.module for layer in self._layers]
-        _refuse_shared_parameters(modules)
-        self._names = {id(p): name for name, p in model.named_parameters()}
-        scratch = Scratch(max((layer.full_size for layer in self._layers), default=0), self.comm.device)
+        if lazy:  # built one layer at a time; layers from separate factories share nothing
+            self._layers, shared = [self._realised(model, i) for i in range(len(model))], []
+        else:
+            self._layers, shared = build_layers(model_layers(model), self.comm)
+        self._units = [layer.own for layer in self._layers] + shared  # every shard, in the optimizer's order
+        self._names = {id(p): name for name, p in model.named_parameters()}  # a tied one: its first name
+        scratch = Scratch(max((layer.own.full_size for layer in self._layers), default=0), self.comm.device)
         for layer in self._layers:
-            layer.scratch = scratch
-        self._owners = _owners([p for layer in self._layers for p in layer.params], self.comm.size)
-        self._params = [layer.shard for layer in self._layers]
+            layer.own.scratch = scratch
+        self._owners = _owners([p for unit in self._units for p in unit.params], self.comm.size)
+        self._params = [unit.shard for unit in self._units]
         self._optimizer = make_optimizer(self._params)
         for group in self._optimizer.param_groups:
             if group.get("foreach") is None and "foreach" in group:
@@ -96,17 +100,15 @@ class Sharded(DataParallel):
         # Weighted objectives and accumulation windows reduce their weight totals over every rank
         # (the gradients' reduce-scatter carries no extra value).
         self._step_comm, self._step_weight, self._comm_wait_s = self.comm, None, 0.0
-        self._grad_bytes = sum(layer.numel * 4 for layer in self._layers)
+        self._grad_bytes = sum(unit.numel * 4 for unit in self._units)
         self._gathering = _Gathering(self._layers)
 
-    def _layer(self, model: nn.Sequential, index: int, lazy: bool) -> LayerShard:
-        """Layer `index` sharded; from layer factories it is built here and its full parameters
-        freed at once, so the rank's peak is one layer on top of its shards."""
-        if not lazy:
-            return LayerShard(model[index], self.comm)
+    def _realised(self, model: LazyLayers, index: int) -> Layer:
+        """Layer `index` built from its factory and sharded at once, its full parameters freed, so
+        the rank's peak is one layer on top of its shards."""
         module = model.realise(index).to(self.comm.device)
         broadcast_module(self.comm, module)  # factories are seeded alike; a non-deterministic one is not
-        return LayerShard(module, self.comm)
+        return own_layer(module, self.comm)
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -136,7 +138,7 @@ class Sharded(DataParallel):
             self.steps.backward(self._objective(loss, numerator, denominator), micro)
         last.scatter_gradients()
         last.release()
-        self._backward_earlier(earlier, kept, _grad_of(x) if earlier else None)
+        self._backward_earlier(earlier, kept, _grads_of(x) if earlier else [])
         self.slow_down(started)
         if micro.last:
             if numerator is not None and micro.count > 1:
@@ -144,8 +146,8 @@ class Sharded(DataParallel):
             self.steps.step(self._optimizer, self._params, sum_over_ranks=self._sum_over_ranks)
         return loss.detach()
 
-    def _backward_earlier(self, earlier: list[LayerShard], kept: list[tuple[Any, Any]],
-                          gradient: torch.Tensor | None) -> None:
+    def _backward_earlier(self, earlier: list[Layer], kept: list[tuple[Any, Any]],
+                          gradients: list[torch.Tensor | None]) -> None:
         for index in range(len(earlier) - 1, -1, -1):
             layer, (x, rng) = earlier[index], kept[index]
             layer.gather(with_gradients=True)
@@ -158,9 +160,11 @@ class Sharded(DataParallel):
             with torch.no_grad():
                 for buffer, value in zip(layer.module.buffers(), buffers):
                     buffer.copy_(value)  # the first forward already moved the running statistics
-            if gradient is not None and isinstance(y, torch.Tensor) and y.requires_grad:
-                y.backward(gradient.to(y.dtype))
-            gradient = _grad_of(x) if index else None
+            pairs = [(out, grad.to(out.dtype)) for out, grad in zip(_tensors(y), gradients)
+                     if grad is not None and out.requires_grad]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            gradients = _grads_of(x) if index else []
             layer.scatter_gradients()
             layer.release()
 
@@ -188,20 +192,20 @@ class Sharded(DataParallel):
         return self._gathering
 
     def epoch_metrics(self) -> dict[str, float]:
-        shards = sum(layer.shard.numel() * layer.shard.element_size() for layer in self._layers)
+        shards = sum(unit.shard.numel() * unit.shard.element_size() for unit in self._units)
         frozen = sum(p.numel() * p.element_size() for p in self._model.parameters() if not p.requires_grad)
         return {"param_bytes": float(shards + frozen)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards and the (replicated) buffers: what a checkpoint or a snapshot keeps."""
-        state = {f"shard.{i}": layer.shard.detach().cpu().clone() for i, layer in enumerate(self._layers)}
+        state = {f"shard.{i}": unit.shard.detach().cpu().clone() for i, unit in enumerate(self._units)}
         state.update({f"buffer.{name}": b.detach().cpu().clone() for name, b in self._model.named_buffers()})
         return state
 
     def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for i, layer in enumerate(self._layers):
-                layer.shard.copy_(snapshot[f"shard.{i}"])
+            for i, unit in enumerate(self._units):
+                unit.shard.copy_(snapshot[f"shard.{i}"])
             for name, buffer in self._model.named_buffers():
                 buffer.copy_(snapshot[f"buffer.{name}"])
 
@@ -225,14 +229,14 @@ class Sharded(DataParallel):
             return flat[start: start + layer.shard_size].clone()
 
         module = dict(state["module"])
-        for i, layer in enumerate(self._layers):
-            module[f"shard.{i}"] = mine(module[f"shard.{i}"], layer)
+        for i, unit in enumerate(self._units):
+            module[f"shard.{i}"] = mine(module[f"shard.{i}"], unit)
         out = {**state, "module": module}
         if "optimizer" in state:
             optimizer = {**state["optimizer"], "state": {}}
             for index, values in state["optimizer"]["state"].items():
-                layer = self._layers[int(index)]
-                optimizer["state"][index] = {name: mine(value, layer) if torch.is_tensor(value) and value.dim() >= 1
+                unit = self._units[int(index)]
+                optimizer["state"][index] = {name: mine(value, unit) if torch.is_tensor(value) and value.dim() >= 1
                                              else value for name, value in values.items()}
             out["optimizer"] = optimizer
         return out
@@ -241,12 +245,12 @@ class Sharded(DataParallel):
         """The whole parameters this rank owns (and, on rank 0, the buffers): every rank gathers
         one layer at a time and keeps its own; the driver merges the pieces by name."""
         mine: dict[str, torch.Tensor] = {}
-        for layer in self._layers:
-            layer.gather()
-            for param in layer.params:
+        for unit in self._units:
+            unit.gather()
+            for param in unit.params:
                 if self._owners[id(param)] == self.comm.rank:
                     mine[self._names[id(param)]] = param.detach().cpu().clone()
-            layer.release()
+            unit.release()
         if self.comm.rank == 0:  # frozen parameters stay: the driver's copy has them (model/trained_state.py)
             kept = set(self._model.state_dict())  # persistent buffers only: what the model loads back
             mine.update({name: b.detach().cpu() for name, b in self._model.named_buffers() if name in kept})
@@ -267,43 +271,70 @@ def _return_big_blocks_at_once() -> None:
         pass  # not glibc
 
 
+def model_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers sharded data parallel cuts `model` into, in the order its forward runs them, each
+    holding the model's own parameters (a parameter two layers hold is tied): an nn.Sequential's
+    children, else the model whole."""
+    if isinstance(model, nn.Sequential) and len(model):
+        return list(model)
+    return [model]
+
+
 def _apply(module: nn.Module, x: Any, index: int, count: int) -> Any:
     """Layer `index` of `count` on its input, as nn.Sequential runs them: the first takes the
-    model's inputs (several, or by keyword: call_model's rule), the others the one tensor the layer
-    before returned; whatever a layer before the last returns must be that one tensor."""
+    model's inputs (several, or by keyword: call_model's rule), the others what the layer before
+    returned, as one argument; what a layer before the last returns must be a tensor, or a tuple or
+    dict of tensors (gradients flow back through the float ones)."""
     y = call_model(module, x) if index == 0 else module(x)
-    if index < count - 1 and not isinstance(y, torch.Tensor):
-        raise ModelError(f"strategy='sharded' runs the model one top-level layer at a time, but layer {index} "
-                         f"({type(module).__name__}) returns {type(y).__name__}, not one tensor",
-                         hint="make every top-level layer but the last return one tensor, or wrap the layers that "
-                              "pass tuples into one module")
+    if index < count - 1 and not _passable(y):
+        raise ModelError(f"strategy='sharded' runs the model one layer at a time, but layer {index} "
+                         f"({type(module).__name__}) returns {type(y).__name__}, not a tensor or a tuple or dict of "
+                         "tensors", hint="make every layer but the last return tensors, or wrap the layers that "
+                                         "pass other values into one module")
     return y
+
+
+def _passable(y: Any) -> bool:
+    if isinstance(y, torch.Tensor):
+        return True
+    values = y.values() if isinstance(y, dict) else y if isinstance(y, (tuple, list)) else None
+    return values is not None and all(v is None or isinstance(v, torch.Tensor) for v in values)
+
+
+def _map(fn: Any, x: Any) -> Any:
+    """`fn` on every tensor of a layer's input or output (a tensor, tuple or dict of them)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)(**{k: _map(fn, v) for k, v in x.items()})
+    if isinstance(x, (tuple, list)):
+        return tuple(_map(fn, v) for v in x)
+    return x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors of a layer's input or output, in order (the same order on both sides of a cut)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return [t for v in values for t in _tensors(v)]
 
 
 def _copy_if(needed: bool, x: Any) -> Any:
     """`x` copied for a layer that writes into its input (inplace=True), so that what it was handed
     stays as it was (the kept input, the leaf whose gradient the layer before continues from)."""
-    if not needed:
-        return x
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: _copy_if(True, v) for k, v in x.items()}
-    return tuple(_copy_if(True, v) for v in x)
+    return _map(torch.clone, x) if needed else x
 
 
 def _requiring_grad(x: Any) -> Any:
     """A layer's input cut from the graph, floats requiring grad (the gradient the layer before
     it continues from)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.is_floating_point())
-    if isinstance(x, dict):
-        return {k: _requiring_grad(v) for k, v in x.items()}
-    return tuple(_requiring_grad(v) for v in x)
+    return _map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
 
 
-def _grad_of(x: Any) -> torch.Tensor | None:
-    return x.grad if isinstance(x, torch.Tensor) else None
+def _grads_of(x: Any) -> list[torch.Tensor | None]:
+    """The gradients a layer's input received, tensor by tensor (None where none flowed)."""
+    return [t.grad for t in _tensors(x)]
 
 
 def _cuda_devices(device: torch.device) -> list[int]:
@@ -331,17 +362,6 @@ def _owners(params: list[nn.Parameter], ranks: int) -> dict[int, int]:
         owners[id(param)] = rank
         load[rank] += param.numel()
     return owners
-
-
-def _refuse_shared_parameters(modules: list[nn.Module]) -> None:
-    seen: dict[int, int] = {}
-    for index, module in enumerate(modules):
-        for param in module.parameters():
-            if seen.setdefault(id(param), index) != index:
-                raise ConfigError(f"strategy='sharded' shards each top-level layer apart, but layers {seen[id(param)]} "
-                                  f"and {index} share a parameter (tied weights)",
-                                  hint="wrap the layers that share weights into one top-level module, or use "
-                                       "strategy='data_parallel'")
 
 
 __all__ = ["Sharded"]

@@ -14,7 +14,6 @@ from torch import nn
 from gloo_world import run_world
 from sparkdl.config import TrainConfig
 from sparkdl.data.epochs import Accumulation
-from sparkdl.errors import ConfigError
 
 
 class Pair(nn.Module):
@@ -130,10 +129,3 @@ def test_a_sharded_checkpoint_resumes_exactly(ranks: list[dict[str, Any]]) -> No
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value, atol=0, rtol=0)
 
-
-def test_tied_layers_are_refused() -> None:
-    from sparkdl.strategies.sharded import _refuse_shared_parameters
-
-    shared = nn.Linear(4, 4)
-    with pytest.raises(ConfigError, match="share a parameter"):
-        _refuse_shared_parameters([shared, nn.ReLU(), shared])
