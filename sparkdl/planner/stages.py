@@ -15,6 +15,7 @@ from sparkdl.errors import ConfigError, ModelError, ResourceError
 from sparkdl.planner.partition import balanced_cuts, stage_costs
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.model.layouts import HybridLayout, default_grid
+from sparkdl.strategies.pipeline_stages import pipeline_layers
 from sparkdl.strategies.schedules import SCHEDULES, max_in_flight
 
 PROFILE_ROWS_MAX = 256
@@ -132,12 +133,20 @@ def plan_hybrid(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
                 links: tuple[tuple[str, str, float, float], ...] = ()
                 ) -> tuple[HybridLayout, ModelProfile, list[MemoryEstimate]]:
     """Stage cuts balancing measured per-layer time; every check that can fail happens here.
-    `links`: measured links between executors, for placing the grid at run time."""
+    `links`: measured links between executors, for placing the grid at run time. A transformer is
+    planned as its cut (embeddings, one layer per block, head: strategies/pipeline_stages.py), checked
+    against its own output on the run's sample rows."""
+    model_input = ModelInput.of(num_features)
+    if train.loss == "model":
+        raise ConfigError("strategy='hybrid' takes the loss on the last stage's output, so loss='model' (the model's "
+                          "own loss from `labels`) cannot train a pipeline",
+                          hint="use loss='causal_lm' for a causal LM (the same shifted cross entropy), or "
+                               "loss='cross_entropy'")
+    model = pipeline_layers(model, model_input.sample)
     candidates = stage_counts(model, train, data.batch_size, launch.num_workers)
     workers, batch, layers = launch.num_workers, data.batch_size, len(model)
     microbatches = train.microbatches
     profile_rows = max(1, min(PROFILE_ROWS_MAX, math.ceil(min(candidates) * batch / max(microbatches, 1))))
-    model_input = ModelInput.of(num_features)
     profile = profile_sequential(model, model_input, rows=profile_rows, precision=train.precision)
     budget = parse_bytes(launch.max_memory_per_rank, "launch.max_memory_per_rank") \
         if launch.max_memory_per_rank is not None else None
@@ -182,13 +191,9 @@ def plan_hybrid(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
 
 def stage_counts(model: nn.Module, train: TrainConfig, batch_size: int, num_workers: int) -> list[int]:
     """The stage counts K a hybrid run may use (train.stages, or every K >= 2 dividing num_workers),
-    each at most the model's top-level layers; a model or option that allows none raises."""
-    if not isinstance(model, nn.Sequential):
-        raise ModelError(f"strategy='hybrid' cuts an nn.Sequential at its top-level layers, but the model is a "
-                         f"{type(model).__name__}",
-                         hint="build the model as nn.Sequential(...), or pass model=[stage0, stage1, ...] "
-                              "(a list of stage modules)")
-    workers, batch, layers = num_workers, batch_size, len(model)
+    each at most the model's top-level layers (a transformer's: embeddings, blocks, head); a model
+    or option that allows none raises."""
+    workers, batch, layers = num_workers, batch_size, len(pipeline_layers(model))
     if train.stages > layers:
         raise ConfigError(f"train.stages={train.stages} but the model has only {layers} top-level layer(s) "
                           "to cut between stages",

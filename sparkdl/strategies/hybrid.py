@@ -14,7 +14,6 @@ averaged over its D replicas. BatchNorm statistics are per micro-batch, as in GP
 """
 from __future__ import annotations
 
-import collections
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -28,6 +27,7 @@ from sparkdl.strategies.inputs import (InputSpec, call_model, flat_inputs, input
 from sparkdl.strategies.data_parallel import average_gradients
 from sparkdl.strategies.micro_batches import (ActivationMeter, concatenated_inputs, micro_inputs, microbatch_sizes,
                                               torch_dtype)
+from sparkdl.strategies.pipeline_stages import TiedGradients, stage_module, stage_step
 from sparkdl.strategies.schedules import SCHEDULES
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 
@@ -125,12 +125,10 @@ class Hybrid(Strategy):
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise TypeError(f"hybrid needs an nn.Sequential, got {type(model).__name__}")
-        layers = self.layout.stage_layers(self.stage)
-        # Keys keep the full model's layer indices, so the driver merges the stages' state dicts.
-        self._module = nn.Sequential(collections.OrderedDict((str(i), model[i]) for i in layers))
+        # A Sequential's layers, or a transformer's embeddings / blocks / head, under the model's own keys.
+        self._module, tied = stage_module(model, self.layout, self.stage)
         self._module.to(self.comm.device)
+        self._tied = TiedGradients(self.comm, self.layout, self.replica, self.stage, self._module, tied, self.steps)
         groups = [[self.layout.grid[d][k] for d in range(self.layout.replicas)] for k in range(self.layout.stages)]
         self._stage_group = self.comm.split(groups)
         self._broadcast_from_replica_zero(list(self._module.parameters()) + list(self._module.buffers()))
@@ -244,8 +242,7 @@ class Hybrid(Strategy):
                     param.grad.mul_(factor[0])
         if self._stage_group is not None and self._stage_group.size > 1:
             average_gradients(self._stage_group, self._params)
-        # nonfinite_loss="skip": every stage skips together (a stage's own gradients may all be finite)
-        self.steps.step(self._optimizer, self._params, agree=lambda flag: self.comm.allreduce(flag, op="sum"))
+        stage_step(self.steps, self._optimizer, self._params, self.comm, self._tied, self.layout.replicas)
 
     def _replicas_weight_total(self, targets: torch.Tensor | None, weights: torch.Tensor | None,
                                reduce: bool = True) -> torch.Tensor | None:
