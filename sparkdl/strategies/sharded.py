@@ -19,8 +19,12 @@ byte counts, the emulated network). NCCL's reduce-scatter and all-gather are use
 gloo, whose two collectives keep copies of the buffer resident, TorchDistCommunicator reduces with
 an in-place allreduce and gathers with one broadcast per rank (2x data parallel's bytes in all).
 
-The model is cut into layers by `model_layers` (an nn.Sequential's children; any other module is
-one layer: its state is still sharded, its parameters are gathered whole for the step). Layers may
+The model is cut into layers by `model_layers`: an nn.Sequential's children; a Hugging Face
+transformer of a known family (GPT-2, Llama-style, BERT-style: model/transformer_layers.py) at its
+blocks, embeddings first and final norm + head last, so a rank holds one block whole at a time;
+any other module is one layer (its state is still sharded, its parameters are gathered whole for
+the step), as is a transformer whose loss it computes itself (loss="model": its forward must run
+whole; loss="causal_lm" is the same loss, taken on the cut's logits). Layers may
 share parameters (tied weights: the output layer reusing the token embedding): such a parameter
 has one shard, which every layer using it gathers, and its gradient is the sum of every use's
 (layer_shards.py). The trained model is returned in pieces: each rank returns the whole parameters
@@ -37,6 +41,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLGATHER, ALLREDUCE, BROADCAST
 from sparkdl.errors import ModelError
+from sparkdl.model.calling import ModelLoss
 from sparkdl.model.layer_factories import LazyLayers
 from sparkdl.strategies.base import LossFn, OptimizerFactory
 from sparkdl.strategies.data_parallel import DataParallel, broadcast_module
@@ -80,7 +85,7 @@ class Sharded(DataParallel):
         if lazy:  # built one layer at a time; layers from separate factories share nothing
             self._layers, shared = [self._realised(model, i) for i in range(len(model))], []
         else:
-            self._layers, shared = build_layers(model_layers(model), self.comm)
+            self._layers, shared = build_layers(model_layers(model, loss_fn), self.comm)
         self._units = [layer.own for layer in self._layers] + shared  # every shard, in the optimizer's order
         self._names = {id(p): name for name, p in model.named_parameters()}  # a tied one: its first name
         scratch = Scratch(max((layer.own.full_size for layer in self._layers), default=0), self.comm.device)
@@ -271,13 +276,25 @@ def _return_big_blocks_at_once() -> None:
         pass  # not glibc
 
 
-def model_layers(model: nn.Module) -> list[nn.Module]:
+def model_layers(model: nn.Module, loss_fn: Any = None) -> list[nn.Module]:
     """The layers sharded data parallel cuts `model` into, in the order its forward runs them, each
-    holding the model's own parameters (a parameter two layers hold is tied): an nn.Sequential's
-    children, else the model whole."""
-    if isinstance(model, nn.Sequential) and len(model):
-        return list(model)
-    return [model]
+    holding the model's own parameters (a parameter two layers hold is tied): the module
+    docstring's rule."""
+    if isinstance(model, nn.Sequential):
+        return list(model) if len(model) else [model]
+    if isinstance(loss_fn, ModelLoss):
+        return [model]
+    from sparkdl.model.transformer_layers import check_cut, transformer_layers
+
+    cut = transformer_layers(model)
+    if cut is None:
+        return [model]
+    # A family variant the cut does not reproduce (an embedding scale, a logit cap) is refused
+    # rather than trained as another model: one forward of a few tokens, while the model is whole.
+    vocabulary = int(getattr(getattr(model, "config", None), "vocab_size", 2) or 2)
+    tokens = (torch.arange(1, 9) * 7919 % vocabulary).unsqueeze(0).to(next(model.parameters()).device)
+    check_cut(model, cut, tokens)
+    return list(cut.layers)
 
 
 def _apply(module: nn.Module, x: Any, index: int, count: int) -> Any:
