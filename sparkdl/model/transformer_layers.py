@@ -64,7 +64,7 @@ class CutLayer(nn.Module):
     """One layer of a cut. `parts` (path in the model, module) are registered under their paths;
     `self._cut_parts` keeps them in order for forward (a tuple: not registered twice)."""
 
-    def __init__(self, parts: Sequence[tuple[str, nn.Module | None]], config: Any) -> None:
+    def __init__(self, parts: Sequence[tuple[str, nn.Module | None]], hf_config: Any) -> None:
         super().__init__()
         present = [(path, module) for path, module in parts if module is not None]
         for path, module in present:
@@ -72,7 +72,7 @@ class CutLayer(nn.Module):
         # Underscored names: a model path's first part (`layers`, `model`, ...) becomes a child's name.
         self._cut_paths = tuple(path for path, _ in present)
         self._cut_parts = tuple(module for _, module in parts)  # None kept: a missing optional part
-        self._cut_config = config
+        self._cut_config = hf_config
 
 
 def _pack(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -105,8 +105,8 @@ def _first_tensor(output: Any) -> torch.Tensor:
 class Embeddings(CutLayer):
     """The first layer: the model's inputs (input_ids, attention_mask, token_type_ids) -> packed."""
 
-    def __init__(self, parts: Sequence[tuple[str, nn.Module | None]], config: Any, family: str) -> None:
-        super().__init__(parts, config)
+    def __init__(self, parts: Sequence[tuple[str, nn.Module | None]], hf_config: Any, family: str) -> None:
+        super().__init__(parts, hf_config)
         self._family = family
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -140,8 +140,8 @@ class Embeddings(CutLayer):
 class Block(CutLayer):
     """One decoder or encoder block: packed -> packed, the attention mask rebuilt as the model does."""
 
-    def __init__(self, parts: Sequence[tuple[str, nn.Module | None]], config: Any, family: str, index: int) -> None:
-        super().__init__(parts, config)
+    def __init__(self, parts: Sequence[tuple[str, nn.Module | None]], hf_config: Any, family: str, index: int) -> None:
+        super().__init__(parts, hf_config)
         self._family, self._index = family, index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,19 +172,19 @@ class Head(CutLayer):
         return hidden
 
 
-def _mask_function(config: Any, family: str, index: int) -> Callable[..., Any]:
+def _mask_function(hf_config: Any, family: str, index: int) -> Callable[..., Any]:
     """The mask the model builds for block `index`: bidirectional for encoders, causal (sliding
     window where the config says so: per layer type, or a model-wide window) for decoders."""
     from transformers import masking_utils
 
     if family == "bert":
-        return masking_utils.create_causal_mask if getattr(config, "is_decoder", False) \
+        return masking_utils.create_causal_mask if getattr(hf_config, "is_decoder", False) \
             else masking_utils.create_bidirectional_mask
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = getattr(hf_config, "layer_types", None)
     if layer_types:
         sliding = layer_types[index] == "sliding_attention"
     else:
-        sliding = family == "llama" and getattr(config, "sliding_window", None) is not None
+        sliding = family == "llama" and getattr(hf_config, "sliding_window", None) is not None
     return masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
 
 
@@ -265,31 +265,31 @@ def transformer_layers(model: nn.Module) -> TransformerCut | None:
     if located is None:
         return None
     prefix, base, (family, blocks_path, blocks) = located
-    config = getattr(base, "config", None) or getattr(model, "config", None)
-    if config is None:
-        raise ModelError(f"{type(model).__name__} looks like a {family} transformer but has no `config`",
+    hf_config = getattr(base, "hf_config", None) or getattr(model, "hf_config", None)
+    if hf_config is None:
+        raise ModelError(f"{type(model).__name__} looks like a {family} transformer but has no `hf_config`",
                          hint="pass the Hugging Face model itself (a PreTrainedModel)")
     _check_known_children(model, prefix, base, family)
-    count = min(len(blocks), int(getattr(config, "num_hidden_layers", len(blocks)) or len(blocks)))
+    count = min(len(blocks), int(getattr(hf_config, "num_hidden_layers", len(blocks)) or len(blocks)))
     p = prefix
     if family == "gpt2":
-        first = Embeddings([(p + "wte", base.wte), (p + "wpe", base.wpe), (p + "drop", base.drop)], config, family)
+        first = Embeddings([(p + "wte", base.wte), (p + "wpe", base.wpe), (p + "drop", base.drop)], hf_config, family)
         extra: list[tuple[str, nn.Module | None]] = []
         tail = [(p + "ln_f", base.ln_f)]
     elif family == "llama":
-        first = Embeddings([(p + "embed_tokens", base.embed_tokens)], config, family)
+        first = Embeddings([(p + "embed_tokens", base.embed_tokens)], hf_config, family)
         extra = [(p + "rotary_emb", base.rotary_emb)]
         tail = [(p + "norm", base.norm)]
     else:
-        first = Embeddings([(p + "embeddings", base.embeddings)], config, family)
+        first = Embeddings([(p + "embeddings", base.embeddings)], hf_config, family)
         extra = []
         classifier = getattr(model, "classifier", None) if prefix else None
         tail = [(p + "pooler", getattr(base, "pooler", None) if classifier is not None else None)]
     if prefix:  # the task head, applied after the base model as the *For* classes do
         tail += [(name, getattr(model, name, None)) for name in _HEADS]
     layers: list[CutLayer] = [first]
-    layers += [Block([(f"{p}{blocks_path}.{i}", blocks[i]), *extra], config, family, i) for i in range(count)]
-    layers.append(Head(tail, config))
+    layers += [Block([(f"{p}{blocks_path}.{i}", blocks[i]), *extra], hf_config, family, i) for i in range(count)]
+    layers.append(Head(tail, hf_config))
     _check_coverage(model, layers)
     return TransformerCut(family=family, layers=tuple(layers), tied=_tied(layers))
 
