@@ -265,9 +265,9 @@ def transformer_layers(model: nn.Module) -> TransformerCut | None:
     if located is None:
         return None
     prefix, base, (family, blocks_path, blocks) = located
-    hf_config = getattr(base, "hf_config", None) or getattr(model, "hf_config", None)
+    hf_config = getattr(base, "config", None) or getattr(model, "config", None)
     if hf_config is None:
-        raise ModelError(f"{type(model).__name__} looks like a {family} transformer but has no `hf_config`",
+        raise ModelError(f"{type(model).__name__} looks like a {family} transformer but has no `config`",
                          hint="pass the Hugging Face model itself (a PreTrainedModel)")
     _check_known_children(model, prefix, base, family)
     count = min(len(blocks), int(getattr(hf_config, "num_hidden_layers", len(blocks)) or len(blocks)))
