@@ -124,7 +124,30 @@ def _every_case(comm: Any) -> dict[str, Any]:
     adam = {"optimizer": "adam", "lr": 0.01}
     out["straight"] = _train(comm, "sharded", adam, True, 4)
     out["resumed"] = _train(comm, "sharded", adam, True, 4, resume_at=2)
+    out["gpt2"] = _train_gpt2(comm)
     return out
+
+
+def gpt2() -> nn.Module:
+    import transformers  # the test extra
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=8, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _train_gpt2(comm: Any) -> dict[str, Any]:
+    """Hugging Face's GPT-2 as it is (a ModelOutput), cut at its blocks, its head tied to wte."""
+    from sparkdl.strategies.sharded import Sharded
+
+    strategy = Sharded(comm, None, TrainConfig(optimizer="sgd", lr=0.5))
+    strategy.setup(gpt2(), lambda params: torch.optim.SGD(params, lr=0.5), _loss)
+    for ids, labels in _batches(comm.rank, 3):
+        strategy.train_step(ids, labels)
+    return {"state": {k: v.tolist() for k, v in (strategy.result_state() or {}).items()},
+            "layers": [type(layer.module).__name__ for layer in strategy._layers],  # noqa: SLF001
+            "shared": [len(layer.shared) for layer in strategy._layers]}  # noqa: SLF001
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +226,19 @@ def test_the_layers_are_cut_where_tensors_are_shared() -> None:
     groups = shared_groups(list(model))
     assert [(users, [p is model[0].tokens.weight for p in params]) for users, params in groups] == [((0, 3), [True])]
     assert shared_groups([TinyLM()]) == []  # a tie inside one layer is that layer's own
+
+
+def test_a_hugging_face_gpt2_is_cut_at_its_blocks_and_its_tied_head_trains(ranks: list[dict[str, Any]]) -> None:
+    results = [r["gpt2"] for r in ranks]
+    assert results[0]["layers"] == ["Embeddings", "Block", "Block", "Head"]
+    assert results[0]["shared"] == [1, 0, 0, 1]  # wte's shard, gathered by the embeddings and the head
+    merged = _merged(results)
+    reference = gpt2()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for (x0, y0), (x1, y1) in zip(_batches(0, 3), _batches(1, 3)):
+        optimizer.zero_grad()
+        _loss(reference(torch.cat([x0, x1])).logits, torch.cat([y0, y1])).backward()
+        optimizer.step()
+    assert sorted(merged) == sorted(set(reference.state_dict()) - {"lm_head.weight"})
+    for key, value in reference.named_parameters():
+        torch.testing.assert_close(merged[key], value.detach(), atol=1e-5, rtol=1e-5, msg=key)
