@@ -1,10 +1,15 @@
 """Make user code reach the executors: what the executors cannot import (a notebook's helper file,
-a test module, a library only the driver has) is pickled by value; what they can import travels
-by reference, wherever the driver found it (site-packages, a `pip install --target` folder on
-PYTHONPATH, a shared folder), since a library pickled by value drags along module-level objects
-that cannot be pickled (torch.classes: `cannot pickle '_Classes' object`)."""
+a test module, a library only the driver has) is pickled by value; an installed library they can
+import travels by reference, wherever the driver found it (site-packages, a `pip install --target`
+folder on PYTHONPATH), since a library pickled by value drags along module-level objects that
+cannot be pickled (torch.classes: `cannot pickle '_Classes' object`).
+
+The user's own source files (no installed distribution owns them) stay by value even where the
+executors could import them (a shared folder, a Databricks repo): Python workers are reused and
+keep the module they imported first, so a file edited between two fits would train its old code."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import sysconfig
@@ -49,6 +54,35 @@ def installed_by_path(module: types.ModuleType) -> bool:
     return str(Path(path).resolve()).startswith(_INSTALLED_ROOTS)
 
 
+def is_library(module: types.ModuleType) -> bool:
+    """Installed code: under site-packages or the standard library, or in a folder where an
+    installed distribution's metadata claims it (`pip install --target`, `--prefix`, a shared
+    library folder); not the user's own source files (nor an editable install's source tree)."""
+    if installed_by_path(module):
+        return True
+    path = Path(module.__file__ or "").resolve()
+    try:  # the sys.path folder holding the top-level package or module
+        root = path.parents[module.__name__.count(".") + (path.name == "__init__.py")]
+    except IndexError:
+        return False
+    return module.__name__.split(".")[0] in _distributions_in(str(root))
+
+
+@functools.lru_cache(maxsize=256)
+def _distributions_in(folder: str) -> frozenset[str]:
+    """Top-level names the *.dist-info folders of `folder` install (their RECORD's first parts)."""
+    names: set[str] = set()
+    for info in Path(folder).glob("*.dist-info"):
+        try:
+            lines = (info / "RECORD").read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            entry = line.split(",", 1)[0]
+            names.add(entry.split("/", 1)[0] if "/" in entry else entry.split(".", 1)[0])  # pkg/..., mod.py, mod.*.so
+    return frozenset(names)
+
+
 def always_by_reference(module: types.ModuleType) -> bool:
     """Modules never worth asking about: sparkdl, torch and pyspark (the executors run them), the
     standard library, and modules without a file (builtins, namespace packages, made at runtime)."""
@@ -57,13 +91,14 @@ def always_by_reference(module: types.ModuleType) -> bool:
 
 
 def travels_by_value(module: types.ModuleType, executors_import: Collection[str] | None) -> bool:
-    """The decision for one module: by value when the executors cannot import it; with no answer
-    from them (None: no session to ask, or the question failed), by where this driver found it."""
+    """The decision for one module: by reference an installed library the executors import; by
+    value what they cannot import, and the user's own source files. With no answer from the
+    executors (None: no session to ask, or the question failed), by where this driver found it."""
     if always_by_reference(module):
         return False
     if executors_import is None:
         return not installed_by_path(module)
-    return module.__name__ not in executors_import
+    return module.__name__ not in executors_import or not is_library(module)
 
 
 def _submodule_classes(obj: Any) -> list[type]:
@@ -123,12 +158,18 @@ def modules_to_decide(*objects: Any) -> dict[str, set[str]]:
 
 
 def _executors_import(spark: Any, modules: dict[str, set[str]]) -> frozenset[str] | None:
-    if spark is None or not modules:
+    """The installed libraries of `modules` the executors import; only libraries are asked about
+    (the user's own files travel by value either way), so a model of torch layers and the user's
+    own classes runs no job."""
+    if spark is None:
         return None
+    libraries = {name: needed for name, needed in modules.items() if is_library(sys.modules[name])}
+    if not libraries:
+        return frozenset()
     from sparkdl.spark.session import executors_can_import
 
     try:
-        return executors_can_import(spark, [(name, tuple(sorted(needed))) for name, needed in modules.items()])
+        return executors_can_import(spark, [(name, tuple(sorted(needed))) for name, needed in libraries.items()])
     except Exception as exc:  # noqa: BLE001 - any failure of the question: fall back, never fail the fit here
         log.warning("sparkdl: could not ask the executors which modules they import (%s: %s); modules outside "
                     "site-packages are shipped by value", type(exc).__name__, exc)

@@ -1,7 +1,8 @@
 """What travels by value (driver/shipping.py) and how an executor tells it can import a module
-(spark/importable.py): by reference what the executors import, wherever the driver found it; by
-value what they cannot; by path only where no executor can be asked. Real modules in temporary
-folders, located without running them."""
+(spark/importable.py): by reference an installed library the executors import, wherever the driver
+found it; by value what they cannot import and the user's own files; by path only where no executor
+can be asked. Real modules in temporary folders (one a real `pip install --target`), located
+without running them."""
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.driver.shipping import modules_to_decide, travels_by_value
+from sparkdl.driver.shipping import is_library, modules_to_decide, travels_by_value
 from sparkdl.spark.importable import importable, locate, top_level_names
+
+from shipping_libs import pip_install_target
 
 BLOCKS = """
 import torch
@@ -60,16 +63,34 @@ def on_path(tmp_path: Path) -> Iterator[Path]:
             del sys.modules[name]
 
 
-def test_a_library_outside_site_packages_travels_by_reference_when_the_executors_import_it(on_path: Path) -> None:
-    write(on_path, {"targetlib_a/__init__.py": "", "targetlib_a/blocks.py": BLOCKS})
-    blocks = importlib.import_module("targetlib_a.blocks")
-    model = nn.Sequential(blocks.Block(), nn.ReLU())
-    asked = modules_to_decide(model)
-    assert asked == {"targetlib_a.blocks": {"Block"}}  # torch's own modules are never asked about
-    assert travels_by_value(blocks, None)  # by path (no session): outside site-packages, so by value
-    assert not travels_by_value(blocks, frozenset({"targetlib_a.blocks"}))  # the executors import it
-    assert travels_by_value(blocks, frozenset({"something.else"}))  # they cannot: by value
+def test_an_installed_library_outside_site_packages_travels_by_reference_when_the_executors_import_it(
+        tmp_path: Path) -> None:
+    target = pip_install_target(tmp_path, "targetlib_a", unpicklable=True)  # a real `pip install --target`
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    try:
+        blocks = importlib.import_module("targetlib_a.layers")
+        model = nn.Sequential(blocks.Block(), nn.ReLU())
+        asked = modules_to_decide(model)
+        assert asked == {"targetlib_a.layers": {"Block"}}  # torch's own modules are never asked about
+        assert is_library(blocks) and is_library(sys.modules["targetlib_a"])  # its dist-info claims it
+        assert travels_by_value(blocks, None)  # by path (no session): outside site-packages, so by value
+        assert not travels_by_value(blocks, frozenset({"targetlib_a.layers"}))  # the executors import it
+        assert travels_by_value(blocks, frozenset({"something.else"}))  # they cannot: by value
+    finally:
+        sys.path.remove(str(target))
+        for name in [m for m in sys.modules if m.split(".")[0] == "targetlib_a"]:
+            del sys.modules[name]
+
+
+def test_the_users_own_files_travel_by_value_even_where_the_executors_import_them(on_path: Path) -> None:
+    # Python workers keep the module they imported first: a helper edited between fits must travel.
+    write(on_path, {"helper_own/__init__.py": "", "helper_own/net.py": BLOCKS})
+    net = importlib.import_module("helper_own.net")
+    assert not is_library(net)
+    assert travels_by_value(net, frozenset({"helper_own.net"}))
     # sparkdl, torch and the standard library are never shipped, whatever the answer
+    assert is_library(torch.nn.modules.linear) and is_library(ast)
     assert not travels_by_value(torch.nn.modules.linear, frozenset())
     assert not travels_by_value(ast, frozenset())
 
