@@ -144,8 +144,9 @@ def _train_gpt2(comm: Any) -> dict[str, Any]:
     strategy = Sharded(comm, None, TrainConfig(optimizer="sgd", lr=0.5))
     strategy.setup(gpt2(), lambda params: torch.optim.SGD(params, lr=0.5), _loss)
     for ids, labels in _batches(comm.rank, 3):
-        strategy.train_step(ids, labels)
-    return {"state": {k: v.tolist() for k, v in (strategy.result_state() or {}).items()},
+        strategy.train_step(*_padded(ids, labels))
+    sums = strategy.evaluate(iter([_padded(*_batches(60 + comm.rank, 1)[0])]), _loss, True)
+    return {"state": {k: v.tolist() for k, v in (strategy.result_state() or {}).items()}, "validation": sums.tolist(),
             "layers": [type(layer.module).__name__ for layer in strategy._layers],  # noqa: SLF001
             "shared": [len(layer.shared) for layer in strategy._layers]}  # noqa: SLF001
 
@@ -228,6 +229,13 @@ def test_the_layers_are_cut_where_tensors_are_shared() -> None:
     assert shared_groups([TinyLM()]) == []  # a tie inside one layer is that layer's own
 
 
+def _padded(ids: torch.Tensor, labels: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Keyword inputs whose first row is right-padded (mask 0, label -100): the mask crosses every cut."""
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}, labels.masked_fill(mask == 0, -100)
+
+
 def test_a_hugging_face_gpt2_is_cut_at_its_blocks_and_its_tied_head_trains(ranks: list[dict[str, Any]]) -> None:
     results = [r["gpt2"] for r in ranks]
     assert results[0]["layers"] == ["Embeddings", "Block", "Block", "Head"]
@@ -235,10 +243,17 @@ def test_a_hugging_face_gpt2_is_cut_at_its_blocks_and_its_tied_head_trains(ranks
     merged = _merged(results)
     reference = gpt2()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for (x0, y0), (x1, y1) in zip(_batches(0, 3), _batches(1, 3)):
-        optimizer.zero_grad()
-        _loss(reference(torch.cat([x0, x1])).logits, torch.cat([y0, y1])).backward()
+    for batch0, batch1 in zip(_batches(0, 3), _batches(1, 3)):
+        (inputs0, y0), (inputs1, y1) = _padded(*batch0), _padded(*batch1)
+        optimizer.zero_grad()  # each rank's mean loss over its rows, averaged: equal counts of labels here
+        ((_loss(reference(**inputs0).logits, y0) + _loss(reference(**inputs1).logits, y1)) / 2).backward()
         optimizer.step()
     assert sorted(merged) == sorted(set(reference.state_dict()) - {"lm_head.weight"})
     for key, value in reference.named_parameters():
         torch.testing.assert_close(merged[key], value.detach(), atol=1e-5, rtol=1e-5, msg=key)
+    reference.eval()
+    with torch.no_grad():  # validation through the gathered layers: the trained model's loss on its rows
+        for rank, result in enumerate(results):
+            inputs, labels = _padded(*_batches(60 + rank, 1)[0])
+            expected = float(_loss(reference(**inputs).logits, labels)) * ROWS
+            assert result["validation"][0] == pytest.approx(expected, rel=1e-5)
