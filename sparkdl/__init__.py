@@ -32,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from sparkdl.compat.horovod_runner import HorovodRunner
 
         return HorovodRunner
+    if name == "pretrained":  # a Hugging Face model directory loaded on the executors (model/pretrained.py)
+        from sparkdl.model.pretrained import pretrained
+
+        return pretrained
     if name == "ResolvedPlan":
         from sparkdl.planner.resolved import ResolvedPlan
 
@@ -44,4 +48,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["RunConfig", "ResolvedPlan", "SparkdlError", "TorchEstimator", "TorchModel", "HorovodRunner", "run", "fit",
-           "plan", "predict", "__version__"]
+           "plan", "predict", "pretrained", "__version__"]

@@ -86,6 +86,7 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.model_transfer: dict[int, str] = {}  # rank -> "channel" / "storage" / "rows" (not saved)
         self.model_return: dict[str, Any] = {}  # bytes and seconds of the trip back (not saved)
         self._pending_parts: Any = None  # trained_model.ModelParts not loaded yet (output.load_model=False)
+        self.generation: Any = None  # output_kind "text": model/generation.Generation (None: its defaults)
 
     def _defer_loading(self, parts: Any) -> None:
         """Keep the trained weights in their files until the module is first used; the files go when
@@ -103,7 +104,40 @@ class TorchModel(Model, MLWritable, MLReadable):
         from sparkdl.tracking.serving import ServedModel
 
         return ServedModel(self.torch_module(), self.layout, self.output_kind, self.transform_fn,
-                           frozenset(self.explicit_dtypes), tuple(self.output_shape), self.prediction_col)
+                           frozenset(self.explicit_dtypes), tuple(self.output_shape), self.prediction_col,
+                           self.generation)
+
+    def generating(self, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> "TorchModel":
+        """A copy whose transform writes each row's prompt continued as text (a language model fitted
+        with data.tokenizer): up to max_new_tokens, greedy, or sampled under `seed`."""
+        from sparkdl.model.generation import Generation
+
+        generation = Generation(max_new_tokens, do_sample, temperature, top_k, top_p, seed)
+        generation.validate()
+        return self._with_output("text", generation)
+
+    def embedding(self) -> "TorchModel":
+        """A copy whose transform writes one vector per row: the last hidden states averaged over the
+        row's tokens (array<float>)."""
+        return self._with_output("embedding", None)
+
+    def scoring(self, output_kind: str) -> "TorchModel":
+        """A copy writing another of the output kinds (tracking/inference.OUTPUT_KINDS), e.g. "values"
+        for a language model's raw logits."""
+        from sparkdl.tracking.inference import OUTPUT_KINDS
+
+        if output_kind not in OUTPUT_KINDS:
+            raise SparkdlError(f"output kind {output_kind!r} is not one of {list(OUTPUT_KINDS)}")
+        return self._with_output(output_kind, self.generation)
+
+    def _with_output(self, kind: str, generation: Any) -> "TorchModel":
+        if kind in ("text", "embedding") and (self.layout is None or not self.layout.tensor_inputs):
+            raise SparkdlError(f"{kind} output needs a model trained on input_cols (token or text columns)",
+                               hint="fit with input_cols=[...] (and tokenizer=... for text)")
+        model = self.copy()
+        model.output_kind, model.generation, model.model_uri = kind, generation, None
+        return model
 
     def torch_module(self) -> Any:
         """The trained module, its weights read from the ranks' files now if that was deferred."""

@@ -125,7 +125,7 @@ def validate(df: DataFrame, model: ModelSpec, config: RunConfig, plan: ResolvedP
     kept = kept_plan(plan, config)
     if kept is not None:
         check_kept_world(kept, config.launch)
-    check_columns(df, input_columns(config) + [label_col(config)])
+    check_columns(df, input_columns(config) + ([] if labels_from_text(config.data) else [label_col(config)]))
     spark = spark_of(df)
     ensure_training_slots(spark, config.launch.num_workers, config.launch)
     before_training(spark, config.train, config.launch, config.launch.num_workers)
@@ -191,6 +191,8 @@ def collect(df: DataFrame, request: FitRequest, data: FitData, planned: FitPlan,
 def output_kind(config: RunConfig, classification: bool, out_width: int, out_shape: tuple[int, ...] = ()) -> str:
     """How predictions are written (tracking/inference.py): "class" (B, C) -> long, "classes" (B, T, C) ->
     array<long> of length T, "binary", "value" (one number) or "values" (array<float>, flattened)."""
+    if labels_from_text(config.data):
+        return "text"  # a language model trained on its texts continues prompts (TorchModel.scoring for logits)
     if config.train.loss == "bce_with_logits":
         return "binary" if math.prod(out_shape or (1,)) == 1 else "values"
     if classification and len(out_shape) >= 2:
@@ -267,6 +269,11 @@ def input_columns(config: RunConfig) -> list[str]:
     data = config.data
     used = input_columns(data) if data.input_cols is not None else list(data.feature_cols)
     return used + ([data.weight_col] if data.weight_col else [])
+
+
+def labels_from_text(data: Any) -> bool:
+    """A run whose texts are their own labels (a causal LM from a text column, data/text.py)."""
+    return data.tokenizer is not None and data.label_col is None
 
 
 def label_col(config: RunConfig) -> str:

@@ -19,7 +19,7 @@ executors the first time a batch needs it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -70,6 +70,11 @@ class Tokenization:
                 labels[tensors["attention_mask"] == 0] = IGNORE_INDEX
                 out[TOKEN_LABELS] = labels
         return self.inner(out) if self.inner is not None else out
+
+    def for_scoring(self) -> "Tokenization":
+        """The same tokenizing for transform and serving: one row in, one row out (no packing), no
+        labels from the texts."""
+        return replace(self, packing=False, labels_from_tokens=False, _loaded=self._loaded)
 
     # -- the tokenizer ---------------------------------------------------------------------------
     def loaded(self) -> Any:

@@ -27,7 +27,9 @@ def driver_copy(model: Any, seed: int) -> tuple[Any, Callable[[Any], Any]]:
 
     factories = LayerFactories.of(model)
     if factories is None:
-        module = build_model(model, seed)
+        from sparkdl.model.pretrained import driver_model
+
+        module = build_model(driver_model(model), seed)
         module.eval()
 
         def whole(inputs: Any) -> Any:

@@ -28,8 +28,11 @@ def bind_model_inputs(data: DataConfig, train: TrainConfig, model: Any) -> DataC
     from torch import nn
 
     from sparkdl.model.calling import bound_inputs, forward_parameters
+    from sparkdl.model.pretrained import Pretrained
 
     module = model if isinstance(model, nn.Module) else None
+    if isinstance(model, Pretrained):  # its class's forward: the weights are not read on the driver
+        module = model.model_class()
     if data.tokenizer is not None:
         return _with_tokenizer(data, train, module)
     if isinstance(data.input_cols, dict) or module is None:

@@ -140,6 +140,8 @@ def forward_parameters(module: Any) -> tuple[tuple[str, ...], bool]:
         return (), True
     names = tuple(n for n, p in signature.parameters.items()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if isinstance(module, type):  # a class's forward: drop self
+        names = names[1:]
     varkw = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
     return names, varkw
 
@@ -149,7 +151,9 @@ def bound_inputs(module: Any, columns: tuple[str, ...] | list[str], model_loss_w
     column is named after a forward parameter (`input_ids`, `attention_mask`, ...), or (the model
     computes its loss, so its labels go by keyword) positionally onto the first parameters; None:
     keep the positional call. Sequentials keep theirs (their first layer takes the inputs)."""
-    if isinstance(module, nn.Sequential) or not isinstance(module, nn.Module):
+    is_class = isinstance(module, type) and issubclass(module, nn.Module)
+    if isinstance(module, nn.Sequential) or (not isinstance(module, nn.Module) and not is_class) \
+            or (is_class and issubclass(module, nn.Sequential)):
         return None
     names, _ = forward_parameters(module)
     if names and all(c in names for c in columns):

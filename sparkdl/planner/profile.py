@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sparkdl.errors import ModelError
+from sparkdl.model.calling import primary_output
 from sparkdl.model.layer_factories import real_layers
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32") -> t
         inputs = _fresh(x)
         started = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-            out = _call(layer, inputs)
+            out = primary_output(_call(layer, inputs))  # a whole Hugging Face model: its logits
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.backward(torch.ones_like(out))
         if attempt:

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-OUTPUT_KINDS = ("class", "classes", "binary", "value", "values")
+# "text": generated continuations (language models fitted with a tokenizer); "embedding": pooled hidden states
+OUTPUT_KINDS = ("class", "classes", "binary", "value", "values", "text", "embedding")
 _MODULE_CACHE: dict[tuple[str, str], Any] = {}
 
 
@@ -52,6 +53,8 @@ def prediction_arrow_type(output_kind: str) -> pa.DataType:
         return pa.float64()
     if output_kind == "classes":
         return pa.list_(pa.int64())
+    if output_kind == "text":
+        return pa.string()
     return pa.list_(pa.float32())
 
 
@@ -73,7 +76,8 @@ def features_matrix(column: pa.Array | pa.ChunkedArray, num_features: int) -> np
 
 
 def to_predictions(output: Any, output_kind: str) -> pa.Array:
-
+    if output_kind == "text":
+        return pa.array(list(output), pa.string())
     out = output.detach().float().cpu()
     if output_kind == "class":
         return pa.array(out.argmax(dim=1).numpy().astype(np.int64))

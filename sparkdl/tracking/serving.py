@@ -31,6 +31,12 @@ class ServedModel:
     explicit_dtypes: frozenset[str] = frozenset()
     output_shape: tuple[int, ...] = ()  # per row, of the model's output (input_cols runs)
     prediction_col: str = "prediction"
+    generation: Any = None  # output_kind "text": model/generation.Generation (max_new_tokens, sampling, seed)
+
+    def __post_init__(self) -> None:
+        scoring = getattr(self.transform_fn, "for_scoring", None)
+        if scoring is not None:  # a tokenizer packing texts for training scores one output per row
+            self.transform_fn = scoring()
 
     @property
     def input_layout(self) -> FeedLayout:
@@ -47,13 +53,36 @@ class ServedModel:
         layout = self.input_layout
         rows = len(arrays[0]) if arrays else 0
         assemble = assembler(layout, self.transform_fn, self.explicit_dtypes)
-        outputs = []
+        outputs: list[Any] = []
         with torch.inference_mode():
-            for start in range(0, rows, batch_size):
+            for index, start in enumerate(range(0, rows, batch_size)):
                 chunk = tuple(slice_rows(a, start, min(rows, start + batch_size)) for a in arrays)
-                inputs = assemble(chunk)[0]
-                outputs.append(output_of(self.module, to_device(inputs, device)).detach().float().cpu())
+                inputs = to_device(assemble(chunk)[0], device)
+                if self.output_kind == "text":
+                    outputs.extend(self._generated(inputs, index))
+                elif self.output_kind == "embedding":
+                    from sparkdl.model.generation import pooled_embeddings
+
+                    outputs.append(pooled_embeddings(self.module, inputs).detach().cpu())
+                else:
+                    outputs.append(output_of(self.module, inputs).detach().float().cpu())
+        if self.output_kind == "text":
+            return outputs
         return torch.cat(outputs) if outputs else None
+
+    def _generated(self, inputs: Any, batch_index: int) -> list[str]:
+        """output_kind "text": each row's prompt continued, decoded with the run's tokenizer."""
+        from sparkdl.errors import ConfigError
+        from sparkdl.model.generation import Generation, generate_ids
+
+        tokenize = self.transform_fn
+        if not hasattr(tokenize, "loaded") or not isinstance(inputs, dict):
+            raise ConfigError("text output needs the model trained with data.tokenizer (it decodes the new tokens)",
+                              hint="fit with tokenizer=..., or transform with the model's default output")
+        new = generate_ids(self.module, inputs, self.generation or Generation(), tokenize.pad_id(), tokenize.eos_id(),
+                           batch_index)
+        tokenizer = tokenize.loaded()
+        return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
 
     def predict_columns(self, columns: dict[str, Any]) -> dict[str, Any]:
         """{input column: values} (numpy arrays, lists of arrays/bytes, pandas Series) -> the

@@ -1,0 +1,68 @@
+"""data/text.py: text and ragged token columns into padded or packed batches, with a tokenizer
+trained here (nothing downloaded); model/generation.py's left padding."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from sparkdl.data.text import IGNORE_INDEX, TOKEN_LABELS, Tokenization
+from sparkdl.model.generation import left_padded
+
+tokenizers = pytest.importorskip("tokenizers")
+TEXTS = ["the cat sat", "a dog ran far away", "cats and dogs", "the end"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXTS, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "<|endoftext|>"]))
+    return tok
+
+
+def test_texts_are_padded_to_the_batchs_longest_row(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokenize = Tokenization(tokenizer, ("text",), ("input_ids",), max_length=4, labels_from_tokens=True)
+    out = tokenize({"text": TEXTS[:2]})
+    ids, mask = out["text"], out["attention_mask"]
+    assert ids.shape == (2, 4) and mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]  # truncated to max_length
+    assert ids[0, 3] == tokenizer.token_to_id("[PAD]")
+    assert out[TOKEN_LABELS][0].tolist()[-1] == IGNORE_INDEX and out[TOKEN_LABELS][1].tolist() == ids[1].tolist()
+
+
+def test_packing_joins_rows_and_loses_nothing(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokenize = Tokenization(tokenizer, ("text",), ("input_ids",), max_length=5, packing=True, labels_from_tokens=True)
+    out = tokenize({"text": TEXTS})
+    words = sum(len(t.split()) for t in TEXTS)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert out["text"].shape == (-(-(words + len(TEXTS)) // 5), 5)
+    assert int(out["attention_mask"].sum()) == words + len(TEXTS)  # every token and one end-of-text per row
+    assert int((out["text"] == eos).sum()) == len(TEXTS)
+    scoring = tokenize.for_scoring()
+    assert scoring({"text": TEXTS})["text"].shape[0] == len(TEXTS) and TOKEN_LABELS not in scoring({"text": TEXTS})
+
+
+def test_ragged_token_arrays_are_padded_alike(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokenize = Tokenization(tokenizer, ("tokens",), ("input_ids",), max_length=8)
+    out = tokenize({"tokens": [np.array([3, 4, 5]), np.array([6])]})
+    assert out["tokens"].tolist() == [[3, 4, 5], [6, 0, 0]] and out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_a_tokenizer_path_is_loaded_where_it_is_used(tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenize = Tokenization(str(tmp_path / "tokenizer.json"), ("text",), ("input_ids",))
+    first = tokenize({"text": TEXTS})["text"]
+    again = pickle.loads(pickle.dumps(tokenize))  # the loaded tokenizer does not travel
+    assert again._loaded is None
+    assert np.array_equal(again({"text": TEXTS})["text"], first)
+
+
+def test_rows_move_to_the_right_for_generation() -> None:
+    ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    moved, moved_mask = left_padded(ids, mask, pad_id=0)
+    assert moved.tolist() == [[0, 5, 6], [0, 0, 7]] and moved_mask.tolist() == [[0, 1, 1], [0, 0, 1]]
