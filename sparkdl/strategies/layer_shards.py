@@ -147,6 +147,12 @@ def shared_groups(modules: list[nn.Module]) -> list[tuple[tuple[int, ...], list[
     return list(groups.items())
 
 
+def gathered_numels(modules: list[nn.Module]) -> list[int]:
+    """How many trainable parameters each layer holds whole while it computes (its own and those it
+    shares): what a memory estimate takes the largest of (sharded.model_layers gives the layers)."""
+    return [sum(p.numel() for p in module.parameters() if p.requires_grad) for module in modules]
+
+
 def build_layers(modules: list[nn.Module], comm: Communicator) -> tuple[list[Layer], list[LayerShard]]:
     """Every layer with its shards, and the shared shards (after the layers' own in the optimizer's
     order)."""

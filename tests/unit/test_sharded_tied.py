@@ -221,12 +221,15 @@ def test_the_driver_ties_the_merged_pieces_back(ranks: list[dict[str, Any]], tmp
 
 
 def test_the_layers_are_cut_where_tensors_are_shared() -> None:
-    from sparkdl.strategies.layer_shards import shared_groups
+    from sparkdl.strategies.layer_shards import gathered_numels, shared_groups
 
     model = tied_model(True)
     groups = shared_groups(list(model))
     assert [(users, [p is model[0].tokens.weight for p in params]) for users, params in groups] == [((0, 3), [True])]
     assert shared_groups([TinyLM()]) == []  # a tie inside one layer is that layer's own
+    # the head gathers the tied embedding with its own norm: the largest layer a rank holds whole
+    assert gathered_numels(list(model)) == [VOCAB * WIDTH + TOKENS * WIDTH, 2 * WIDTH + WIDTH * WIDTH + WIDTH,
+                                            2 * WIDTH + WIDTH * WIDTH + WIDTH, 2 * WIDTH + VOCAB * WIDTH]
 
 
 def _padded(ids: torch.Tensor, labels: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
