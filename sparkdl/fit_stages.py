@@ -18,9 +18,9 @@ from sparkdl.data.feed import PreparedData
 from sparkdl.data.layout import FeedLayout
 from sparkdl.driver.attempts import tracked_submit
 from sparkdl.driver.callbacks import resolve_callbacks
-from sparkdl.driver.checks import (before_training, check_enough_rows, check_output_width, check_picklable,
-                                   check_training_options, check_weighted_loss, drop_labels_beyond_the_model,
-                                   probe_model, probe_tensor_model)
+from sparkdl.driver.checks import (before_training, check_activation_checkpointing, check_enough_rows,
+                                   check_output_width, check_picklable, check_training_options, check_weighted_loss,
+                                   drop_labels_beyond_the_model, probe_model, probe_tensor_model)
 from sparkdl.driver.planning import check_kept_world, resolve
 from sparkdl.driver.model_inputs import bind_model_inputs
 from sparkdl.driver.shipping import ship_by_value
@@ -141,6 +141,7 @@ def prepare_data(df: DataFrame, validation_df: DataFrame | None, request: FitReq
     prepared = prepare_run(df, config.data, config.train, config.launch, validation_df)
     phases.mark("prepare")
     module, out_width, sample, out_shape = probe(request.model, config, prepared)
+    check_activation_checkpointing(config.train, module)
     prepared = drop_labels_beyond_the_model(config.data, config.train, config.launch, prepared, out_width)
     check_output_width(config.data, config.train, out_width, prepared.layout.num_classes, label_shape(prepared.layout))
     check_enough_rows(config.data, config.launch, prepared.num_rows)

@@ -144,6 +144,9 @@ class TrainConfig:
     # data_parallel (backend="torch"): gradient buckets allreduced while backward runs, as DDP does
     # (False: all of them after backward; the same averages)
     overlap_grads: bool = True
+    # recompute activations in backward instead of keeping them (Hugging Face models' gradient checkpointing):
+    # less memory per rank for about one more forward per step
+    activation_checkpointing: bool = False
     metrics: tuple[Any, ...] = ()  # validation metrics by name or callable (output, label) -> (sum, count)
     early_stopping: dict | None = None  # {"metric", "mode", "patience", "min_delta", "restore_best"}
     callbacks: tuple[Any, ...] = ()  # driver: fn(epoch record) -> None | "stop" (or "pkg.mod:fn" paths)
@@ -202,6 +205,8 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
         choice("train.nonfinite_loss", self.nonfinite_loss, NONFINITE_LOSS_MODES)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ConfigError(f"train.activation_checkpointing must be True or False, got {self.activation_checkpointing!r}")
         if not isinstance(self.overlap_grads, bool):
             raise ConfigError(f"train.overlap_grads must be true or false, got {self.overlap_grads!r}")
         if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \

@@ -151,11 +151,29 @@ def check_loss_on_sample(data: DataConfig, train: TrainConfig, out: Any, label: 
                               "takes outputs shaped like the labels") from None
 
 
+def check_activation_checkpointing(train: TrainConfig, module: Any) -> None:
+    """train.activation_checkpointing on a model that cannot recompute its activations fails here
+    (enabling it on the driver's copy is the check)."""
+    if train.activation_checkpointing and module is not None and not is_meta(module):
+        from sparkdl.model.objectives import enable_activation_checkpointing
+
+        enable_activation_checkpointing(module)
+
+
+def is_meta(module: Any) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
 def check_weighted_loss(data: DataConfig, train: TrainConfig) -> None:
-    """weight_col with a callable loss: the callable must take the weights (weight=)."""
+    """weight_col with a callable loss: the callable must take the weights (weight=); loss="model"
+    cannot weigh rows (the model averages its own loss)."""
     from sparkdl.strategies.inputs import takes_weight
 
     loss = train.loss
+    if data.weight_col is not None and loss == "model":
+        raise ConfigError(f"data.weight_col={data.weight_col!r} cannot weigh loss='model' (the model averages its own "
+                          "loss)", hint="use loss='causal_lm' or 'cross_entropy', which weigh rows exactly, or drop "
+                                        "weight_col")
     if data.weight_col is not None and callable(loss) and not takes_weight(loss):
         raise ConfigError(f"data.weight_col={data.weight_col!r} needs a loss that uses the weights, but the "
                           "loss callable takes no weight= argument",

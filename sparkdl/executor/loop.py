@@ -23,7 +23,7 @@ from sparkdl.executor.loss_watch import LossWatch
 from sparkdl.executor.memory import mark_model_start, reset_cuda_peak
 from sparkdl.comm.base import blocked_seconds
 from sparkdl.executor.rebalance import Rebalancer
-from sparkdl.model.objectives import build_model, build_optimizer, loss_function
+from sparkdl.model.objectives import build_model, build_optimizer, enable_activation_checkpointing, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
 from sparkdl.executor.validation import run_metrics, validate
 from sparkdl.strategies import Strategy, strategy_class
@@ -45,6 +45,8 @@ def train(ctx: WorkerContext, resume: Resume | None = None, store: CheckpointSto
     loss_fn = loss_function(spec.train)
     with strategy.model_building():
         model = build_model(spec.model, spec.train.seed, strategy.layers_to_build(), lazy=strategy.builds_layer_by_layer)
+    if spec.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     strategy.setup(model, lambda params: build_optimizer(spec.train, params),
                    loss_fn)  # a strategy may keep only part of the model (a pipeline stage): the rest goes
     checkpoints = RunCheckpoints(store, ctx.comm, strategy, spec.train.checkpoint_every,

@@ -53,6 +53,19 @@ def build_model(model: Any, seed: int, layers: Iterable[int] | None = None, lazy
                      hint="for example model=nn.Sequential(nn.Linear(64, 10))")
 
 
+def enable_activation_checkpointing(module: nn.Module) -> None:
+    """train.activation_checkpointing: the model recomputes its blocks' activations in backward
+    (Hugging Face models and PEFT wrappers of them: their own gradient checkpointing, non-reentrant,
+    so frozen inputs (an adapter's base) still get gradients through)."""
+    enable = getattr(module, "gradient_checkpointing_enable", None)
+    if enable is None or not getattr(module, "supports_gradient_checkpointing", True):
+        raise ModelError(f"train.activation_checkpointing needs a model that can recompute its activations; "
+                         f"{type(module).__name__} has no gradient_checkpointing_enable()",
+                         hint="use a Hugging Face transformers model (or a PEFT model of one), or wrap your blocks "
+                              "in torch.utils.checkpoint.checkpoint yourself")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def import_factory(path: str) -> Callable[[], nn.Module]:
     """The callable named by "package.module:function" (model.factory in TOML configs)."""
     return import_callable(path, "model.factory", ModelError,

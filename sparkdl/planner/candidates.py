@@ -37,6 +37,7 @@ from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import ISLANDS_WITHIN, Candidate, Decision, Plan, decide
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
+from sparkdl.planner.transformer_cost import priced_as_transformer, transformer_facts
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds, speeds_note
 
 IST_R = 30
@@ -77,6 +78,7 @@ class ModelCosts:
     threads: int
     num_features: int  # feature_cols runs; 0 when input_bytes says what a row weighs
     input_bytes: float = 0.0  # per row, of an input_cols run's inputs as delivered
+    transformer_note: str = ""  # a transformer's counted costs beside the measured (planner/transformer_cost.py)
 
 
 def build_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
@@ -99,6 +101,10 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
     try:
         driver_flops = matmul_flops(threads)
         profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0, train.precision)
+        transformer = transformer_facts(model, model_input.sample) if model_input.sample is not None else None
+        measured_flops = sum(layer.flops for layer in layers)
+        layers = priced_as_transformer(layers, transformer, train.precision)
+        note = transformer.describe(data.batch_size, train.precision, measured_flops) if transformer else ""
         subnet = _ist_subnet_costs(model, launch.num_workers, num_features, rows, driver_flops, 1.0)
         try:
             full_step = _full_step_s(model, train, num_features, rows)
@@ -109,7 +115,7 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
         torch.set_num_threads(previous)
     width = model_input.shape[0] if model_input.sample is None and len(model_input.shape) == 1 else 0
     return ModelCosts(profile, layers, subnet, overhead, driver_flops, threads, width,
-                      0.0 if width else model_input.bytes_per_row)
+                      0.0 if width else model_input.bytes_per_row, note)
 
 
 def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
@@ -251,6 +257,8 @@ def _notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, costs: 
                         if unequal and max(best.speeds) <= HETEROGENEOUS * min(best.speeds) else ""))
     if cluster.probes > 1:
         notes.append(f"calibration: best of {cluster.probes} probes (the first one's ends disagreed)")
+    if costs.transformer_note:
+        notes.append(costs.transformer_note)
     if decision.hinge:
         notes.append(f"decision hinged on: {decision.hinge}")
     return notes

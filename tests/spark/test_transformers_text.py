@@ -203,3 +203,35 @@ def test_a_model_saved_on_shared_storage_loads_on_the_executors(tokens, tmp_path
     trained = fit(tokens, spec)
     reference = hugging_face_loop(tokens, lambda: transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"))
     assert_same_weights(trained.torch_module(), reference)
+
+
+def test_bf16_with_activation_checkpointing_trains_a_transformer(tokens) -> None:  # type: ignore[no-untyped-def]
+    trained = fit(tokens, gpt2(), epochs=5, optimizer="adamw", lr=3e-3, batch_size=4, precision="bf16",
+                  activation_checkpointing=True)
+    losses = [h["loss"] for h in trained.history]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_activation_checkpointing_is_refused_for_a_model_that_cannot_recompute(tokens) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.errors import ModelError
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(tokens))
+
+    with pytest.raises(ModelError, match="activation_checkpointing"):
+        fit(tokens, Plain(), loss="causal_lm", activation_checkpointing=True)
+
+
+def test_the_plan_prices_a_transformer_from_what_it_is(tokens) -> None:  # type: ignore[no-untyped-def]
+    import sparkdl
+
+    plan = sparkdl.plan(gpt2(), tokens, input_cols=["tokens"], label_col="labels", loss="causal_lm",
+                        num_workers=2, batch_size=8, tracking=False, progress=False)
+    text = plan.explain()
+    assert "transformer GPT2LMHeadModel: 2 blocks x hidden 64, 2 heads, sequence 12" in text, text
+    assert "MFLOP forward" in text and "activations" in text
