@@ -260,3 +260,13 @@ def test_a_hugging_face_gpt2_is_cut_at_its_blocks_and_its_tied_head_trains(ranks
             inputs, labels = _padded(*_batches(60 + rank, 1)[0])
             expected = float(_loss(reference(**inputs).logits, labels)) * ROWS
             assert result["validation"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_transformer_computing_its_own_loss_stays_whole() -> None:
+    """loss="model" passes the labels to the model's forward, which only the whole model takes."""
+    from sparkdl.model.calling import ModelLoss
+    from sparkdl.strategies.sharded import model_layers
+
+    model = gpt2()
+    assert [type(m).__name__ for m in model_layers(model)] == ["Embeddings", "Block", "Block", "Head"]
+    assert model_layers(model, ModelLoss()) == [model]
