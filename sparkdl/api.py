@@ -184,7 +184,8 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
         raise SchemaError(f"the DataFrame already has a column named {prediction_col!r}",
                           hint="drop it first or pass another prediction column name")
     prediction_type = {"class": T.LongType(), "binary": T.LongType(), "value": T.DoubleType(),
-                       "classes": T.ArrayType(T.LongType()), "values": T.ArrayType(T.FloatType())}[kind]
+                       "classes": T.ArrayType(T.LongType()), "values": T.ArrayType(T.FloatType()),
+                       "text": T.StringType(), "embedding": T.ArrayType(T.FloatType())}[kind]
     metadata = {"sparkdl.output_shape": list(served.output_shape)} if served is not None else {}
     out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True, metadata)])
     spark = df.sparkSession

@@ -1,6 +1,7 @@
 """TorchEstimator and TorchModel: sparkdl as pyspark.ml stages (fit/transform, Pipelines, save/load)."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -219,7 +220,8 @@ class _TorchModelWriter(MLWriter):
                 "output_shape": list(model.output_shape), "explicit_dtypes": list(model.explicit_dtypes),
                 "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
                 "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
-                "options": {k: v for k, v in model.options.items() if _jsonable(v)}}
+                "options": {k: v for k, v in model.options.items() if _jsonable(v)},
+                "generation": dataclasses.asdict(model.generation) if model.generation is not None else None}
         data = join(path, "data")
         _write_weights(self.sparkSession, join(data, WEIGHTS_DIR), model)
         files = [("module.pkl", skeleton_bytes(model._module)), ("sparkdl.json", json.dumps(info, indent=1).encode())]
@@ -320,6 +322,10 @@ class _TorchModelReader(MLReader):
         model.inference_batch_size = int(inference.get("batch_size", 1024))
         model.output_shape = tuple(info.get("output_shape", ()))
         model.explicit_dtypes = list(info.get("explicit_dtypes", []))
+        if info.get("generation"):
+            from sparkdl.model.generation import Generation
+
+            model.generation = Generation(**info["generation"])
         if model.layout.transformed:
             model.transform_fn = pickle.loads(read("transform_fn.pkl"))
         model._resetUid(metadata["uid"])  # a reloaded PipelineModel must keep its stage uids

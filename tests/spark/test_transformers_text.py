@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl import TorchEstimator
+from sparkdl import TorchEstimator, TorchModel
 from sparkdl.datasets import synthetic_tokens_dataframe
 
 transformers = pytest.importorskip("transformers")
@@ -165,7 +165,10 @@ def test_a_causal_lm_trains_from_text_with_packing_and_generates_as_on_the_drive
     assert trained.output_kind == "text"
     prompts = ["the movie was", "a good", "bad plot"]
     frame = df.sparkSession.createDataFrame([(p,) for p in prompts], "text string")
-    generated = [r["prediction"] for r in trained.generating(max_new_tokens=5).transform(frame).collect()]
+    generating = trained.generating(max_new_tokens=5)
+    generated = [r["prediction"] for r in generating.transform(frame).collect()]
+    generating.save(str(tmp_path / "saved"))  # the tokenizer and the generation settings are kept
+    assert [r["prediction"] for r in TorchModel.load(str(tmp_path / "saved")).transform(frame).collect()] == generated
     module = trained.torch_module().eval()
     expected = []
     for prompt in prompts:  # the driver, one prompt at a time, Hugging Face's own generate
@@ -180,17 +183,66 @@ def test_a_causal_lm_trains_from_text_with_packing_and_generates_as_on_the_drive
     assert vectors[0] != vectors[1]
     mlflow.set_tracking_uri(mlflow_server.uri)
     try:
-        served = mlflow.pyfunc.load_model(trained.model_uri).predict(frame.toPandas())
+        loaded = mlflow.pyfunc.load_model(trained.model_uri)
+        local = mlflow.artifacts.download_artifacts(trained.model_uri, dst_path=str(tmp_path / "served"))
     finally:
         mlflow.set_tracking_uri(None)
-    answers = list(served["prediction"])
-    assert all(isinstance(a, str) for a in answers) and len(answers) == 3
+    default = [r["prediction"] for r in trained.transform(frame).collect()]  # the fit's own output: text
+    assert list(loaded.predict(frame.toPandas())["prediction"]) == default
+    assert [row["prediction"] for row in served_answers(local, {"columns": ["text"], "data": [[p] for p in prompts]})
+            ] == default  # `mlflow models serve` answers a prompt with text
 
 
-def test_a_model_saved_on_shared_storage_loads_on_the_executors(tokens, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """sparkdl.pretrained(path): the ranks read the weights; the task closures carry the path only."""
+def served_answers(model_dir: str, split: dict) -> list:  # type: ignore[type-arg]
+    """`mlflow models serve` on the model's files, asked once over REST (as test_tracking.py does)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_dir, "-h", "127.0.0.1",
+                               "-p", str(port), "--env-manager", "local", "-w", "1"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = json.dumps({"dataframe_split": split}).encode()
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                return json.loads(urllib.request.urlopen(request, timeout=30).read())["predictions"]
+            except OSError:
+                assert server.poll() is None, "mlflow models serve exited"
+                time.sleep(1)
+        raise AssertionError("the scoring server did not answer within 180 s")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_a_model_saved_on_shared_storage_loads_on_the_executors(tokens, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """sparkdl.pretrained(path): the ranks read the weights; the task closures carry the path only
+    (the barrier job's pickled task is measured as Spark ships it)."""
     import sparkdl
+    import sparkdl.driver.job as job
     from pyspark import cloudpickle
+
+    shipped: list[int] = []
+    make_task = job.make_task
+
+    def measured(spec):  # type: ignore[no-untyped-def]
+        task = make_task(spec)
+        shipped.append(len(cloudpickle.dumps(task)))
+        return task
+
+    monkeypatch.setattr(job, "make_task", measured)
 
     saved = gpt2()
     with torch.no_grad():  # weights no fresh model has: training starts from these or fails the comparison
@@ -201,6 +253,7 @@ def test_a_model_saved_on_shared_storage_loads_on_the_executors(tokens, tmp_path
     spec = sparkdl.pretrained(str(tmp_path / "gpt2"))
     assert len(cloudpickle.dumps(spec)) < 1024 < weights // 100
     trained = fit(tokens, spec)
+    assert shipped and max(shipped) < weights / 2, (shipped, weights)  # the weights did not ride in the task
     reference = hugging_face_loop(tokens, lambda: transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"))
     assert_same_weights(trained.torch_module(), reference)
 
