@@ -6,8 +6,8 @@ Only the path and the options travel in the task closures. Each rank reads the w
 (`from_pretrained`, under the run seed, so an adapter added on top starts alike everywhere). The
 driver builds the architecture from the directory's config (`from_config`: its weights are not
 read) to probe the model on sample rows and plan; the trained weights come back from the ranks as
-for any model. With a PEFT adapter the frozen base is never sent back, so the driver reads the base
-weights from the path once, for the returned model.
+for any model. Frozen parameters (a PEFT adapter's base) are never sent back, so for such a model
+the driver reads the weights from the path once, for the returned model.
 """
 from __future__ import annotations
 
@@ -53,10 +53,15 @@ class Pretrained:
                              hint="pass the directory save_pretrained wrote (config.json beside the weights)") from None
         return self._adapted(self._class().from_config(config))
 
-    @property
-    def driver_needs_weights(self) -> bool:
-        """An adapter's frozen base never comes back from the ranks: the driver reads it once."""
-        return self.adapter is not None
+    def driver_copy(self) -> nn.Module:
+        """The driver's copy: the skeleton, unless some parameters are frozen (an adapter's base, or
+        layers the model freezes): those never come back from the ranks, so the driver reads the
+        weights once, for the returned model."""
+        skeleton = self.skeleton()
+        if all(p.requires_grad for p in skeleton.parameters()):
+            return skeleton
+        del skeleton
+        return self()
 
     def model_class(self) -> Any:
         """The transformers class the path loads into (an Auto class resolved from the config)."""
@@ -97,8 +102,6 @@ def pretrained(path: str, task: str = "causal_lm", adapter: Any = None, **option
 
 
 def driver_model(model: Any) -> Any:
-    """What the driver builds for `model` (build_model's argument): a Pretrained's skeleton factory
-    (or, with an adapter, the Pretrained itself: its base is read); anything else as it is."""
-    if isinstance(model, Pretrained) and not model.driver_needs_weights:
-        return model.skeleton
-    return model
+    """What the driver builds for `model` (build_model's argument): a Pretrained's driver_copy
+    factory; anything else as it is."""
+    return model.driver_copy if isinstance(model, Pretrained) else model
