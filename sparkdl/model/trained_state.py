@@ -46,13 +46,18 @@ def _frozen(value: Any) -> bool:
 def trained_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The trained state, detached on the CPU (a tensor already there is not copied)."""
     keys = trained_state_keys(module)
-    return {name: value.detach().cpu() for name, value in module.state_dict().items() if name in keys}
+    return {name: _on_cpu(value) for name, value in module.state_dict().items() if name in keys}
 
 
 def frozen_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The frozen parameters by state-dict key (aliases of one tensor each named), detached on the CPU."""
+    """The frozen parameters by state-dict key (aliases of one tensor each named), detached on the CPU
+    (a meta tensor stays one: a driver's copy that does not hold it)."""
     keys = frozen_keys(module)
-    return {name: value.detach().cpu() for name, value in module.state_dict().items() if name in keys}
+    return {name: _on_cpu(value) for name, value in module.state_dict().items() if name in keys}
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if tensor.is_meta else tensor.detach().cpu()
 
 
 def load_trained_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
