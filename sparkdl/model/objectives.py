@@ -57,6 +57,10 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
     """train.activation_checkpointing: the model recomputes its blocks' activations in backward
     (Hugging Face models and PEFT wrappers of them: their own gradient checkpointing, non-reentrant,
     so frozen inputs (an adapter's base) still get gradients through)."""
+    enable = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.2's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
     enable = getattr(module, "gradient_checkpointing_enable", None)
     if enable is None or not getattr(module, "supports_gradient_checkpointing", True):
         raise ModelError(f"train.activation_checkpointing needs a model that can recompute its activations; "
