@@ -45,5 +45,5 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: Mapping[str,
         options.setdefault("slot_wait_s", float(start_timeout))
     compat = compat_options("horovod.spark.run", num_proc, {**options, "backend": "horovod"})
     call = horovod_call("horovod.spark.run", fn, tuple(args), dict(kwargs or {}), results="all",
-                        env={str(k): str(v) for k, v in (env or {}).items()})
+                        env={str(k): str(v) for k, v in (env or {}).items()}, spark=spark)
     return run_on_cluster(spark, call, num_proc, compat, {"compat.num_proc": num_proc, "compat.backend": "horovod"})

@@ -39,7 +39,8 @@ class HorovodRunner:
         """`main(**kwargs)` on every process; rank 0's return value."""
         if not callable(main):
             raise ConfigError(f"HorovodRunner.run: main must be a function, got {type(main).__name__}")
-        call = horovod_call(self.name, main, (), kwargs, results="rank0")
+        call = horovod_call(self.name, main, (), kwargs, results="rank0",
+                            spark=None if self.local else self.spark)  # local mode: the driver's own children
         params = {"compat.np": self.np, "compat.backend": "horovod"}
         if self.local:
             return run_on_driver(call, self.num_processor, self._options, params)
@@ -47,7 +48,7 @@ class HorovodRunner:
 
 
 def horovod_call(peer: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 results: str, env: dict[str, str] | None = None) -> ChildCall:
+                 results: str, env: dict[str, str] | None = None, spark: Any = None) -> ChildCall:
     """A ChildCall on the Horovod framework, after checking Horovod imports here (the ranks need it too)."""
     import importlib.util
 
@@ -55,6 +56,6 @@ def horovod_call(peer: str, fn: Callable[..., Any], args: tuple[Any, ...], kwarg
         from sparkdl.comm.horovod import INSTALL_HINT
 
         raise ConfigError(f"{peer} needs Horovod, which is not installed here", hint=f"install it with: {INSTALL_HINT}")
-    function = pickled_call(fn, args, kwargs, "the function or its arguments")
+    function = pickled_call(fn, args, kwargs, "the function or its arguments", spark=spark)
     return ChildCall(framework="horovod", function=function, use_gpu=True, results=results, name=peer,
                      env=tuple((str(k), str(v)) for k, v in (env or {}).items()))
