@@ -9,7 +9,8 @@ model's own keys (`transformer.h.3.attn.c_attn.weight`). Pipeline stages (strate
 and layer-by-layer sharding reuse it.
 
 Families are found from the module structure (the ModuleList of blocks and the modules beside it),
-not from class names:
+not from class names, in the model or the shallowest module under it (a PEFT model is cut under its
+own keys, `base_model.model.transformer.h.0...`, its adapters inside the blocks):
 - GPT-2: `wte`, `wpe`, `h`, `ln_f` (+ `lm_head` on the *LMHeadModel), at the top or under a child;
 - Llama / Mistral / Qwen-style: `embed_tokens`, `layers`, `norm`, `rotary_emb` (+ `lm_head`);
 - BERT-style encoders: `embeddings`, `encoder.layer` (+ `pooler`, `dropout`, `classifier`).
@@ -37,8 +38,8 @@ from torch import nn
 from sparkdl.errors import ModelError
 
 LOOKED_FOR = ("a ModuleList of blocks at `h` beside `wte`, `wpe`, `ln_f` (GPT-2), at `layers` beside `embed_tokens`, "
-              "`norm`, `rotary_emb` (Llama, Mistral, Qwen), or at `encoder.layer` beside `embeddings` (BERT), on the "
-              "model or one of its direct children")
+              "`norm`, `rotary_emb` (Llama, Mistral, Qwen), or at `encoder.layer` beside `embeddings` (BERT), in the "
+              "model or a module under it")
 _HEADS = ("lm_head", "dropout", "classifier")  # top-level modules a cut knows how to apply after the blocks
 
 
@@ -244,16 +245,22 @@ def _blocks(base: nn.Module) -> tuple[str, str, nn.ModuleList] | None:
     return None
 
 
-def _find_base(model: nn.Module) -> tuple[str, nn.Module, tuple[str, str, nn.ModuleList]] | None:
-    """(prefix of the base model, the base, its blocks): the model itself or a direct child."""
-    found = _blocks(model)
-    if found is not None:
-        return "", model, found
-    for name, child in model.named_children():
-        found = _blocks(child)
-        if found is not None:
-            return name + ".", child, found
-    return None
+def _find_base(model: nn.Module) -> tuple[str, nn.Module | None, str, nn.Module, tuple[str, str, nn.ModuleList]] | None:
+    """(path prefix of the task model, the task model (None: the base is the model itself), path
+    prefix of the base model, the base, its blocks): the shallowest module of a known family, so a
+    wrapper (a PEFT model: base_model.model.transformer) is cut with its own keys."""
+    found = None
+    for name, module in model.named_modules():
+        blocks = _blocks(module)
+        if blocks is not None and (found is None or name.count(".") < found[0].count(".")):
+            found = (name, module, blocks)
+    if found is None:
+        return None
+    name, base, blocks = found
+    if not name:
+        return "", None, "", base, blocks
+    parent = name.rpartition(".")[0]
+    return (parent + "." if parent else ""), model.get_submodule(parent), name + ".", base, blocks
 
 
 def transformer_layers(model: nn.Module) -> TransformerCut | None:
@@ -264,12 +271,13 @@ def transformer_layers(model: nn.Module) -> TransformerCut | None:
     located = _find_base(model)
     if located is None:
         return None
-    prefix, base, (family, blocks_path, blocks) = located
-    hf_config = getattr(base, "config", None) or getattr(model, "config", None)
+    top_prefix, top, prefix, base, (family, blocks_path, blocks) = located
+    hf_config = getattr(base, "config", None) or getattr(top, "config", None)
     if hf_config is None:
         raise ModelError(f"{type(model).__name__} looks like a {family} transformer but has no `config`",
                          hint="pass the Hugging Face model itself (a PreTrainedModel)")
-    _check_known_children(model, prefix, base, family)
+    if top is not None:
+        _check_known_children(top, prefix[len(top_prefix):-1], family)
     count = min(len(blocks), int(getattr(hf_config, "num_hidden_layers", len(blocks)) or len(blocks)))
     p = prefix
     if family == "gpt2":
@@ -283,10 +291,10 @@ def transformer_layers(model: nn.Module) -> TransformerCut | None:
     else:
         first = Embeddings([(p + "embeddings", base.embeddings)], hf_config, family)
         extra = []
-        classifier = getattr(model, "classifier", None) if prefix else None
+        classifier = getattr(top, "classifier", None) if top is not None else None
         tail = [(p + "pooler", getattr(base, "pooler", None) if classifier is not None else None)]
-    if prefix:  # the task head, applied after the base model as the *For* classes do
-        tail += [(name, getattr(model, name, None)) for name in _HEADS]
+    if top is not None:  # the task head, applied after the base model as the *For* classes do
+        tail += [(top_prefix + name, getattr(top, name, None)) for name in _HEADS]
     layers: list[CutLayer] = [first]
     layers += [Block([(f"{p}{blocks_path}.{i}", blocks[i]), *extra], hf_config, family, i) for i in range(count)]
     layers.append(Head(tail, hf_config))
@@ -304,15 +312,12 @@ def cut_transformer(model: nn.Module, purpose: str = "cut into pipeline stages")
     return cut
 
 
-def _check_known_children(model: nn.Module, prefix: str, base: nn.Module, family: str) -> None:
-    """A top-level module the cut does not know (GPT2DoubleHeadsModel's second head, a sequence
-    classifier's `score` that reads input_ids) would silently be left out: refused by name."""
-    if not prefix:
-        return
-    base_name = prefix[:-1]
-    unknown = [name for name, child in model.named_children() if name != base_name and name not in _HEADS]
+def _check_known_children(top: nn.Module, base_name: str, family: str) -> None:
+    """A module beside the base the cut does not know (GPT2DoubleHeadsModel's second head, a
+    sequence classifier's `score` that reads input_ids) would silently be left out: refused by name."""
+    unknown = [name for name, _ in top.named_children() if name != base_name and name not in _HEADS]
     if unknown:
-        raise ModelError(f"{type(model).__name__} ({family} blocks under `{base_name}`) has head module(s) {unknown} a "
+        raise ModelError(f"{type(top).__name__} ({family} blocks under `{base_name}`) has head module(s) {unknown} a "
                          f"pipeline cut does not know how to run (it knows {list(_HEADS)})",
                          hint="train it with strategy='data_parallel' or 'sharded', or pass the base model with "
                               "your head as an nn.Sequential")

@@ -11,6 +11,9 @@ labels still paired. One step therefore consumes the same W x batch_size rows as
 the update equals data parallel's on the same rows (up to float rounding): the last stage weights
 each micro-batch's mean loss by its share of the replica's rows, and each stage's gradients are
 averaged over its D replicas. BatchNorm statistics are per micro-batch, as in GPipe.
+
+Cut: an nn.Sequential between its top-level layers, or a Hugging Face transformer between its blocks
+(embeddings first, head last, tied gradients summed between their stages: strategies/pipeline_stages.py).
 """
 from __future__ import annotations
 
@@ -131,8 +134,9 @@ class Hybrid(Strategy):
         self._tied = TiedGradients(self.comm, self.layout, self.replica, self.stage, self._module, tied, self.steps)
         groups = [[self.layout.grid[d][k] for d in range(self.layout.replicas)] for k in range(self.layout.stages)]
         self._stage_group = self.comm.split(groups)
-        self._broadcast_from_replica_zero(list(self._module.parameters()) + list(self._module.buffers()))
         self._params = [p for p in self._module.parameters() if p.requires_grad]
+        # Frozen parameters (a LoRA adapter's base model) are built alike on every replica: not sent.
+        self._broadcast_from_replica_zero(self._params + list(self._module.buffers()))
         self._optimizer = make_optimizer(self._module.parameters())
         self.steps.attach(self._optimizer)
         self._loss_fn = loss_fn

@@ -83,6 +83,8 @@ class TiedGradients:
             if len(stages) < 2 or stage not in stages:
                 continue
             key = next(key for layer, key in group if stage_of(layout.cuts, layer) == stage)
+            if not params[key].requires_grad:
+                continue  # frozen (the embedding under a LoRA adapter): no gradient, both copies stay as built
             self._groups.append((index, params[key], [ranks[s] for s in stages], stages.index(stage)))
         if self._groups and steps.grad_clip > 0 and steps.scaler is not None:
             # fp16's GradScaler unscales inside the step, so the stages would clip by their own norms and

@@ -34,6 +34,11 @@ def tiny(family: str, **options: Any) -> nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=V, **options))
+    if family == "gpt2-lora":  # a LoRA adapter on the attention: the base frozen, its tied embedding too
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(tiny("gpt2"), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                       init_lora_weights=False))
     if family == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(
             hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -101,6 +106,20 @@ def test_layers_hold_the_model_s_own_tensors_under_its_keys() -> None:
     tied = transformer_layers(tiny("llama", tie_word_embeddings=True))
     assert untied is not None and untied.tied == ()
     assert tied is not None and tied.tied == (((0, "model.embed_tokens.weight"), (3, "lm_head.weight")),)
+
+
+def test_a_peft_model_is_cut_under_its_own_keys() -> None:
+    pytest.importorskip("peft")
+    model = tiny("gpt2-lora").eval()
+    cut = transformer_layers(model)
+    assert cut is not None and cut.family == "gpt2"
+    assert set().union(*(set(cut.keys(i)) for i in range(len(cut.layers)))) == set(model.state_dict())
+    assert "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight" in cut.keys(1)
+    assert cut.tied == (((0, "base_model.model.transformer.wte.weight"), (3, "base_model.model.lm_head.weight")),)
+    ids, mask = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(run_cut(cut, {"input_ids": ids, "attention_mask": mask}),
+                                   model(input_ids=ids, attention_mask=mask).logits, atol=1e-6, rtol=0)
 
 
 def test_bert_keys_and_the_classifier_head() -> None:
@@ -180,7 +199,7 @@ def rank_rows(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return ids, mask, labels
 
 
-def _pipeline_rank(comm: Any, family: str, options: dict, grad_clip: float) -> tuple[int, dict | None]:
+def _pipeline_rank(comm: Any, family: str, options: dict, grad_clip: float) -> tuple[int, dict | None, list]:
     from sparkdl.model.losses import BuiltinLoss
     from sparkdl.strategies.hybrid import Hybrid
 
@@ -189,13 +208,32 @@ def _pipeline_rank(comm: Any, family: str, options: dict, grad_clip: float) -> t
                           microbatches=2, schedule="1f1b", grid=default_grid(2, comm.size // 2), label_shape=(T,),
                           input_specs=(("input_ids", (T,), "int64"), ("attention_mask", (T,), "int64")))
     strategy = Hybrid(comm, layout, TrainConfig(grad_clip=grad_clip))
-    strategy.setup(tiny(family, **options), lambda p: torch.optim.SGD(p, lr=LR), BuiltinLoss("cross_entropy"))
+    loss_fn = BuiltinLoss("cross_entropy")
+    strategy.setup(tiny(family, **options), lambda p: torch.optim.SGD(p, lr=LR), loss_fn)
     for step in range(STEPS):
         ids, mask, labels = rank_rows(comm.rank, step)
         # Weights of 1: the executor loop's rule for labels with ignored positions (the global token mean).
         strategy.train_step({"input_ids": ids, "attention_mask": mask}, labels, torch.ones(ROWS))
+    ids, mask, labels = rank_rows(comm.rank, STEPS)  # held out: validation through the pipeline
+    sums = comm.allreduce(strategy.evaluate([({"input_ids": ids, "attention_mask": mask}, labels, None)], loss_fn,
+                                            True), "sum")
     state = strategy.result_state()
-    return comm.rank, {k: v.numpy() for k, v in state.items()} if state else None
+    return comm.rank, {k: v.numpy() for k, v in state.items()} if state else None, sums.tolist()
+
+
+def validation_sums(model: nn.Module, world: int) -> list[float]:
+    """(loss sum, correct, rows, counted) as the pipeline validates: each replica's rows in one
+    batch, its mean token loss times its rows."""
+    sums = np.zeros(4)
+    model.eval()
+    for ranks in default_grid(2, world // 2):
+        ids, mask, labels = (torch.cat(parts) for parts in zip(*(rank_rows(r, STEPS) for r in ranks)))
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        counted = labels != -100
+        sums += [float(F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)) * len(ids),
+                 float(((logits.argmax(-1) == labels) & counted).sum()), len(ids), float(counted.sum())]
+    return sums.tolist()
 
 
 def one_process(family: str, options: dict, grad_clip: float, world: int) -> nn.Module:
@@ -215,29 +253,35 @@ def one_process(family: str, options: dict, grad_clip: float, world: int) -> nn.
 
 
 @pytest.mark.parametrize("family,options,world,grad_clip", [
-    ("gpt2", {}, 2, 0.0), ("llama", {"tie_word_embeddings": True}, 2, 0.05), ("llama", {}, 4, 0.0)])
+    ("gpt2", {}, 2, 0.0), ("llama", {"tie_word_embeddings": True}, 2, 0.05), ("llama", {}, 4, 0.0),
+    ("gpt2-lora", {}, 2, 0.0)])
 def test_two_stages_train_the_weights_of_one_process(family: str, options: dict, world: int,
                                                      grad_clip: float) -> None:
     results = run_world(world, _pipeline_rank, family, options, grad_clip, timeout=300.0)
     merged: dict[str, np.ndarray] = {}
-    for _, part in results:
+    for _, part, _ in results:
         for key, value in (part or {}).items():
             assert key not in merged
             merged[key] = value
     reference = one_process(family, options, grad_clip, world)
     expected = reference.state_dict()
-    assert set(merged) == set(expected)
     start = tiny(family, **options).state_dict()
+    trainable = {k for k, p in reference.named_parameters(remove_duplicate=False) if p.requires_grad}
+    if family == "gpt2-lora":  # frozen tensors are not returned: the adapter is what trained
+        assert trainable <= set(merged) and not any(k.endswith("wte.weight") for k in merged)
+        expected = {k: v for k, v in expected.items() if k in merged}
+    assert set(merged) == set(expected)
     for key, value in expected.items():
         np.testing.assert_allclose(merged[key], value.numpy(), atol=1e-5, rtol=0, err_msg=key)
-    assert not np.allclose(merged["lm_head.weight"], start["lm_head.weight"].numpy())  # it trained
+    assert sum(not np.allclose(merged[k], start[k].numpy()) for k in trainable) > len(trainable) // 2  # it trained
     tied = transformer_layers(reference)
     assert tied is not None
-    for group in tied.tied:  # both stages' copies of a tied tensor stayed bit-equal
+    for group in tied.tied if family != "gpt2-lora" else ():  # both stages' copies of a tied tensor stayed bit-equal
         first, *others = (merged[key] for _, key in group)
         assert all(np.array_equal(first, other) for other in others)
+    np.testing.assert_allclose(results[0][2], validation_sums(reference, world), rtol=1e-5)
     # The stages' states load back into the model, still tied.
     model = copy.deepcopy(reference)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in merged.items()})
-    if options.get("tie_word_embeddings", family == "gpt2"):
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in merged.items()}, strict=family != "gpt2-lora")
+    if options.get("tie_word_embeddings", family.startswith("gpt2")):
         assert model.lm_head.weight is model.get_input_embeddings().weight
