@@ -88,6 +88,9 @@ def summarise(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
         target = out.get("trainer", {}).get("final_held_out_loss")
         reached = next((p for p in auto["curve"] if target is not None and p["val_loss"] <= target), None)
         row["time_to_trainer_loss_s"] = round(reached["at_s"], 1) if reached else None
+        # Training alone (the epochs' seconds up to that point; no start-up, no validation)
+        row["train_s_to_trainer_loss"] = round(sum(p["seconds"] for p in auto["curve"][: auto["curve"].index(reached) + 1]),
+                                               2) if reached else None
         row["steps_to_trainer_loss"] = reached["steps_so_far"] if reached else None
         points = [p for p in auto["curve"] if p.get("links")]
         if len(points) > 1:
@@ -101,6 +104,7 @@ def summarise(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
             sooner = out["trainer"]["time_to_final_loss_s"] / reached["at_s"]
             out["sooner_x"] = round(sooner, 2)
             out["target_met"] = {"time to the Trainer's final loss >= 3x sooner": sooner >= 3.0}
+            out["sooner_x_training_only"] = round(trainer["train_runtime_s"] / max(row["train_s_to_trainer_loss"], 1e-9), 2)
         else:
             out["target_met"] = {"time to the Trainer's final loss >= 3x sooner": False}
     else:
