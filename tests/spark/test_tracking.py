@@ -304,15 +304,8 @@ def test_a_decimal_feature_column_logs_a_model_that_serves(spark, mlflow_server)
 def test_a_token_model_logged_to_mlflow_serves_per_position_predictions(spark, mlflow_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Tensor specs in the signature; pyfunc predict on a frame with array columns and MLflow's own
     scoring server (REST /invocations) both answer what transform writes."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
     import mlflow.pyfunc
+    from served_model import served_answers
 
     from sparkdl.datasets import synthetic_tokens_dataframe
     from sparkdl_test_models import TOKEN_LEN as T, tiny_gpt as gpt  # noqa: N811
@@ -335,32 +328,8 @@ def test_a_token_model_logged_to_mlflow_serves_per_position_predictions(spark, m
         local = mlflow.artifacts.download_artifacts(model.model_uri, dst_path=str(tmp_path / "served"))
     finally:
         mlflow.set_tracking_uri(None)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    # The server execs `uvicorn` by name: the venv's bin must be on PATH (it is not when pytest runs
-    # as .venv/bin/python without an activated venv).
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", local, "-h", "127.0.0.1",
-                               "-p", str(port), "--env-manager", "local", "-w", "1"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        body = json.dumps({"dataframe_split": {"columns": ["tokens"], "data": [[r] for r in frame["tokens"].map(list)]}},
-                          default=int).encode()
-        deadline, answer = time.monotonic() + 120, None
-        while answer is None and time.monotonic() < deadline:
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                answer = json.loads(urllib.request.urlopen(request, timeout=10).read())
-            except OSError:
-                assert server.poll() is None, "mlflow models serve exited"
-                time.sleep(1)
-        assert answer is not None, "the scoring server did not answer within 120 s"
-        assert [row["prediction"] for row in answer["predictions"]] == expected
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    answer = served_answers(local, {"columns": ["tokens"], "data": [[r] for r in frame["tokens"].map(list)]})
+    assert [row["prediction"] for row in answer] == expected
 
 
 def test_a_png_model_serves_bytes_through_its_transform_fn(spark, mlflow_server) -> None:  # type: ignore[no-untyped-def]

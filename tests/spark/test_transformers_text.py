@@ -18,6 +18,7 @@ from torch import nn
 
 from sparkdl import TorchEstimator, TorchModel
 from sparkdl.datasets import synthetic_tokens_dataframe
+from served_model import served_answers
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -193,40 +194,6 @@ def test_a_causal_lm_trains_from_text_with_packing_and_generates_as_on_the_drive
     assert list(loaded.predict(frame.toPandas())["prediction"]) == default
     assert [row["prediction"] for row in served_answers(local, {"columns": ["text"], "data": [[p] for p in prompts]})
             ] == default  # `mlflow models serve` answers a prompt with text
-
-
-def served_answers(model_dir: str, split: dict) -> list:  # type: ignore[type-arg]
-    """`mlflow models serve` on the model's files, asked once over REST (as test_tracking.py does)."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_dir, "-h", "127.0.0.1",
-                               "-p", str(port), "--env-manager", "local", "-w", "1"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        body = json.dumps({"dataframe_split": split}).encode()
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                return json.loads(urllib.request.urlopen(request, timeout=30).read())["predictions"]
-            except OSError:
-                assert server.poll() is None, "mlflow models serve exited"
-                time.sleep(1)
-        raise AssertionError("the scoring server did not answer within 180 s")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_a_model_saved_on_shared_storage_loads_on_the_executors(tokens, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -66,3 +66,33 @@ def test_rows_move_to_the_right_for_generation() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     moved, moved_mask = left_padded(ids, mask, pad_id=0)
     assert moved.tolist() == [[0, 5, 6], [0, 0, 7]] and moved_mask.tolist() == [[0, 1, 1], [0, 0, 1]]
+
+
+def test_a_model_without_generate_continues_greedily_and_pools() -> None:
+    from torch import nn
+
+    from sparkdl.model.generation import Generation, generate_ids, pooled_embeddings
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+            hidden = self.embed(input_ids).cumsum(dim=1)
+            return {"logits": self.head(hidden), "last_hidden_state": hidden}
+
+    model = Tiny().eval()
+    prompt = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        new = generate_ids(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)},
+                           Generation(max_new_tokens=4), pad_id=0, eos_id=None)
+        ids = prompt
+        for _ in range(4):  # the same greedy loop by hand
+            ids = torch.cat([ids, model(ids)["logits"][:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert new == [ids[0, 3:].tolist()]
+        batch = {"input_ids": torch.tensor([[1, 2, 0]]), "attention_mask": torch.tensor([[1, 1, 0]])}
+        torch.testing.assert_close(pooled_embeddings(model, batch), model(batch["input_ids"])["last_hidden_state"][:, :2].mean(1))
+    with pytest.raises(Exception, match="max_new_tokens"):
+        Generation(max_new_tokens=0).validate()
