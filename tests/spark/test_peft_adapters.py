@@ -96,9 +96,12 @@ def test_a_lora_fit_sends_checkpoints_and_returns_only_the_adapter(spark, tokens
     steps = sum(h["steps"] for h in model.history)
     sent = sum(h["bytes_sent_all_ranks"] for h in model.history)
     assert sent < steps * 2 * (adapter_bytes + 4096), (sent, steps)
+    print(f"{sync}: base {base_bytes} B, adapter {adapter_bytes} B, returned {model.model_return['bytes']} B, "
+          f"sent {sent} B in {steps} steps (all ranks)")
     # checkpointed: each part holds the adapter (and its optimizer state), none of the base
     parts = sorted((tmp_path / "checkpoints").rglob("rank-*.pt"))
     assert parts and all(p.stat().st_size < base_bytes / 8 for p in parts), [(p, p.stat().st_size) for p in parts]
+    print(f"{sync}: checkpoint parts {sorted({p.stat().st_size for p in parts})} B")
     saved = torch.load(parts[-1].parent / "rank-0.pt", weights_only=True)["strategy"]["module"]
     assert set(saved) == {f"{n}" for n in trainable(start)}
 
@@ -141,15 +144,15 @@ def test_a_lora_fit_sends_checkpoints_and_returns_only_the_adapter(spark, tokens
         assert [list(p) for p in predicted] == expected
 
 
-CALLS = {"n": 0}
+CALLS: dict[int, int] = {}  # per process: the driver's probe calls the loss too, before it is shipped
 MARKER = {"path": ""}
 
 
 def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-position cross-entropy; rank 1 kills itself (SIGKILL) at its 8th step, once per marker file."""
-    CALLS["n"] += 1
+    CALLS[os.getpid()] = calls = CALLS.get(os.getpid(), 0) + 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 1 and CALLS["n"] == 8 and MARKER["path"] and not os.path.exists(MARKER["path"]):
+    if rank == 1 and calls == 8 and MARKER["path"] and not os.path.exists(MARKER["path"]):
         Path(MARKER["path"]).touch()
         from sparkdl.executor.checkpoint_async import wait_idle
 
@@ -159,7 +162,7 @@ def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("sync", sorted(SYNCS))
-def test_a_killed_rank_resumes_a_lora_fit_exactly(spark, tokens, tmp_path, capsys, sync) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_rank_resumes_a_lora_fit_exactly(spark, tokens, tmp_path, sync) -> None:  # type: ignore[no-untyped-def]
     start = lora_gpt()
     MARKER["path"] = str(tmp_path / "killed")
     Path(MARKER["path"]).touch()  # present: the reference run never kills
@@ -168,9 +171,7 @@ def test_a_killed_rank_resumes_a_lora_fit_exactly(spark, tokens, tmp_path, capsy
     resumed = fit(tokens, start, loss=killing_loss, checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=3,
                   **SYNCS[sync])
     assert os.path.exists(MARKER["path"]), "the worker was never killed"
-    captured = capsys.readouterr()
-    assert "resumed from the checkpoint of step 3" in captured.out + captured.err
-    assert resumed.history[0]["resumed_from_step"] == 3
+    assert [h.get("resumed_from_step") for h in resumed.history] == [3, None], resumed.history
     got, want = resumed.torch_module().state_dict(), reference.torch_module().state_dict()
     assert set(got) == set(want)
     for key in want:
