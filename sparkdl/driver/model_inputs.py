@@ -65,6 +65,9 @@ def _with_tokenizer(data: DataConfig, train: TrainConfig, module: Any) -> DataCo
     extra = tuple(o for o in _TOKENIZER_OUTPUTS if varkw or o in names) if names or varkw else ("attention_mask",)
     if module is None:
         extra = ("attention_mask",)
+    gives = getattr(data.tokenizer, "model_input_names", None)
+    if gives is not None and "token_type_ids" not in gives:  # as Hugging Face: a tokenizer that makes none (GPT-2's)
+        extra = tuple(o for o in extra if o != "token_type_ids")  # passes none (GPT-2 adds wte(0) for zeros)
     tokenize = Tokenization(tokenizer=data.tokenizer, columns=columns, keys=keys, max_length=data.max_length,
                             packing=data.packing, extra_outputs=extra, labels_from_tokens=data.label_col is None,
                             inner=data.transform_fn)
