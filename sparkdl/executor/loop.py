@@ -280,11 +280,13 @@ def run_epoch(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: EpochT
 
 def _triples(ctx: WorkerContext, batches: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, Any, Any]]:
     """(inputs, labels, weights) whatever the layout: feature_cols batches have no weights. Labels
-    with ignored positions (-100) under cross_entropy get weights of 1, so that the loss is the mean
-    over the positions that count in the *global* batch (a mean of per-rank means is not), and a
-    batch with none left gives 0, not NaN."""
+    with ignored positions (-100) under cross_entropy, and every causal_lm batch (its last position
+    never counts; padding does not either), get weights of 1, so that the loss is the mean over the
+    positions that count in the *global* batch (a mean of per-rank means is not), and a batch with
+    none left gives 0, not NaN."""
     layout = ctx.spec.layout
-    if layout is not None and layout.label_ignores and ctx.spec.train.loss == "cross_entropy":
+    loss = ctx.spec.train.loss
+    if layout is not None and ((layout.label_ignores and loss == "cross_entropy") or loss == "causal_lm"):
         return ((inputs, labels, torch.ones(labels.shape[0]) if weights is None else weights)
                 for inputs, labels, weights in batches)
     if layout is not None and (layout.tensor_inputs or layout.weight_column):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from sparkdl.errors import ConfigError
-from sparkdl.model.calling import output_of
+from sparkdl.model.calling import forward_parameters, output_of
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,6 @@ def _plain_generate(module: Any, ids: torch.Tensor, mask: torch.Tensor, settings
 
 
 def _takes_mask(module: Any) -> bool:
-    from sparkdl.model.calling import forward_parameters
-
     names, varkw = forward_parameters(module)
     return "input_ids" in names and ("attention_mask" in names or varkw)
 
@@ -113,13 +111,12 @@ def pooled_embeddings(module: Any, inputs: dict[str, torch.Tensor] | Any) -> tor
     """One vector per row: the last hidden states averaged over the row's real tokens (the
     attention mask), as sentence embedders pool; a model whose output is already (B, d) as it is."""
     mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+    encoder = _encoder(module)
     if isinstance(inputs, dict):
-        try:
-            out = module(**inputs, output_hidden_states=True)
-        except TypeError:
-            out = module(**inputs)
+        names, varkw = forward_parameters(encoder)
+        out = encoder(**{k: v for k, v in inputs.items() if varkw or k in names})
     else:
-        out = module(inputs)
+        out = encoder(inputs)
     hidden = _last_hidden(out)
     if hidden.dim() == 2:
         return hidden.float()
@@ -127,6 +124,16 @@ def pooled_embeddings(module: Any, inputs: dict[str, torch.Tensor] | Any) -> tor
         return hidden.float().mean(dim=1)
     weights = mask.to(hidden.dtype).unsqueeze(-1)
     return ((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1)).float()
+
+
+def _encoder(module: Any) -> Any:
+    """The model under its head, whose output is the hidden states (a Hugging Face model's
+    `base_model`, inside a PEFT wrapper's `get_base_model()`, adapters included); the model itself
+    where it has none. (Asking the whole model for output_hidden_states instead leaves capture hooks
+    on it that no longer pickle.)"""
+    inner = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    base = getattr(inner, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not inner else inner
 
 
 def _last_hidden(output: Any) -> torch.Tensor:

@@ -37,7 +37,7 @@ from sparkdl.planner.partition import balanced_cuts
 from sparkdl.planner.plan import ISLANDS_WITHIN, Candidate, Decision, Plan, decide
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
-from sparkdl.planner.transformer_cost import priced_as_transformer, transformer_facts
+from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds, speeds_note
 
 IST_R = 30
@@ -49,9 +49,12 @@ def layer_costs(model: nn.Module, num_features: "ModelInput | int", rows: int, d
     time expressed in FLOPs at the driver's matrix-product rate, the overhead scaled by the rank's
     speed relative to the driver (speed_ratio = driver FLOP/s / rank FLOP/s)."""
     small = max(1, rows // 8)
-    seq = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
-    large_profile = profile_sequential(seq, ModelInput.of(num_features), rows=rows, precision=precision)
-    small_profile = profile_sequential(seq, ModelInput.of(num_features), rows=small, precision=precision)
+    whole = not isinstance(model, nn.Sequential)
+    seq = nn.Sequential(model) if whole else model
+    large_profile = profile_sequential(seq, ModelInput.of(num_features), rows=rows, precision=precision,
+                                       whole_model=whole)
+    small_profile = profile_sequential(seq, ModelInput.of(num_features), rows=small, precision=precision,
+                                       whole_model=whole)
     layers = []
     for big, little in zip(large_profile.layers, small_profile.layers):
         per_row = max((big.seconds - little.seconds) / (rows - small), 0.0) if rows > small else big.seconds / rows
@@ -100,7 +103,8 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
     torch.set_num_threads(threads)  # time layers as a rank will run them
     try:
         driver_flops = matmul_flops(threads)
-        profile, layers = layer_costs(model, num_features, rows, driver_flops, 1.0, train.precision)
+        profile, layers = layer_costs(planned_layers(model, train.loss) or model, num_features, rows, driver_flops,
+                                      1.0, train.precision)
         transformer = transformer_facts(model, model_input.sample) if model_input.sample is not None else None
         measured_flops = sum(layer.flops for layer in layers)
         layers = priced_as_transformer(layers, transformer, train.precision)
@@ -361,9 +365,11 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
     for stages in [k for k in range(2, workers + 1) if workers % k == 0]:
         for micro in sorted({stages, 2 * stages, 4 * stages, 8 * stages}):
             options = {"strategy": "hybrid", "stages": stages, "microbatches": micro}
-            if not isinstance(model, nn.Sequential) or stages > layers:
-                why = "not an nn.Sequential" if not isinstance(model, nn.Sequential) else \
-                    f"{stages} stages > {layers} layers"
+            pipelined = planned_layers(model, train.loss) is not None
+            if not pipelined or stages > layers:
+                why = f"{stages} stages > {layers} layers" if pipelined else \
+                    "not an nn.Sequential or a transformer to cut (loss='model' runs the whole forward)" \
+                    if train.loss == "model" else "not an nn.Sequential or a transformer of a known family"
                 out.append(Candidate("hybrid", tuple(options.items()), math.inf, math.inf, math.inf, False, why))
                 continue
             if micro > stages * work.rows:

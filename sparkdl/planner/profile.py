@@ -150,9 +150,11 @@ def boundary_dtype(out_dtype: torch.dtype, precision: str) -> torch.dtype:
 
 
 def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[int, ...] | int", rows: int = 64,
-                       repeats: int = 3, precision: str = "32") -> ModelProfile:
+                       repeats: int = 3, precision: str = "32", whole_model: bool = False) -> ModelProfile:
     """Run each layer on `rows` rows (random, or the run's sample tiled: ModelInput) as training
-    will (under bf16 autocast for precision="bf16"); the model's weights are left untouched."""
+    will (under bf16 autocast for precision="bf16"); the model's weights are left untouched.
+    `whole_model`: the Sequential wraps one whole model, whose output is read by model/calling's rule
+    (a Hugging Face ModelOutput's logits); a real layer must return one tensor to be a boundary."""
     generator = torch.Generator().manual_seed(0)
     model_input = ModelInput.of(input_shape)
     x = model_input.rows(rows, generator)
@@ -163,7 +165,7 @@ def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[in
     try:
         for index, layer in enumerate(real_layers(model)):  # a meta copy: each layer real only while profiled
             signatures.append(_signature(layer, x))
-            out, saved, seconds = _measure(layer, x, repeats, precision)
+            out, saved, seconds = _measure(layer, x, repeats, precision, whole_model)
             if not isinstance(out, torch.Tensor):
                 raise ModelError(f"layer {index} ({type(layer).__name__}) returns {type(out).__name__}, not one "
                                  "tensor, so the model cannot be cut into pipeline stages there",
@@ -205,7 +207,8 @@ def _alike_cost_alike(layers: list[LayerProfile], signatures: list[tuple]) -> tu
     return tuple(dataclasses.replace(layer, seconds=fastest[signature]) for layer, signature in zip(layers, signatures))
 
 
-def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32") -> tuple[object, float, float]:
+def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32",
+             whole_model: bool = False) -> tuple[object, float, float]:
     from contextlib import nullcontext
 
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
@@ -224,7 +227,8 @@ def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32") -> t
         inputs = _fresh(x)
         started = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-            out = primary_output(_call(layer, inputs))  # a whole Hugging Face model: its logits
+            out = _call(layer, inputs)
+            out = primary_output(out) if whole_model else out  # a whole Hugging Face model: its logits
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.backward(torch.ones_like(out))
         if attempt:

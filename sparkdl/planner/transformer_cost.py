@@ -49,6 +49,23 @@ class TransformerFacts:
                 f"{3 * flops * batch / 1e9:.3g} GFLOP a step")
 
 
+def planned_layers(model: nn.Module, loss: Any) -> nn.Sequential | None:
+    """The layers the planner prices and a pipeline cuts: an nn.Sequential's, a transformer's cut at
+    its blocks (model/transformer_layers.py; not with loss="model", which needs the whole forward),
+    or None (one layer: no pipeline)."""
+    if isinstance(model, nn.Sequential):
+        return model
+    if loss == "model":
+        return None
+    from sparkdl.model.transformer_layers import transformer_layers
+
+    try:
+        cut = transformer_layers(model)
+    except Exception:  # noqa: BLE001 - a model the cut refuses is one layer here; hybrid says why when named
+        return None
+    return cut.sequential() if cut is not None else None
+
+
 def transformer_facts(model: nn.Module, sample_inputs: Any) -> TransformerFacts | None:
     """The facts of a transformer of a known family, None for any other model (or no token input)."""
     from sparkdl.model.transformer_layers import transformer_layers
@@ -65,7 +82,11 @@ def transformer_facts(model: nn.Module, sample_inputs: Any) -> TransformerFacts 
     sequence = _sequence(sample_inputs)
     if not hidden or not heads or not sequence:
         return None
-    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    # looked up only: an embedding the output layer shares is also a matrix product (the logits)
+    embedding = sum(m.weight.numel() for m in model.modules()
+                    if isinstance(m, nn.Embedding) and m.weight is not head_weight)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return TransformerFacts(model=type(model).__name__, blocks=max(1, len(cut.layers) - 2), hidden=int(hidden),
@@ -95,11 +116,25 @@ def _sequence(inputs: Any) -> int:
 
 
 def priced_as_transformer(layers: tuple[Any, ...], facts: TransformerFacts | None, precision: str) -> tuple[Any, ...]:
-    """The profiled layers with a whole transformer's per-row work and activations counted rather
-    than timed (the measured fixed cost per call stays); other models as measured."""
-    if facts is None or len(layers) != 1:
-        return layers
+    """The profiled layers with a transformer's per-row work and activations counted rather than
+    timed (the measured fixed cost per call stays): the whole model as one layer, or its cut
+    (embeddings, one layer per block, final norm + head: 2 FLOPs per parameter per token, the
+    blocks' attention besides, the lookups as measured); other models as measured."""
     import dataclasses
 
-    return (dataclasses.replace(layers[0], flops=facts.forward_flops_per_row(),
-                                saved_bytes=max(layers[0].saved_bytes, facts.activation_bytes_per_row(precision))),)
+    if facts is None:
+        return layers
+    if len(layers) == 1:
+        return (dataclasses.replace(layers[0], flops=facts.forward_flops_per_row(),
+                                    saved_bytes=max(layers[0].saved_bytes, facts.activation_bytes_per_row(precision))),)
+    if len(layers) != facts.blocks + 2:
+        return layers
+    tokens, per_block = facts.sequence, facts.activation_bytes_per_row(precision) / facts.blocks
+    attention = 4.0 * tokens * tokens * facts.hidden
+    priced = [layers[0]]
+    for layer in layers[1:-1]:
+        priced.append(dataclasses.replace(layer, flops=2.0 * layer.params * tokens + attention,
+                                          saved_bytes=max(layer.saved_bytes, per_block)))
+    head = layers[-1]
+    priced.append(dataclasses.replace(head, flops=2.0 * head.params * tokens))
+    return tuple(priced)

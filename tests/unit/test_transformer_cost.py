@@ -16,7 +16,7 @@ def test_a_gpt2_is_counted_from_its_parameters_width_and_sequence() -> None:
     facts = transformer_facts(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long)})
     assert facts is not None and (facts.blocks, facts.hidden, facts.heads, facts.sequence) == (3, 64, 4, 16)
     params = sum(p.numel() for p in model.parameters())  # the head is tied: counted once
-    embedding = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
+    embedding = model.transformer.wpe.weight.numel()  # the token embedding is also the head's matrix product
     assert facts.params == params and facts.embedding_params == embedding
     assert facts.forward_flops_per_row() == 2 * (params - embedding) * 16 + 4 * 3 * 16 * 16 * 64
     assert facts.activation_bytes_per_row("32") == 2 * facts.activation_bytes_per_row("bf16") > 0
@@ -30,3 +30,21 @@ def test_other_models_and_float_inputs_are_priced_as_measured() -> None:
     assert transformer_facts(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.zeros(2, 4)) is None
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     assert transformer_facts(model, torch.zeros(2, 8)) is None  # no token ids: no sequence to count
+
+
+def test_a_cut_transformer_is_priced_block_by_block() -> None:
+    from sparkdl.planner.transformer_cost import planned_layers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50,
+                                                                 n_positions=16))
+    layers = planned_layers(model, "causal_lm")
+    assert layers is not None and len(layers) == 4  # embeddings, 2 blocks, norm + head
+    assert planned_layers(model, "model") is None  # the model's own loss runs its whole forward
+    facts = transformer_facts(model, torch.zeros(1, 8, dtype=torch.long))
+    profiled = tuple(cost.LayerCost(params=sum(p.numel() for p in layer.parameters()), flops=1.0, out_bytes=4,
+                                    saved_bytes=0.0, kind="x") for layer in layers)
+    priced = priced_as_transformer(profiled, facts, "32")
+    assert priced[0].flops == 1.0  # lookups as measured
+    block = sum(p.numel() for p in layers[1].parameters())
+    assert priced[1].flops == 2 * block * 8 + 4 * 8 * 8 * 32
+    assert priced[3].flops == 2 * sum(p.numel() for p in layers[3].parameters()) * 8
