@@ -66,10 +66,21 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 def tokens(spark):  # type: ignore[no-untyped-def]
     # Exactly two partitions: each rank's rows are the same in every run (resumes compare weights).
     rows = synthetic_tokens_dataframe(spark, rows=160, seq_len=SEQ, vocab=VOCAB, seed=0).collect()
-    return spark.createDataFrame(rows).repartition(2).cache()
+    df = spark.createDataFrame(rows)
+    return df.withColumn("labels", df["tokens"]).repartition(2).cache()
 
 
 SYNCS = {"data_parallel": {}, "diloco": {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}}
+# The PeftModel itself, unwrapped: bound to its forward's parameters, its own causal-LM loss on `labels`.
+OWN_LOSS = {"label_col": "labels", "loss": "model"}
+
+
+def peft_gpt() -> nn.Module:
+    return peft.get_peft_model(base_gpt(), peft.LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+
+
+def logits(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x) if isinstance(module, LogitsOnly) else module(input_ids=x).logits
 
 
 def fit(df, start: nn.Module, **options):  # type: ignore[no-untyped-def]
@@ -80,14 +91,14 @@ def fit(df, start: nn.Module, **options):  # type: ignore[no-untyped-def]
     return TorchEstimator(**settings).fit(df)
 
 
-@pytest.mark.parametrize("sync", sorted(SYNCS))
+@pytest.mark.parametrize("sync", [*sorted(SYNCS), "own_loss"])
 def test_a_lora_fit_sends_checkpoints_and_returns_only_the_adapter(spark, tokens, tmp_path, sync) -> None:  # type: ignore[no-untyped-def]
-    start = lora_gpt()
+    start = peft_gpt() if sync == "own_loss" else lora_gpt()
     base_bytes, adapter_bytes = nbytes(frozen(start)), nbytes(trainable(start))
     assert adapter_bytes == ADAPTER_PARAMS * 4 and base_bytes > 50 * adapter_bytes
     tracked = {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "tracking": True} if sync == "data_parallel" else {}
-    model = fit(tokens, start, checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=3, **SYNCS[sync],
-                **tracked)
+    model = fit(tokens, start, checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=3,
+                **SYNCS.get(sync, OWN_LOSS), **tracked)
     trained = model.torch_module()
 
     # returned: the adapter's bytes (one rank's part for data parallel, every replica agrees for DiLoCo)
@@ -120,11 +131,12 @@ def test_a_lora_fit_sends_checkpoints_and_returns_only_the_adapter(spark, tokens
     rows = tokens.limit(4).collect()  # fixed rows: limit() over a repartition may pick others each time
     x = torch.tensor([r["tokens"] for r in rows])
     with torch.no_grad():
-        want = trained.eval()(x)
+        want = logits(trained.eval(), x)
         torch.testing.assert_close(loaded(input_ids=x).logits, want, atol=1e-6, rtol=0)
         merged = model.merged()
-        assert type(merged.torch_module().inner) is transformers.GPT2LMHeadModel
-        torch.testing.assert_close(merged.torch_module()(x), want, atol=1e-5, rtol=1e-5)
+        plain = merged.torch_module()
+        assert type(plain.inner if isinstance(plain, LogitsOnly) else plain) is transformers.GPT2LMHeadModel
+        torch.testing.assert_close(logits(plain, x), want, atol=1e-5, rtol=1e-5)
     assert model.torch_module() is trained  # merging left the trained model as it was
 
     if sync == "data_parallel":  # the MLflow model: the ranks' adapter part plus the driver's frozen part
