@@ -115,10 +115,20 @@ def host_mode(opts: dict[str, Any]) -> dict[str, Any]:
                     print(f"[llm_finetune] round {round_} {side}: {json.dumps(row)[:400]}", file=sys.stderr, flush=True)
     finally:
         spark.stop()
+    return host_figures(rounds)
+
+
+def host_figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians of the rounds, their ratio, and each round's own ratio (the two sides of a round ran
+    back to back: the load they shared is closer than across rounds)."""
     median = {side: statistics.median(r["tokens_per_s"] for r in rows) for side, rows in rounds.items()}
     ratio = median["sparkdl"] / median["trainer"]
+    paired = [round(a["tokens_per_s"] / b["tokens_per_s"], 3) for a, b in zip(rounds["sparkdl"], rounds["trainer"])]
     return {"tokens_per_s": {k: round(v, 1) for k, v in median.items()},
-            "tokens_per_s_sparkdl_over_trainer": round(ratio, 3),
+            "tokens_per_s_sparkdl_over_trainer": round(ratio, 3), "per_round_ratios": paired,
+            "median_per_round_ratio": statistics.median(paired),
+            "fit_wall_s": {"sparkdl": [round(r["fit_wall_s"], 1) for r in rounds["sparkdl"]],
+                           "trainer_run": [round(r["run_wall_s"], 1) for r in rounds["trainer"]]},
             "target_met": {"tokens/s >= 1.0x": ratio >= TARGETS["host_tokens_per_s_x"]},
             "held_out_loss": {side: [round(r["held_out_loss"], 4) for r in rows] for side, rows in rounds.items()},
             "rounds": rounds}
