@@ -269,16 +269,18 @@ def _stage_mismatch(kept: Any, module: Any, data: DataConfig, train: TrainConfig
 def _layout_mismatch(plan: ResolvedPlan, module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
                      layout: FeedLayout, inputs: Any) -> str:
     """What about this run the kept layout was not made for ("" when it fits)."""
-    from torch import nn
-
     from sparkdl.model.layouts import HybridLayout, IstLayout
 
     kept = plan.layout
     if isinstance(kept, HybridLayout):
-        if not isinstance(module, nn.Sequential) or len(module) != kept.cuts[-1]:
-            layers = len(module) if isinstance(module, nn.Sequential) else f"a {type(module).__name__}"
-            return (f"its hybrid cuts {list(kept.cuts)} are for an nn.Sequential of {kept.cuts[-1]} layers, "
-                    f"the model has {layers}")
+        from sparkdl.planner.transformer_cost import planned_layers
+
+        layered = planned_layers(module, train.loss)  # a Sequential, or a transformer cut at its blocks
+        if layered is None or len(layered) != kept.cuts[-1]:
+            layers = len(layered) if layered is not None else f"a {type(module).__name__}"
+            return (f"its hybrid cuts {list(kept.cuts)} are for {kept.cuts[-1]} layers (an nn.Sequential's, or a "
+                    f"transformer's cut at its blocks), the model has {layers}")
+        module = layered
         if tuple(kept.input_specs) != tuple(inputs.specs):  # several inputs: their structure, shapes, dtypes
             return f"it was planned for the inputs {list(kept.input_specs)}, this data has {list(inputs.specs)}"
         if (tuple(kept.input_shape), kept.input_dtype) != (tuple(inputs.shape), inputs.dtype):
@@ -316,10 +318,10 @@ def plan_strategy(module: Any, data: DataConfig, train: TrainConfig, launch: Lau
                                               layout.label_dtype or "float32", links)
         return hybrid, describe(hybrid, profile, memory)
     if train.strategy == "sharded":
-        from torch import nn
+        from sparkdl.planner.transformer_cost import planned_layers
 
         estimate = check_sharded_memory(module, data, train, launch, inputs)
-        layers = len(module) if isinstance(module, nn.Sequential) and len(module) else 1
+        layers = len(planned_layers(module, train.loss) or [module]) or 1
         params = {"sharded.ranks": str(launch.num_workers), "sharded.layers": str(layers)}
         if estimate is not None:
             params["sharded.memory_per_rank_bytes"] = str(estimate.total)

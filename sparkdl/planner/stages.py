@@ -91,8 +91,15 @@ def check_sharded_memory(model: nn.Module, data: DataConfig, train: TrainConfig,
                                                      rows=min(data.batch_size, PROFILE_ROWS_MAX)), train,
                                   data.batch_size, workers)
     else:
-        params = sum(p.numel() for p in model.parameters())  # one layer: gathered whole for the step
-        estimate = MemoryEstimate(int(params * optimizer_bytes_per_param(train) / max(workers, 1)) + 8 * params, 0)
+        from sparkdl.strategies.layer_shards import gathered_numels
+        from sparkdl.strategies.sharded import model_layers
+
+        # one layer, gathered whole for the step; a transformer cut at its blocks gathers its largest one
+        params = sum(p.numel() for p in model.parameters())
+        from sparkdl.model.objectives import loss_function
+
+        largest = max(gathered_numels(model_layers(model, loss_function(train))), default=params)
+        estimate = MemoryEstimate(int(params * optimizer_bytes_per_param(train) / max(workers, 1)) + 8 * largest, 0)
     if estimate.total > budget:
         raise ResourceError(
             f"sharded data parallel needs about {_mib(estimate.total)} per rank over {workers} ranks "

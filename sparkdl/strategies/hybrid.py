@@ -24,6 +24,7 @@ from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, SEND_RECV, SUBGROUP, Communicator
 from sparkdl.model.layouts import HybridLayout
+from sparkdl.model.calling import scored_labels
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_triple, evaluation_sums
 from sparkdl.strategies.inputs import (InputSpec, call_model, flat_inputs, input_spec, rebuilt_inputs, to_device,
                                        weight_total, weighted_terms)
@@ -378,7 +379,7 @@ class Hybrid(Strategy):
                 y, target = float_output(y), labels[start: start + count]
                 sums += evaluation_sums(y, target, window, loss_fn, classification)
                 if metrics is not None:
-                    metrics.add(y, target)
+                    metrics.add(y, scored_labels(loss_fn, target))
         self._module.train(was_training)
         for work in pending:
             work.wait()
