@@ -53,7 +53,12 @@ class OuterSchedule:
 def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
     """The model's top-level layers with trainable parameters, in order: children of the root, with
     containers (ModuleList, Sequential) opened one level so that a stack of blocks is many layers.
-    Parameters held by the root itself come first, as one layer."""
+    Parameters held by the root itself come first, as one layer. A Hugging Face transformer (a PEFT
+    wrapper of one too) is its cut: embeddings, each block, final norm + head (model/transformer_layers.py),
+    a tied tensor in the first layer that holds it."""
+    cut = _transformer_cut(model)
+    if cut is not None:
+        return cut
     layers: list[list[nn.Parameter]] = []
     own = [p for p in model.parameters(recurse=False) if p.requires_grad]
     if own:
@@ -69,6 +74,26 @@ def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
             if params:
                 layers.append(params)
     return layers
+
+
+def _transformer_cut(model: nn.Module) -> list[list[nn.Parameter]] | None:
+    from sparkdl.model.transformer_layers import transformer_layers
+
+    try:
+        cut = transformer_layers(model)
+    except Exception:  # noqa: BLE001 - a model the cut refuses keeps the structural rule
+        return None
+    if cut is None:
+        return None
+    seen: set[int] = set()
+    layers = []
+    for layer in cut.layers:
+        params = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            layers.append(params)
+    covered = {id(p) for p in model.parameters() if p.requires_grad}
+    return layers if seen == covered else None
 
 
 def fragment_indices(model: nn.Module, params: Sequence[nn.Parameter], fragments: int) -> list[list[int]]:

@@ -237,3 +237,22 @@ def test_streaming_options_are_checked() -> None:
         check_backend(horovod.train, horovod.launch)
     with pytest.raises(ConfigError, match="fragments=5, but the model has 4 top-level layer"):
         check_fragments(mlp(), RunConfig.from_kwargs(feature_cols=["a"], sync="diloco", sync_every=10, fragments=5).train)
+
+
+def test_a_transformers_fragments_are_its_blocks_and_a_lora_its_adapters() -> None:
+    """Streaming DiLoCo deals a Hugging Face transformer's cut (embeddings, blocks, head) into
+    fragments; under a PEFT adapter only the adapter's tensors, block by block."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from sparkdl.strategies.diloco import fragment_indices, layer_groups
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64))
+    groups = layer_groups(model)
+    assert len(groups) == 5  # embeddings (wte tied with the head: counted there), 3 blocks, final norm
+    assert sum(len(g) for g in groups) == len([p for p in model.parameters() if p.requires_grad])
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    params = [p for p in lora.parameters() if p.requires_grad]
+    fragments = fragment_indices(lora, params, 3)
+    assert sorted(i for f in fragments for i in f) == list(range(len(params)))  # each adapter tensor once
