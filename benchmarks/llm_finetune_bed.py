@@ -76,6 +76,7 @@ def summarise(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
         out["trainer"] = {"final_held_out_loss": round(trainer["held_out_loss"], 4),
                           "time_to_final_loss_s": round(trainer["reached_s"], 1),
                           "train_runtime_s": round(trainer["train_runtime_s"], 1), "steps": opts["steps"],
+                          "phases_s": {k: round(v, 1) for k, v in trainer.get("phases_s", {}).items()},
                           "trainable_parameters": trainer["trainable"]}
         if len(links) == 2:
             out["trainer"]["wire_bytes_per_step_per_rank"] = round(
@@ -84,7 +85,8 @@ def summarise(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
         out["trainer"] = {k: v for k, v in trainer.items() if k in ("error", "trace")}
     if "curve" in auto:
         row: dict[str, Any] = {"chose": auto["chose"], "options": auto["options"], "curve": auto["curve"],
-                               "fit_wall_s": round(auto["fit_wall_s"], 1), "epochs": len(auto["curve"])}
+                               "fit_wall_s": round(auto["fit_wall_s"], 1), "epochs": len(auto["curve"]),
+                               "fit_phases_s": auto.get("fit_phases_s"), "time_to_first_step_s": auto.get("time_to_first_step_s")}
         target = out.get("trainer", {}).get("final_held_out_loss")
         reached = next((p for p in auto["curve"] if target is not None and p["val_loss"] <= target), None)
         row["time_to_trainer_loss_s"] = round(reached["at_s"], 1) if reached else None
@@ -116,7 +118,11 @@ def summarise(raw: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
 def run_trainer(opts: dict[str, Any], shared: Path, tokenizer: Any, train: list[str], held: list[str]) -> dict[str, Any]:
     started = time.time()
     out = parts.run_trainer(opts, shared, tokenizer, train, held)
-    return {**out, "reached_s": out["last_step_at"] - started}
+    # Where the time went: launch (run to the train function's start on rank 0), set-up (tokenizing,
+    # model, Trainer and DDP until on_train_begin), the steps.
+    return {**out, "reached_s": out["last_step_at"] - started,
+            "phases_s": {"launch": out["fn_started_at"] - started, "setup": out["train_began_at"] - out["fn_started_at"],
+                         "steps": out["last_step_at"] - out["train_began_at"]}}
 
 
 def run_auto(df: Any, validation: Any, tokenizer: Any, opts: dict[str, Any], target: float | None) -> dict[str, Any]:
@@ -138,7 +144,9 @@ def run_auto(df: Any, validation: Any, tokenizer: Any, opts: dict[str, Any], tar
     plan = fitted.plan
     return {"curve": curve, "fit_wall_s": wall, "chose": plan.choice.label if plan and plan.choice else str(plan and plan.strategy),
             "options": {k: str(v) for k, v in (plan.options if plan else {}).items()},
-            "explain": plan.explain() if plan is not None else ""}
+            "explain": plan.explain() if plan is not None else "",
+            "fit_phases_s": {k: round(v, 2) for k, v in fitted.fit_seconds.items()},
+            "time_to_first_step_s": fitted.history[0].get("time_to_first_step_s")}
 
 
 def driver() -> None:

@@ -171,6 +171,7 @@ def trainer_train(opts: dict[str, Any], texts_path: str, tokenizer_dir: str, out
     import torch
     from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
+    fn_started_at = time.time()
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -183,6 +184,9 @@ def trainer_train(opts: dict[str, Any], texts_path: str, tokenizer_dir: str, out
     started = time.perf_counter()
 
     class Clock(TrainerCallback):  # rank 0's step ends; the links at the first timed step and the last
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            clock["train_began_at"] = time.time()
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             clock["step_end"].append(time.perf_counter() - started)
             clock["last_step_at"] = time.time()  # the bed's hosts share this machine's clock
@@ -200,7 +204,8 @@ def trainer_train(opts: dict[str, Any], texts_path: str, tokenizer_dir: str, out
     trained_s = time.perf_counter() - started
     if rank != 0:
         return None
-    return {"step_end_s": clock["step_end"], "last_step_at": clock["last_step_at"], "links": clock["links"], "train_runtime_s": result.metrics["train_runtime"],
+    return {"step_end_s": clock["step_end"], "last_step_at": clock["last_step_at"],
+            "fn_started_at": fn_started_at, "train_began_at": clock["train_began_at"], "links": clock["links"], "train_runtime_s": result.metrics["train_runtime"],
             "trained_s": trained_s, "log": [h for h in trainer.state.log_history if "loss" in h],
             "held_out_loss": held_out_loss(trainer.model, held, opts["batch"]),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
