@@ -63,7 +63,7 @@ class Tokenization:
             tensors = self._packed(ids) if self.packing else self._padded(ids)
             out[column] = tensors["input_ids"]
             for name in self.extra_outputs:
-                if name in tensors:
+                if name in tensors and self._makes(name):
                     out[name] = tensors[name]
             if self.labels_from_tokens and column == self.columns[0]:
                 labels = tensors["input_ids"].copy()
@@ -77,6 +77,15 @@ class Tokenization:
         return replace(self, packing=False, labels_from_tokens=False, _loaded=self._loaded)
 
     # -- the tokenizer ---------------------------------------------------------------------------
+    def _makes(self, name: str) -> bool:
+        """Whether the tokenizer gives `name` (its model_input_names, as Hugging Face): GPT-2's gives no
+        token_type_ids, and zeros would add wte(0) at every position. The driver applies this rule to a
+        tokenizer object (driver/model_inputs.py); a path's tokenizer is first known here, loaded."""
+        if name == "attention_mask" or self.tokenizer is None:
+            return True
+        gives = getattr(self.loaded(), "model_input_names", None)
+        return gives is None or name in gives
+
     def loaded(self) -> Any:
         if self._loaded is None:
             self._loaded = load_tokenizer(self.tokenizer)

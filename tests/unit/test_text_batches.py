@@ -61,6 +61,22 @@ def test_a_tokenizer_path_is_loaded_where_it_is_used(tokenizer, tmp_path) -> Non
     assert np.array_equal(again({"text": TEXTS})["text"], first)
 
 
+def test_a_tokenizer_directory_gives_token_type_ids_only_where_its_tokenizer_makes_them(tokenizer, tmp_path  # type: ignore[no-untyped-def]
+                                                                                      ) -> None:
+    """A path's tokenizer is known only once loaded: as a tokenizer object on the driver, GPT-2's kind
+    (model_input_names without token_type_ids) passes none, a BERT-style one passes them."""
+    transformers = pytest.importorskip("transformers")
+    for names, expected in ((["input_ids", "attention_mask"], False),
+                            (["input_ids", "token_type_ids", "attention_mask"], True)):
+        wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]",
+                                                       model_input_names=names)
+        wrapped.save_pretrained(tmp_path / str(expected))
+        tokenize = Tokenization(str(tmp_path / str(expected)), ("text",), ("input_ids",),
+                                extra_outputs=("attention_mask", "token_type_ids"))
+        out = tokenize({"text": TEXTS})
+        assert ("token_type_ids" in out) is expected and "attention_mask" in out
+
+
 def test_rows_move_to_the_right_for_generation() -> None:
     ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
