@@ -22,7 +22,7 @@ def test_every_example_is_short_and_documented() -> None:
     scripts = sorted(EXAMPLES.glob("*.py")) + sorted(EXAMPLES.glob("*.sh"))
     assert {p.name for p in scripts} >= {"data_parallel.py", "hybrid.py", "ist.py", "diloco.py", "custom_loop.py",
                                         "horovod_backend.py", "spark_submit_train.sh", "cnn_images.py",
-                                        "language_model.py", "recommender.py"}
+                                        "language_model.py", "recommender.py", "fine_tune_text.py"}
     for path in scripts:
         text = path.read_text()
         assert len(text.splitlines()) < 100, path.name
@@ -66,6 +66,25 @@ def test_language_model_example(spark) -> None:  # type: ignore[no-untyped-def]
     result = run_example("language_model.py", "--epochs", "2")  # measured: perplexity 15.4 (diloco 17.4)
     assert result["perplexity"] < 22, "uniform over bytes is 256, the corpus's byte frequencies alone 24.6"
     assert result["bytes_sent"] > 0 and len(result["history"]) == 2
+
+
+def test_fine_tune_text_example(spark) -> None:  # type: ignore[no-untyped-def]
+    """A GPT-2 on a text column (a tokenizer trained on it, packing, causal_lm); the same model saved to a
+    directory that the executors load trains alike; under LoRA only adapter bytes travel and peft alone
+    loads the saved adapter to the same logits."""
+    tiny = ("--epochs", "2", "--rows", "160")
+    lm = run_example("fine_tune_text.py", "--task", "lm", *tiny)
+    assert lm["losses"][-1] < lm["losses"][0] and set(lm["generated"]) == {"the dog was", "the film seemed", "the meal"}
+    pretrained = run_example("fine_tune_text.py", "--task", "pretrained", *tiny)
+    assert pretrained["losses"] == pytest.approx(lm["losses"]) and pretrained["generated"] == lm["generated"]
+    lora = run_example("fine_tune_text.py", "--task", "lora", *tiny)
+    assert lora["losses"][-1] < lora["losses"][0] and lora["adapter_logit_diff"] < 1e-5
+    assert lora["bytes_sent"] < lm["bytes_sent"] / 4
+
+
+def test_fine_tune_text_classifier_example(spark) -> None:  # type: ignore[no-untyped-def]
+    result = run_example("fine_tune_text.py", "--task", "classify", "--epochs", "4", "--rows", "400")
+    assert result["accuracy"] >= 0.9, result
 
 
 @pytest.mark.horovod
