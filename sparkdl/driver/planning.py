@@ -278,8 +278,8 @@ def _layout_mismatch(plan: ResolvedPlan, module: Any, data: DataConfig, train: T
         layered = planned_layers(module, train.loss)  # a Sequential, or a transformer cut at its blocks
         if layered is None or len(layered) != kept.cuts[-1]:
             layers = len(layered) if layered is not None else f"a {type(module).__name__}"
-            return (f"its hybrid cuts {list(kept.cuts)} are for {kept.cuts[-1]} layers (an nn.Sequential's, or a "
-                    f"transformer's cut at its blocks), the model has {layers}")
+            return (f"its hybrid cuts {list(kept.cuts)} are for an nn.Sequential of {kept.cuts[-1]} layers, "
+                    f"the model has {layers}")
         module = layered
         if tuple(kept.input_specs) != tuple(inputs.specs):  # several inputs: their structure, shapes, dtypes
             return f"it was planned for the inputs {list(kept.input_specs)}, this data has {list(inputs.specs)}"

@@ -60,7 +60,9 @@ def layer_costs(model: nn.Module, num_features: "ModelInput | int", rows: int, d
         per_row = max((big.seconds - little.seconds) / (rows - small), 0.0) if rows > small else big.seconds / rows
         overhead = max(big.seconds - per_row * rows, 0.0)
         target = seq[big.index]
-        layers.append(cost.LayerCost(params=big.params, flops=per_row * driver_flops / 3, out_bytes=big.out_bytes,
+        trainable = sum(p.numel() for p in target.parameters() if p.requires_grad)
+        layers.append(cost.LayerCost(params=trainable, frozen_params=big.params - trainable,
+                                     flops=per_row * driver_flops / 3, out_bytes=big.out_bytes,
                                      saved_bytes=big.saved_bytes, kind=big.kind,
                                      in_features=getattr(target, "in_features", 0),
                                      out_features=getattr(target, "out_features", 0),

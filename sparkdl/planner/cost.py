@@ -14,7 +14,7 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class LayerCost:
-    params: int
+    params: int  # trainable: what gradients, optimizer state and synchronisation carry
     flops: float  # forward FLOPs per row
     out_bytes: float  # per row: what crosses a stage boundary after this layer
     saved_bytes: float  # per row: activations kept for backward
@@ -22,6 +22,7 @@ class LayerCost:
     in_features: int = 0  # Linear layers: for IST's subnet sizes
     out_features: int = 0
     overhead_s: float = 0.0  # per forward + backward call, whatever the rows (launch, Python, small kernels)
+    frozen_params: int = 0  # held but never trained or sent (a PEFT adapter's base): weights only
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class Workload:
     @property
     def params(self) -> int:
         return sum(layer.params for layer in self.layers)
+
+    @property
+    def frozen_bytes(self) -> float:
+        return float(sum(layer.frozen_params for layer in self.layers) * self.param_bytes)
 
     @property
     def flops_per_row(self) -> float:
@@ -97,7 +102,8 @@ def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimat
     compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
     exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3) / work.accumulate
-    memory = work.params * work.optimizer_bytes_per_param + work.rows * sum(l.saved_bytes for l in work.layers)
+    memory = work.params * work.optimizer_bytes_per_param + work.frozen_bytes \
+        + work.rows * sum(l.saved_bytes for l in work.layers)
     return Estimate(compute + exposed, compute, exposed, allreduce_bytes(grad_bytes, work.world) / work.accumulate,
                     memory)
 
@@ -133,7 +139,8 @@ def diloco(work: Workload, net: Network, every: int, wire: OuterWire = OuterWire
     exposed = max(0.0, fragment_s - wire.delay * compute * work.accumulate)
     comm = wire.fragments * exposed / rounds
     memory = work.params * (work.optimizer_bytes_per_param + 8 + wire.residual_bytes_per_param) \
-        + (4 * work.params / wire.fragments if wire.delay else 0) + work.rows * sum(l.saved_bytes for l in work.layers)
+        + (4 * work.params / wire.fragments if wire.delay else 0) + work.rows * sum(l.saved_bytes for l in work.layers) \
+        + work.frozen_bytes
     return Estimate(compute + comm, compute, comm, wire.fragments * fragment_bytes / rounds, memory)
 
 
@@ -157,7 +164,8 @@ def islands(work: Workload, inside: Network, across: Network, sizes: Sequence[in
     sent = allreduce_bytes(grad_bytes, largest) / work.accumulate \
         + wire.fragments * (cross_bytes + (largest - 1) * 4 * chunk) / rounds
     memory = work.params * (work.optimizer_bytes_per_param + 8 + wire.residual_bytes_per_param) \
-        + (4 * work.params / wire.fragments if wire.delay else 0) + work.rows * sum(l.saved_bytes for l in work.layers)
+        + (4 * work.params / wire.fragments if wire.delay else 0) + work.rows * sum(l.saved_bytes for l in work.layers) \
+        + work.frozen_bytes
     return Estimate(compute + comm, compute, comm, sent, memory)
 
 
@@ -182,7 +190,7 @@ def sharded(work: Workload, net: Network) -> Estimate:
     comm = 2 * gather_s + reduce_s
     sent = 2 * gather_bytes + allreduce_bytes(work.params * work.param_bytes, work.world)
     largest = max((l.params for l in work.layers), default=0)
-    memory = (work.params * work.optimizer_bytes_per_param / max(work.world, 1) + 8 * largest
+    memory = ((work.params * work.optimizer_bytes_per_param + work.frozen_bytes) / max(work.world, 1) + 8 * largest
               + work.rows * (sum(l.out_bytes for l in work.layers[:-1])
                              + max((l.saved_bytes for l in work.layers), default=0.0)))
     return Estimate(compute + comm, compute, comm, sent, memory)
@@ -222,6 +230,7 @@ def hybrid(work: Workload, net: Network, cuts: Sequence[int], microbatches: int,
     for k, stage in enumerate(layers):
         in_flight = min(stages - k, microbatches) if one_f_one_b else microbatches
         memory.append(sum(l.params for l in stage) * work.optimizer_bytes_per_param
+                      + sum(l.frozen_params for l in stage) * work.param_bytes
                       + in_flight * micro_rows * sum(l.saved_bytes for l in stage))
     return Estimate(step, compute, step - compute, sent, max(memory))
 

@@ -133,8 +133,8 @@ def priced_as_transformer(layers: tuple[Any, ...], facts: TransformerFacts | Non
     attention = 4.0 * tokens * tokens * facts.hidden
     priced = [layers[0]]
     for layer in layers[1:-1]:
-        priced.append(dataclasses.replace(layer, flops=2.0 * layer.params * tokens + attention,
+        priced.append(dataclasses.replace(layer, flops=2.0 * (layer.params + layer.frozen_params) * tokens + attention,
                                           saved_bytes=max(layer.saved_bytes, per_block)))
     head = layers[-1]
-    priced.append(dataclasses.replace(head, flops=2.0 * head.params * tokens))
+    priced.append(dataclasses.replace(head, flops=2.0 * (head.params + head.frozen_params) * tokens))
     return tuple(priced)

@@ -48,3 +48,23 @@ def test_a_cut_transformer_is_priced_block_by_block() -> None:
     block = sum(p.numel() for p in layers[1].parameters())
     assert priced[1].flops == 2 * block * 8 + 4 * 8 * 8 * 32
     assert priced[3].flops == 2 * sum(p.numel() for p in layers[3].parameters()) * 8
+
+
+def test_a_lora_fit_is_priced_on_its_trainable_parameters() -> None:
+    """Gradients and syncs carry the adapter; the frozen base counts in memory only."""
+    from sparkdl.planner.candidates import layer_costs
+    from sparkdl.planner.profile import ModelInput
+
+    peft = pytest.importorskip("peft")
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50,
+                                                                n_positions=16))
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    sample = ModelInput(shape=(8,), dtype="int64", sample=torch.zeros(2, 8, dtype=torch.long))
+    _, layers = layer_costs(lora, sample, 4, 1e9, 1.0)
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert sum(layer.params for layer in layers) == trainable
+    assert sum(layer.frozen_params for layer in layers) == sum(p.numel() for p in lora.parameters()) - trainable
+    work = cost.Workload(layers=layers, world=2, rows=4, flops_per_s=1e9, optimizer_bytes_per_param=16)
+    estimate = cost.data_parallel(work, cost.Network(1e-4, 1e8))
+    assert estimate.bytes_per_step == cost.allreduce_bytes(trainable * 4, 2)
+    assert estimate.memory_bytes >= work.frozen_bytes > 0
