@@ -71,6 +71,8 @@ def sparkdl_round(df: Any, tokenizer: Any, opts: dict[str, Any], held: Any) -> d
     return {"tokens_per_s": tokens / seconds, "steady_steps": sum(int(r["steps"]) for r in steady),
             "steady_s": seconds, "fit_wall_s": wall, "epoch_losses": [float(r["loss"]) for r in history],
             "held_out_loss": parts.held_out_loss(fitted.torch_module(), held, opts["batch"]),
+            # where the steady epochs' time went (the history's numbers: data waits, communication, ...)
+            "steady_records": [{k: round(v, 4) for k, v in r.items() if isinstance(v, (int, float))} for r in steady],
             "bytes_sent_per_step_per_rank": sum(int(r.get("bytes_sent_all_ranks", 0)) for r in steady)
             / max(1, sum(int(r["steps"]) for r in steady)) / opts["world"]}
 
