@@ -123,6 +123,8 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
     def sparkdl_predict(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import torch
 
+        from sparkdl.model.calling import output_of
+
         device = inference_device(task_gpu_addresses(), torch.cuda.is_available(),
                                   os.environ.get("CUDA_VISIBLE_DEVICES"))
         if served is not None and served.layout.sparse:
@@ -152,7 +154,7 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
                     chunk = matrix[start: start + batch_size]
                     if len(chunk) == 0:
                         continue
-                    outputs.append(to_predictions(module(torch.from_numpy(chunk).to(device)), output_kind))
+                    outputs.append(to_predictions(output_of(module, torch.from_numpy(chunk).to(device)), output_kind))
             predictions = pa.concat_arrays(outputs) if outputs else pa.array([], prediction_arrow_type(output_kind))
             yield kept.append_column(prediction_col, predictions)
 
