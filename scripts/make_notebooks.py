@@ -355,6 +355,140 @@ assert model.history[-1]["val_auc"] > 0.6
 model.transform(clicks.limit(5)).select("user", "item", "tags", "prediction").show()'''),
 ]
 
+TRANSFORMERS = [
+    ("markdown", "# Hugging Face models, LoRA and text columns\n\n"
+                 "Fine-tune a language model on text in a DataFrame, adapt it with a LoRA adapter, train a "
+                 "sequence classifier on a string column, and point sparkdl at pretrained weights on shared "
+                 "storage. Models come from configs and the tokenizer is trained here on the data with the "
+                 "`tokenizers` package: nothing is downloaded. docs/transformers.md has the details."),
+    ("code", SESSION),
+    ("code", '''import random
+
+GOOD = ["good", "great", "fine", "lovely", "superb", "charming"]
+BAD = ["bad", "awful", "dull", "poor", "sad", "boring"]
+rng = random.Random(0)
+rows = []
+for i in range(400 if SMALL else 2000):  # short reviews: the label says which words they use
+    words = GOOD if i % 2 else BAD
+    noun, verb = rng.choice(["film", "book", "song", "meal", "play", "show"]), rng.choice(["was", "seemed", "felt"])
+    rows.append((f"the {noun} {verb} {rng.choice(words)} and {rng.choice(words)} .", i % 2))
+reviews = spark.createDataFrame(rows, "text string, label long")
+train, test = reviews.randomSplit([0.8, 0.2], seed=0)
+train = train.cache()
+train.show(3, truncate=False)'''),
+    ("markdown", "A byte-level BPE tokenizer (GPT-2's kind) trained on the text column. On a large table, train "
+                 "it on a sample (`.sample(0.01).collect()`); the tokenizer itself travels to the executors, "
+                 "which tokenize each batch: there is no tokenizing pass through Spark first."),
+    ("code", '''from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+texts = [r["text"] for r in train.select("text").collect()]
+bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=100, special_tokens=["[PAD]", "[UNK]", "<|endoftext|>"]))
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="[PAD]", eos_token="<|endoftext|>")
+print(len(tokenizer), "tokens;", tokenizer.tokenize(texts[0]))'''),
+    ("markdown", "## Fine-tune a language model on text in a DataFrame\n\n"
+                 "A GPT-2 built from a config. `packing=True` joins each batch's texts (each ended by the "
+                 "end-of-text token) into blocks of `max_length` tokens; with `label_col=None` the labels are "
+                 "the texts' own tokens and `loss=\"causal_lm\"` shifts them (Hugging Face's causal LM loss)."),
+    ("code", '''import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from sparkdl import TorchEstimator
+
+def gpt2():
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_embd=64, n_head=2, n_positions=64,
+                                      bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id))
+
+common = dict(input_cols=["text"], tokenizer=tokenizer, max_length=32, num_workers=2, batch_size=16,
+              optimizer="adamw", strategy="data_parallel", seed=0, progress=False, tracking=False)
+lm = TorchEstimator(model=gpt2(), packing=True, label_col=None, loss="causal_lm", lr=1e-2,
+                    epochs=3 if SMALL else 8, **common).fit(train.select("text"))
+print("loss per epoch:", [round(h["loss"], 3) for h in lm.history])
+assert lm.history[-1]["loss"] < lm.history[0]["loss"]'''),
+    ("markdown", "`transform` on a DataFrame of prompts writes each prompt continued, generated batch by batch on "
+                 "the executors (their GPU when they have one): greedy, or sampled under a seed. `embedding()` "
+                 "writes mean-pooled hidden states instead."),
+    ("code", '''prompts = spark.createDataFrame([("the film was",), ("the meal seemed",), ("the show",)], "text string")
+lm.generating(max_new_tokens=8).transform(prompts).show(truncate=False)
+lm.generating(max_new_tokens=8, do_sample=True, top_p=0.9, seed=7).transform(prompts).show(truncate=False)
+vectors = lm.embedding().transform(prompts).collect()
+print(len(vectors[0]["prediction"]), "numbers per prompt")'''),
+    ("markdown", "## LoRA: adapt the model with a few parameters\n\n"
+                 "The language model above stands in for a pretrained base: a LoRA adapter (`peft`) teaches it "
+                 "to write only good reviews. Only the adapter trains, so only its bytes are averaged between "
+                 "the workers, checkpointed and sent back."),
+    ("code", '''import copy
+
+from peft import LoraConfig, get_peft_model
+
+base = lm.torch_module()
+lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                      fan_in_fan_out=True))  # GPT-2's layers are Conv1D
+lora.print_trainable_parameters()
+good = train.where("label = 1").select("text")
+tuned = TorchEstimator(model=lora, packing=True, label_col=None, loss="causal_lm", lr=3e-3,
+                       epochs=2 if SMALL else 4, **common).fit(good)
+print("loss per epoch:", [round(h["loss"], 3) for h in tuned.history])
+per_step = {name: m.history[-1]["bytes_sent_all_ranks"] / max(1, m.history[-1]["steps"])
+            for name, m in (("full model", lm), ("LoRA", tuned))}
+print({name: f"{b / 1e3:.0f} kB per step" for name, b in per_step.items()})
+tuned.generating(max_new_tokens=8).transform(prompts).show(truncate=False)
+assert per_step["LoRA"] < per_step["full model"] / 4'''),
+    ("markdown", "The adapter in PEFT's own layout loads back with `peft` alone; `merged()` folds it into the "
+                 "base for scoring without peft."),
+    ("code", '''import os
+
+from peft import PeftModel
+
+files = tuned.save_adapter(os.path.abspath("adapters/good-reviews"))
+print([os.path.basename(f) for f in files])
+loaded = PeftModel.from_pretrained(copy.deepcopy(base), "adapters/good-reviews")
+ids = tokenizer("the film was", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    same = torch.allclose(loaded(ids).logits, tuned.torch_module()(ids).logits, atol=1e-5)
+print("peft alone gives the same logits:", same)
+assert same
+merged = tuned.merged()  # a TorchModel of the plain GPT-2 with the adapter folded in'''),
+    ("markdown", "## A sequence classifier on a text column\n\n"
+                 "A BERT-style `AutoModelForSequenceClassification` from a config, the string column and a label; "
+                 "the tokenizer pads each batch to its longest row."),
+    ("code", '''from transformers import AutoModelForSequenceClassification, BertConfig
+
+torch.manual_seed(0)
+bert = AutoModelForSequenceClassification.from_config(BertConfig(
+    vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    max_position_embeddings=64, num_labels=2))
+classifier = TorchEstimator(model=bert, label_col="label", lr=3e-3, epochs=4 if SMALL else 6, **common).fit(train)
+scored = classifier.transform(test).collect()  # "prediction": the class
+accuracy = sum(r["prediction"] == r["label"] for r in scored) / len(scored)
+print(f"held-out accuracy {accuracy:.3f}")
+assert accuracy > 0.8'''),
+    ("markdown", "## Pretrained weights on shared storage\n\n"
+                 "A model saved with `save_pretrained` to a directory every executor can read (a Databricks "
+                 "Volume, DBFS, NFS; here a local directory) is named by its path: each worker loads the "
+                 "weights itself, and the task closures carry the path only, however large the model. The "
+                 "tokenizer can be the same directory."),
+    ("code", '''from pyspark import cloudpickle
+
+import sparkdl
+
+path = os.path.abspath("models/gpt2-reviews")  # on a cluster: e.g. /Volumes/main/models/gpt2-reviews
+base.save_pretrained(path)
+tokenizer.save_pretrained(path)
+model = sparkdl.pretrained(path, task="causal_lm")
+weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+print(f"weights and tokenizer on disk {weights / 1e3:.0f} kB; the tasks carry {len(cloudpickle.dumps(model))} bytes")
+more = TorchEstimator(model=model, packing=True, label_col=None, loss="causal_lm", lr=3e-3, epochs=1,
+                      **{**common, "tokenizer": path}).fit(train.select("text"))
+print("loss:", round(more.history[-1]["loss"], 3))
+# A LoRA adapter on top of the weights each worker loads: the driver reads the frozen base once, for the result.
+adapted = sparkdl.pretrained(path, adapter=LoraConfig(r=8, target_modules=["c_attn"], fan_in_fan_out=True))'''),
+]
+
 
 def write(name: str, cells: list[tuple[str, str]]) -> None:
     notebook = nbformat.v4.new_notebook()
@@ -368,6 +502,7 @@ def write(name: str, cells: list[tuple[str, str]]) -> None:
 if __name__ == "__main__":
     for filename, cells in (("quickstart.ipynb", QUICKSTART), ("planner.ipynb", PLANNER), ("hybrid.ipynb", HYBRID),
                             ("ist.ipynb", IST), ("diloco.ipynb", DILOCO), ("cnn_images.ipynb", CNN_IMAGES),
-                            ("language_model.ipynb", LANGUAGE_MODEL), ("recommender.ipynb", RECOMMENDER)):
+                            ("language_model.ipynb", LANGUAGE_MODEL), ("recommender.ipynb", RECOMMENDER),
+                            ("transformers.ipynb", TRANSFORMERS)):
         write(filename, cells)
         print("wrote", NOTEBOOKS / filename)

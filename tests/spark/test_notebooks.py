@@ -15,7 +15,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 
 def test_the_notebooks_exist() -> None:
     assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "planner.ipynb", "hybrid.ipynb", "ist.ipynb",
-                                           "diloco.ipynb", "cnn_images.ipynb", "language_model.ipynb"}
+                                           "diloco.ipynb", "cnn_images.ipynb", "language_model.ipynb",
+                                           "recommender.ipynb", "transformers.ipynb"}
 
 
 @pytest.fixture(scope="module")
