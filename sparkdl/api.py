@@ -17,11 +17,12 @@ from sparkdl.data.parquet_shards import ParquetShards
 from sparkdl.driver.attempts import tracked_submit
 from sparkdl.driver.checks import (before_training, check_backend, check_enough_rows, check_gpus_per_task,
                                    check_inference_batch_size, check_picklable, check_weighted_loss, preflight)
+from sparkdl.driver.model_inputs import bind_model_inputs
 from sparkdl.driver.planning import resolve
 from sparkdl.driver.shipping import ship_by_value
 from sparkdl.errors import ConfigError
 from sparkdl.fit_stages import (FitResult, collect, input_columns, kept_plan, launch, output_kind, plan_fit,
-                                prepare_data, probe, spark_of, validate)
+                                prepare_data, probe, spark_of, the_model, validate)
 from sparkdl.planner.resolved import ResolvedPlan
 from sparkdl.spark.session import facts
 from sparkdl.tracking.phases import Phases
@@ -48,6 +49,8 @@ def plan(model: ModelSpec, df: DataFrame, config: RunConfig | None = None, **opt
 
     config = RunConfig.from_kwargs(base=config, **options).validate()
     check_weighted_loss(config.data, config.train)
+    model = the_model(model, config)
+    config = replace(config, data=bind_model_inputs(config.data, config.train, model))  # as fit binds them
     data = config.data
     check_columns(df, input_columns(config) + ([data.label_col] if data.label_col else []))
     preflight(spark_of(df), config.launch.num_workers, config.launch.gpus_per_worker)

@@ -42,6 +42,10 @@ def check_across_sections(data: DataConfig, train: TrainConfig, launch: LaunchCo
                           hint=f"use stages in {divisors}" if divisors else "use num_workers >= 2")
     check_spool(data.spool, train)
     check_elastic(launch, train)
+    if train.batch_balance == "dynamic" and data.tokenizer is not None:
+        raise ConfigError("train.batch_balance='dynamic' moves rows between ranks as tensors of one shape, but "
+                          "data.tokenizer pads (or packs) each batch to its own shape",
+                          hint="use batch_balance='equal' (or 'speed': shares fixed at the start)")
     if train.batch_balance == "dynamic" and launch.backend == "horovod":
         raise ConfigError("train.batch_balance='dynamic' moves rows between ranks point to point, which "
                           "launch.backend='horovod' cannot", hint="use backend='torch' (gloo/NCCL)")

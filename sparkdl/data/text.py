@@ -83,8 +83,10 @@ class Tokenization:
         tokenizer object (driver/model_inputs.py); a path's tokenizer is first known here, loaded."""
         if name == "attention_mask" or self.tokenizer is None:
             return True
+        # A tokenizer that does not say (a tokenizers.Tokenizer, a tokenizer.json) gives none: models
+        # take absent token type ids as zeros (BERT) or not at all (GPT-2).
         gives = getattr(self.loaded(), "model_input_names", None)
-        return gives is None or name in gives
+        return gives is not None and name in gives
 
     def loaded(self) -> Any:
         if self._loaded is None:

@@ -35,15 +35,26 @@ def settle_without_planner(train: TrainConfig, launch: LaunchConfig) -> TrainCon
     return train if implied == "auto" else merged_section("train", train, {"strategy": implied})
 
 
-def balanced_by_measurement(train: TrainConfig, launch: LaunchConfig) -> TrainConfig:
+def balanced_by_measurement(train: TrainConfig, launch: LaunchConfig, data: DataConfig, layout: Any) -> TrainConfig:
     """Under strategy="auto", exact data parallel and sharded re-split their batch by the speeds they
     measure all run long (batch_balance="dynamic"), not only as calibrated: a calibration is a
     snapshot, and a host that slows down later (a noisy neighbour) would otherwise set every rank's
-    pace. Nothing moves while the ranks stay within executor/rebalance.py's hysteresis."""
+    pace. Nothing moves while the ranks stay within executor/rebalance.py's hysteresis. Rows move
+    as assembled tensors of one shape, so batches whose shape each batch decides (a tokenizer's
+    padding or packing, ragged columns) keep equal shares."""
     if train.strategy not in ("data_parallel", "sharded") or train.sync != "allreduce" \
-            or train.batch_balance != "equal" or launch.backend != "torch" or launch.num_workers < 2:
+            or train.batch_balance != "equal" or launch.backend != "torch" or launch.num_workers < 2 \
+            or not rows_keep_one_shape(data, layout):
         return train
     return merged_section("train", train, {"batch_balance": "dynamic"})
+
+
+def rows_keep_one_shape(data: DataConfig, layout: Any) -> bool:
+    """Whether every batch's rows have the shape the layout says (what moving rows between ranks needs)."""
+    from sparkdl.data.layout import RAGGED
+
+    inputs = getattr(layout, "inputs", ()) or ()
+    return data.tokenizer is None and not any(c.kind == RAGGED for c in inputs)
 
 
 def find_declared_islands(spark: Any, train: TrainConfig, launch: LaunchConfig) -> TrainConfig:
@@ -179,7 +190,7 @@ def resolve(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchCon
         train = merged_section("train", train, auto.options if auto is not None else {"strategy": "data_parallel"})
         if (auto is None or auto.strategy != "islands") and train.islands:
             train = merged_section("train", train, {"islands": 0})  # the planner chose a layout without them
-        train = balanced_by_measurement(train, launch)
+        train = balanced_by_measurement(train, launch, data, layout)
     elif isinstance(train.islands, int) and train.islands and train.sync == "diloco":
         train = find_declared_islands(spark, train, launch)
     check_strategy_inputs(train, layout)

@@ -257,3 +257,20 @@ def test_the_plan_prices_a_transformer_from_what_it_is(tokens) -> None:  # type:
     text = plan.explain()
     assert "transformer GPT2LMHeadModel: 2 blocks x hidden 64, 2 heads, sequence 12" in text, text
     assert "MFLOP forward" in text and "activations" in text
+
+
+def test_auto_plans_and_trains_a_causal_lm_from_text(sentiment) -> None:  # type: ignore[no-untyped-def]
+    """strategy="auto" on a text column: the plan binds the tokenizer as fit does, and ranks keep equal
+    shares (a tokenizer pads and packs each batch to its own shape, which dynamic balancing cannot move)."""
+    import sparkdl
+
+    df, raw, wrapped = sentiment
+    options = dict(input_cols=["text"], tokenizer=wrapped, max_length=16, packing=True, label_col=None,
+                   loss="causal_lm", num_workers=2, batch_size=8, tracking=False, progress=False)
+    plan = sparkdl.plan(gpt2(raw.get_vocab_size()), df.select("text"), **options)
+    assert "transformer GPT2LMHeadModel" in plan.explain()
+    trained = TorchEstimator(model=gpt2(raw.get_vocab_size()), epochs=3, lr=1e-2, optimizer="adamw",
+                             **options).fit(df.select("text"))
+    losses = [h["loss"] for h in trained.history]
+    assert losses[-1] < losses[0], losses
+    assert dict(trained.plan.settings)["batch_balance"] == "equal" == trained.options["train.batch_balance"]

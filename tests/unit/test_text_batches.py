@@ -112,3 +112,13 @@ def test_a_model_without_generate_continues_greedily_and_pools() -> None:
         torch.testing.assert_close(pooled_embeddings(model, batch), model(batch["input_ids"])["last_hidden_state"][:, :2].mean(1))
     with pytest.raises(Exception, match="max_new_tokens"):
         Generation(max_new_tokens=0).validate()
+
+
+def test_a_tokenizer_that_does_not_say_gives_no_token_type_ids(tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A tokenizers.Tokenizer (object or tokenizer.json) has no model_input_names: no token type ids
+    (BERT-style models take absent ones as zeros; GPT-2 would add wte(0) for zeros)."""
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    for given in (tokenizer, str(tmp_path / "tokenizer.json")):
+        out = Tokenization(given, ("text",), ("input_ids",), extra_outputs=("attention_mask", "token_type_ids"))(
+            {"text": TEXTS})
+        assert "token_type_ids" not in out and "attention_mask" in out
