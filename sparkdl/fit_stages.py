@@ -18,9 +18,9 @@ from sparkdl.data.feed import PreparedData
 from sparkdl.data.layout import FeedLayout
 from sparkdl.driver.attempts import tracked_submit
 from sparkdl.driver.callbacks import resolve_callbacks
-from sparkdl.driver.checks import (before_training, check_activation_checkpointing, check_enough_rows,
-                                   check_output_width, check_picklable, check_training_options, check_weighted_loss,
-                                   drop_labels_beyond_the_model, probe_model, probe_tensor_model)
+from sparkdl.driver.checks import (before_training, check_enough_rows, check_output_width, check_picklable,
+                                   check_training_options, check_weighted_loss, drop_labels_beyond_the_model)
+from sparkdl.driver.model_probe import check_activation_checkpointing, probe_model, probe_tensor_model
 from sparkdl.driver.planning import check_kept_world, resolve
 from sparkdl.driver.model_inputs import bind_model_inputs
 from sparkdl.driver.shipping import ship_by_value

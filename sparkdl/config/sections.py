@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config.values import (check_feature_spec, check_text_options, check_input_spec, check_types, choice, parse_bytes,
+from sparkdl.config.values import (boolean, check_feature_spec, check_text_options, check_input_spec, check_types, choice, parse_bytes,
                                    parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config.training import (DELIVERY_MODES, check_emulation, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
                                      check_training_essentials)
@@ -67,9 +67,7 @@ class DataConfig:
     delivery: str = "auto"
     # categorical inputs looked up in embedding tables: [SparseInput, ...] or {column: {table, num_rows, ...}}
     sparse_cols: tuple[Any, ...] | dict[str, Any] | None = None
-    # text: a transformers tokenizer, a tokenizers.Tokenizer or a path (tokenizer.json / a directory) loaded on the
-    # executors; string input columns (and ragged token arrays) become input_ids + attention_mask per batch
-    tokenizer: Any = None
+    tokenizer: Any = None  # text columns -> input_ids + attention_mask per batch on the executors (data/text.py)
     max_length: int = 512  # tokens per row (truncated), or per block with packing
     packing: bool = False  # causal LMs: a batch's texts joined (end-of-text between) and cut into max_length blocks
 
@@ -144,9 +142,7 @@ class TrainConfig:
     # data_parallel (backend="torch"): gradient buckets allreduced while backward runs, as DDP does
     # (False: all of them after backward; the same averages)
     overlap_grads: bool = True
-    # recompute activations in backward instead of keeping them (Hugging Face models' gradient checkpointing):
-    # less memory per rank for about one more forward per step
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # Hugging Face models recompute activations in backward (less memory)
     metrics: tuple[Any, ...] = ()  # validation metrics by name or callable (output, label) -> (sum, count)
     early_stopping: dict | None = None  # {"metric", "mode", "patience", "min_delta", "restore_best"}
     callbacks: tuple[Any, ...] = ()  # driver: fn(epoch record) -> None | "stop" (or "pkg.mod:fn" paths)
@@ -205,8 +201,7 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
         choice("train.nonfinite_loss", self.nonfinite_loss, NONFINITE_LOSS_MODES)
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ConfigError(f"train.activation_checkpointing must be True or False, got {self.activation_checkpointing!r}")
+        boolean("train.activation_checkpointing", self.activation_checkpointing)
         if not isinstance(self.overlap_grads, bool):
             raise ConfigError(f"train.overlap_grads must be true or false, got {self.overlap_grads!r}")
         if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) \

@@ -75,6 +75,11 @@ def check_batch_size(batch_size: Any, key: str = "data.batch_size") -> None:
                           hint="set a positive per-worker batch_size in the training config")
 
 
+def boolean(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be True or False, got {value!r}")
+
+
 def choice(key: str, value: Any, allowed: Sequence[str], callable_ok: bool = False) -> None:
     if callable_ok and callable(value):
         return
@@ -311,8 +316,7 @@ def check_text_options(data: Any) -> None:
     if not isinstance(data.max_length, int) or isinstance(data.max_length, bool) or data.max_length < 1:
         raise ConfigError(f"data.max_length must be a positive integer (tokens per row), got {data.max_length!r}",
                           hint="for example max_length=128")
-    if not isinstance(data.packing, bool):
-        raise ConfigError(f"data.packing must be True or False, got {data.packing!r}")
+    boolean("data.packing", data.packing)
     if tokenizer is None:
         if data.packing:
             raise ConfigError("data.packing=True needs data.tokenizer (it joins and cuts tokenized texts)",

@@ -153,6 +153,14 @@ class Tokenization:
                 "token_type_ids": np.zeros(shape, dtype=np.int64)}
 
 
+def rows_keep_one_shape(tokenizer: Any, layout: Any) -> bool:
+    """Whether every batch's rows have the shape the layout says (what moving rows between ranks
+    needs): not with a tokenizer (each batch padded or packed to its own) or ragged columns."""
+    from sparkdl.data.layout import RAGGED
+
+    return tokenizer is None and not any(c.kind == RAGGED for c in (getattr(layout, "inputs", ()) or ()))
+
+
 def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object as it is; a path loaded (tokenizer.json with `tokenizers`, a directory with
     transformers' AutoTokenizer)."""

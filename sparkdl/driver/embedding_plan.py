@@ -21,7 +21,7 @@ def probe_embedding_model(model: Any, data: "DataConfig", train: "TrainConfig", 
     import torch
 
     from sparkdl.data.assemble import sample_batch
-    from sparkdl.driver.checks import check_loss_on_sample, driver_copy
+    from sparkdl.driver.model_probe import check_loss_on_sample, driver_copy
     from sparkdl.embeddings.collection import deferred_tables, find_collection, probing_tables
 
     with deferred_tables():

@@ -42,19 +42,13 @@ def balanced_by_measurement(train: TrainConfig, launch: LaunchConfig, data: Data
     pace. Nothing moves while the ranks stay within executor/rebalance.py's hysteresis. Rows move
     as assembled tensors of one shape, so batches whose shape each batch decides (a tokenizer's
     padding or packing, ragged columns) keep equal shares."""
+    from sparkdl.data.text import rows_keep_one_shape
+
     if train.strategy not in ("data_parallel", "sharded") or train.sync != "allreduce" \
             or train.batch_balance != "equal" or launch.backend != "torch" or launch.num_workers < 2 \
-            or not rows_keep_one_shape(data, layout):
+            or not rows_keep_one_shape(data.tokenizer, layout):
         return train
     return merged_section("train", train, {"batch_balance": "dynamic"})
-
-
-def rows_keep_one_shape(data: DataConfig, layout: Any) -> bool:
-    """Whether every batch's rows have the shape the layout says (what moving rows between ranks needs)."""
-    from sparkdl.data.layout import RAGGED
-
-    inputs = getattr(layout, "inputs", ()) or ()
-    return data.tokenizer is None and not any(c.kind == RAGGED for c in inputs)
 
 
 def find_declared_islands(spark: Any, train: TrainConfig, launch: LaunchConfig) -> TrainConfig:

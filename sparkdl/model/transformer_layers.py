@@ -368,3 +368,12 @@ def check_cut(model: nn.Module, cut: TransformerCut, inputs: Any, atol: float = 
                          f"output (largest difference {difference:.3g})",
                          hint="this variant of the family is not supported by the cut: train it with "
                               "strategy='data_parallel' or 'sharded'")
+
+
+def cut_if_known(model: nn.Module) -> TransformerCut | None:
+    """transformer_layers, with a model the cut refuses taken as no transformer: for callers that
+    then treat the model by its structure (the planner's layers, DiLoCo's fragments), not train it cut."""
+    try:
+        return transformer_layers(model)
+    except Exception:  # noqa: BLE001 - any refusal (ModelError, or an odd module's own error) means "not one"
+        return None

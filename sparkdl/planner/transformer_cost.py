@@ -57,23 +57,17 @@ def planned_layers(model: nn.Module, loss: Any) -> nn.Sequential | None:
         return model
     if loss == "model":
         return None
-    from sparkdl.model.transformer_layers import transformer_layers
+    from sparkdl.model.transformer_layers import cut_if_known
 
-    try:
-        cut = transformer_layers(model)
-    except Exception:  # noqa: BLE001 - a model the cut refuses is one layer here; hybrid says why when named
-        return None
+    cut = cut_if_known(model)  # a model the cut refuses is one layer here; hybrid says why when named
     return cut.sequential() if cut is not None else None
 
 
 def transformer_facts(model: nn.Module, sample_inputs: Any) -> TransformerFacts | None:
     """The facts of a transformer of a known family, None for any other model (or no token input)."""
-    from sparkdl.model.transformer_layers import transformer_layers
+    from sparkdl.model.transformer_layers import cut_if_known
 
-    try:
-        cut = transformer_layers(model)
-    except Exception:  # noqa: BLE001 - a model the cut refuses is priced as measured
-        return None
+    cut = cut_if_known(model)  # a model the cut refuses is priced as measured
     if cut is None:
         return None
     hf_config = getattr(model, "config", None) or getattr(getattr(model, "base_model", None), "config", None)

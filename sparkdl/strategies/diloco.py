@@ -77,12 +77,9 @@ def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
 
 
 def _transformer_cut(model: nn.Module) -> list[list[nn.Parameter]] | None:
-    from sparkdl.model.transformer_layers import transformer_layers
+    from sparkdl.model.transformer_layers import cut_if_known
 
-    try:
-        cut = transformer_layers(model)
-    except Exception:  # noqa: BLE001 - a model the cut refuses keeps the structural rule
-        return None
+    cut = cut_if_known(model)  # a model the cut refuses keeps the structural rule
     if cut is None:
         return None
     seen: set[int] = set()
