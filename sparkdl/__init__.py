@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from sparkdl.config import RunConfig
-from sparkdl.errors import SparkdlError
+from sparkdl.errors import SparkdlError, mask_credentials_with
 from sparkdl.old_paths import install as _install_old_paths
+from sparkdl.tracking.redaction import redact_text
 
 _install_old_paths()  # the flat layout's module paths (sparkdl 0.1) still import: saved models name them
+mask_credentials_with(redact_text)  # errors' texts masked as MLflow's copies are (errors imports nothing of sparkdl)
 
 __version__ = "0.1.0"
 

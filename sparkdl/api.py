@@ -150,10 +150,8 @@ def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any
         raise ConfigError("data.spool='none' applies to fit: sparkdl.run spools each partition, since a custom "
                           "loop may read its epochs in any order", hint="use spool='disk' or 'auto' with sparkdl.run")
     if df is None:
-        # No DataFrame: the data section (feature columns) does not apply.
-        config.train.validate()
-        config.launch.validate()
-        return config
+        # No DataFrame: the column options do not apply; every other option meets fit's checks.
+        return config.validate(columns=False)
     label = config.data.label_col if config.data.label_col in df.columns else None
     if config.data.input_cols is not None:
         return config.merged({"data": {"label_col": label}}).validate()

@@ -5,14 +5,39 @@ user reading a notebook cell's output can fix the problem without reading sparkd
 """
 from __future__ import annotations
 
+from typing import Callable
+
+
+def _shown_as_is(text: str) -> str:
+    return text
+
+
+# How an error's text is shown: sparkdl/__init__.py installs tracking/redaction.py's rule (the one
+# home of it; this module imports nothing of sparkdl), so a URL's password, a token or a key in a
+# user's error text reaches neither a notebook nor a log, as MLflow's copies of it do not.
+_mask: Callable[[str], str] = _shown_as_is
+
+
+def mask_credentials_with(rule: Callable[[str], str]) -> None:
+    """Every SparkdlError made from now on carries its texts through `rule` (message, hint and the
+    texts a subclass keeps, e.g. RankFunctionError's traceback)."""
+    global _mask
+    _mask = rule
+
+
+def masked(text: str) -> str:
+    """`text` as errors show it: credentials masked."""
+    return _mask(text) if isinstance(text, str) and text else text
+
 
 class SparkdlError(Exception):
-    """Base class of every error sparkdl raises on purpose."""
+    """Base class of every error sparkdl raises on purpose. Its message and hint are masked: they
+    often carry a user's own error text or option values (a URI with user:password@, a token)."""
 
     def __init__(self, message: str, hint: str | None = None) -> None:
-        self.message = message
-        self.hint = hint
-        super().__init__(message if hint is None else f"{message}\nHINT: {hint}")
+        self.message = masked(message)
+        self.hint = masked(hint) if hint is not None else None
+        super().__init__(self.message if self.hint is None else f"{self.message}\nHINT: {self.hint}")
 
 
 class ConfigError(SparkdlError):
@@ -76,8 +101,8 @@ class RankFunctionError(TrainingError, RuntimeError):
     def __init__(self, message: str, hint: str | None = None, *, rank: int = -1, exception_type: str = "",
                  exception_message: str = "", rank_traceback: str = "") -> None:
         super().__init__(message, hint)
-        self.rank, self.exception_type, self.exception_message = rank, exception_type, exception_message
-        self.rank_traceback = rank_traceback
+        self.rank, self.exception_type, self.exception_message = rank, exception_type, masked(exception_message)
+        self.rank_traceback = masked(rank_traceback)
 
 
 class CompatValueError(ConfigError, ValueError):

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdl.config.values import choice, positive_int_or_zero
+from sparkdl.config.values import check_types, choice, positive_int_or_zero
 from sparkdl.errors import ConfigError
 
 EMBEDDING_OPTIMIZERS = ("rowwise_adagrad", "adam")
@@ -34,6 +34,7 @@ class EmbeddingConfig:
     embedding_placement: str = "auto"
 
     def validate(self) -> None:
+        check_types("embeddings", self)
         choice("embeddings.embedding_optimizer", self.embedding_optimizer, EMBEDDING_OPTIMIZERS)
         choice("embeddings.embedding_placement", self.embedding_placement, EMBEDDING_PLACEMENTS)
         for key in ("embedding_lr", "embedding_eps"):

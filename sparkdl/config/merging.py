@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping, TypeVar
 
 from sparkdl.config.elastic import check_elastic
 from sparkdl.config.training import check_spool
-from sparkdl.config.values import check_types, coerce, suggest
+from sparkdl.config.values import coerce, suggest
 from sparkdl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -57,7 +57,6 @@ def check_across_sections(data: DataConfig, train: TrainConfig, launch: LaunchCo
 def train_with(data: DataConfig, train: TrainConfig, launch: LaunchConfig, values: Mapping[str, Any]) -> TrainConfig:
     """The train section with `values` merged in and checked, on its own and against data and launch."""
     merged = merged_section("train", train, values)
-    check_types("train", merged)
-    merged.validate()
+    merged.validate()  # types and finiteness included
     check_across_sections(data, merged, launch)
     return merged

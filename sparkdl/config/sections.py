@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from sparkdl.config.values import (boolean, check_feature_spec, check_text_options, check_input_spec, check_types, choice, parse_bytes,
+from sparkdl.config.values import (boolean, check_feature_spec, check_text_options, check_input_spec, check_rows_options,
+                                   check_types, choice, parse_bytes,
                                    parse_literal, plain, positive_int, positive_int_or_zero, suggest)
 from sparkdl.config.training import (DELIVERY_MODES, check_emulation, check_outer_sync, SPOOL_MODES, check_channel, check_horovod_env,
                                      check_training_essentials)
@@ -71,17 +72,23 @@ class DataConfig:
     max_length: int = 512  # tokens per row (truncated), or per block with packing
     packing: bool = False  # causal LMs: a batch's texts joined (end-of-text between) and cut into max_length blocks
 
-    def validate(self) -> None:
-        if self.input_cols is not None:
+    def validate(self, columns: bool = True) -> None:
+        """`columns=False`: a run without a DataFrame (sparkdl.run's own loop), whose column options
+        do not apply; every other data option is still checked."""
+        check_types("data", self)
+        if not columns:
+            check_rows_options(self)
+        elif self.input_cols is not None:
             check_input_spec(self)
         else:
             check_feature_spec(self)
-        check_sparse_cols(self)
+        if columns:
+            check_sparse_cols(self)
+            check_text_options(self)
         positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
         choice("data.spool", self.spool, SPOOL_MODES)
         positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)
         choice("data.delivery", self.delivery, DELIVERY_MODES)
-        check_text_options(self)
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,7 @@ class TrainConfig:
         return self.loss in ("cross_entropy", "causal_lm")
 
     def validate(self) -> None:
+        check_types("train", self)  # types and finiteness first: the rules below compare numbers
         positive_int("train.epochs", self.epochs)
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
             raise ConfigError(f"train.lr must be a positive number, got {self.lr!r}", hint="for example lr=1e-3")
@@ -256,7 +264,8 @@ class LaunchConfig:
     num_workers: int = 2
     backend: str = "torch"
     timeout_s: float = 600.0
-    slot_wait_s: float = 15.0
+    # None: as long as Spark's own barrier-scheduling check would wait (its interval x maxFailures)
+    slot_wait_s: float | None = None
     peer_failure_delay_s: float = 5.0  # a rank whose collective broke waits this long, so the first failure is heard
     threads_per_worker: int | None = None
     run_dir: str | None = None
@@ -280,6 +289,7 @@ class LaunchConfig:
     replacement_wait_s: float = 30.0
 
     def validate(self) -> None:
+        check_types("launch", self)  # a NaN or infinite timeout is refused here, not on rank 0
         positive_int("launch.num_workers", self.num_workers)
         check_worker_range(self.num_workers, self.min_workers, self.max_workers, self.grow_workers,
                            self.replacement_wait_s)
@@ -301,6 +311,8 @@ class LaunchConfig:
                               hint='use model_transfer="storage" (with checkpoint_dir or run_dir) or "auto"')
         for key in ("timeout_s", "slot_wait_s"):
             value = getattr(self, key)
+            if key == "slot_wait_s" and value is None:
+                continue
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"launch.{key} must be a positive number of seconds, got {value!r}")
         delay = self.peer_failure_delay_s
@@ -322,11 +334,17 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
-    def validate(self) -> "RunConfig":
+    def validate(self, columns: bool = True) -> "RunConfig":
+        """Every option of every section, and the rules across sections: the one validation of fit,
+        run (with a DataFrame, and without one: `columns=False`), plan, the CLI and the estimator.
+        Each section's own `validate` checks types and finiteness too, so a section checked alone
+        (sparkdl.compat's launch options) meets the same rules."""
         for section in _sections(self):
             part = getattr(self, section)
-            check_types(section, part)
-            part.validate()
+            if section == "data":
+                part.validate(columns)
+            else:
+                part.validate()
         check_across_sections(self.data, self.train, self.launch)
         check_embedding_run(self.data, self.train, self.launch)
         return self
@@ -349,7 +367,7 @@ class RunConfig:
         for item in overrides:
             key, sep, raw = item.partition("=")
             if not sep or "." not in key:
-                raise ConfigError(f"override {item!r} is not of the form section.key=value",
+                raise ConfigError(f"override {item!r} is not of the form section.option=value",
                                   hint="for example --set train.epochs=3")
             section, _, name = key.strip().partition(".")
             updates.setdefault(section, {})[name] = parse_literal(raw.strip())

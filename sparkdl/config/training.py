@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sparkdl.config.values import check_islands, choice, positive_int, positive_int_or_zero, suggest
+from sparkdl.config.values import check_islands, check_types, choice, positive_int, positive_int_or_zero, suggest
 from sparkdl.errors import ConfigError
 
 LR_SCHEDULES = ("constant", "linear", "cosine", "step")
@@ -196,7 +196,7 @@ def check_spool(spool: str, train: Any) -> None:
                           hint="use spool='disk' (or 'auto') with batch_balance='speed'")
 
 
-WILDCARD_ADDRESSES = ("*", "0")  # besides the unspecified IP addresses (0.0.0.0, ::, 0:0::0)
+WILDCARD_ADDRESSES = ("*",)  # besides every spelling of the unspecified address (unspecified_address)
 
 
 def check_channel(channel: Any) -> None:
@@ -207,19 +207,46 @@ def check_channel(channel: Any) -> None:
         raise ConfigError(f"launch.channel must be \"auto\", \"off\" or a host name or IP address, got {channel!r}",
                           hint='"auto" (the default) finds the address itself; "off" when executors cannot reach '
                                "this client (metrics then reach MLflow from the job's result, after training)")
-    if text in WILDCARD_ADDRESSES or _unspecified(text):  # listening everywhere, executors would dial themselves
-        raise ConfigError(f"launch.channel={channel!r} is a wildcard address, which executors cannot dial",
-                          hint='leave launch.channel="auto" (the session\'s own address), or give the address or host '
-                               "name of this client that the executors reach")
+    if text in WILDCARD_ADDRESSES or unspecified_address(text):
+        raise wildcard_channel(channel, unspecified_address(text))
+    if text.startswith("[") or text.endswith("]"):  # a socket cannot bind "[fe80::1]": it would listen everywhere
+        raise ConfigError(f"launch.channel={channel!r} is an IPv6 address in brackets",
+                          hint=f"write it without them: launch.channel={text.strip('[]')!r}")
 
 
-def _unspecified(text: str) -> bool:
+def wildcard_channel(channel: str, resolved: str = "") -> ConfigError:
+    """The error for a launch.channel that means "every interface": the channel would listen on all of
+    them, and executors told to dial it would dial themselves."""
+    means = f" (it resolves to {resolved}, every interface)" if resolved and resolved != channel else ""
+    return ConfigError(f"launch.channel={channel!r} is a wildcard address{means}, which executors cannot dial",
+                       hint='leave launch.channel="auto" (the session\'s own address), or give the address or host '
+                            "name of this client that the executors reach")
+
+
+def unspecified_address(text: str) -> str:
+    """The unspecified address (0.0.0.0 or ::) that `text` spells numerically, else "": decided by what
+    the resolver makes of it, without a name lookup. "0", "0.0", "0x0", "0.0.0.0", "::", "[::]",
+    "0:0:0:0:0:0:0:0" and "::ffff:0.0.0.0" all are (inet_aton reads "0.0" as 0.0.0.0, which
+    ipaddress refuses to parse). Host names are resolved before the job (driver/channel_checks.py)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(text.strip("[]"), None, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError, ValueError):  # a host name, or no address at all
+        return ""
+    return next((str(info[4][0]) for info in infos if unspecified_ip(str(info[4][0]))), "")
+
+
+def unspecified_ip(address: str) -> bool:
+    """An IP address (as the resolver returns it) that means "every interface"."""
     import ipaddress
 
     try:
-        return ipaddress.ip_address(text.strip("[]")).is_unspecified
+        ip = ipaddress.ip_address(address.partition("%")[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:0.0.0.0
+    return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
 
 
 def check_emulation(network: Any, speeds: Any, num_workers: int) -> None:
@@ -269,6 +296,7 @@ class TrackingConfig:
     progress: bool = True
 
     def validate(self) -> None:
+        check_types("tracking", self)
         positive_int("tracking.log_every", self.log_every)
 
 
@@ -281,6 +309,7 @@ class InputConfig:
     format: str = "auto"
 
     def validate(self) -> None:
+        check_types("input", self)
         choice("input.format", self.format, ("auto", "parquet", "csv", "json", "orc"))
         if self.table and self.path:
             raise ConfigError(f"input.table ({self.table!r}) and input.path ({self.path!r}) are both set",
@@ -297,6 +326,7 @@ class OutputConfig:
     load_model: bool = True
 
     def validate(self) -> None:
+        check_types("output", self)
         if not isinstance(self.load_model, bool):
             raise ConfigError(f"output.load_model must be true or false, got {self.load_model!r}")
         if self.model_path is not None and not isinstance(self.model_path, str):
@@ -313,6 +343,7 @@ class ModelConfig:
     outputs: int = 0  # 0: the number of classes for a classification loss, else 1
 
     def validate(self) -> None:
+        check_types("model", self)
         if self.factory is not None and (":" not in self.factory or not all(self.factory.partition(":")[::2])):
             raise ConfigError(f"model.factory must look like 'package.module:function', got {self.factory!r}")
         if not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in self.hidden):

@@ -243,7 +243,7 @@ def check_input_spec(data: Any) -> None:
     if data.transform_fn is not None and not callable(data.transform_fn):
         raise ConfigError(f"data.transform_fn must be a callable batch -> dict, got {data.transform_fn!r}",
                           hint="def decode(batch): return {'png': images}")
-    _check_rows_options(data)
+    check_rows_options(data)
 
 
 def positive_int_or_zero(key: str, value: Any) -> None:
@@ -251,7 +251,7 @@ def positive_int_or_zero(key: str, value: Any) -> None:
         raise ConfigError(f"{key} must be an integer >= 0, got {value!r}")
 
 
-def _check_rows_options(data: Any) -> None:
+def check_rows_options(data: Any) -> None:
     check_batch_size(data.batch_size)
     choice("data.on_invalid", data.on_invalid, ("error", "skip"))
     if not 0.0 <= data.validation_fraction < 1.0:
@@ -286,7 +286,7 @@ def check_feature_spec(data: Any) -> None:
                           hint="remove it from feature_cols")
     if data.weight_col is not None and data.weight_col == data.label_col:
         raise ConfigError(f"data.weight_col {data.weight_col!r} is the label column", hint="weight by another column")
-    _check_rows_options(data)
+    check_rows_options(data)
 
 
 def check_islands(value: Any) -> None:

@@ -3,7 +3,9 @@ one the executors can dial (the option's own form is checked in config/training.
 from __future__ import annotations
 
 import re
+import socket
 
+from sparkdl.config.training import unspecified_ip, wildcard_channel
 from sparkdl.errors import ConfigError
 
 _MASTER_HOST = re.compile(r"^spark://(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:/,]+))")
@@ -21,7 +23,10 @@ def check_channel_reachable(master: str, channel: str) -> None:
     from sparkdl.comm.interfaces import is_loopback
     from sparkdl.spark.session import local_master_slots
 
-    if channel in ("auto", "off") or not is_loopback(channel):
+    if channel in ("auto", "off"):
+        return
+    check_channel_not_wildcard(channel)
+    if not is_loopback(channel):
         return
     if local_master_slots(master, 1) is not None:  # local[N] and local-cluster: executors share this host
         return
@@ -31,3 +36,17 @@ def check_channel_reachable(master: str, channel: str) -> None:
                       "on other hosts, which cannot reach it",
                       hint='leave launch.channel="auto" (the session\'s own address), give this client\'s address '
                            'on the executors\' network, or "off" when they cannot reach it at all')
+
+
+def check_channel_not_wildcard(channel: str) -> None:
+    """A host name for launch.channel that resolves to the unspecified address (an /etc/hosts entry
+    "0.0.0.0 name", as ad blockers write): the channel would listen on every interface. Numeric
+    spellings were refused with the options (config/training.check_channel); names are looked up here,
+    on the driver, before any job."""
+    try:
+        infos = socket.getaddrinfo(channel.strip("[]"), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):  # unresolvable here: the channel says so when it binds
+        return
+    wildcard = next((str(info[4][0]) for info in infos if unspecified_ip(str(info[4][0]))), "")
+    if wildcard:
+        raise wildcard_channel(channel, wildcard)

@@ -18,13 +18,20 @@ SECRET_WORDS = frozenset({"password", "passwd", "pwd", "secret", "secrets", "tok
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
 # scheme://user:password@host: the password runs to the authority's last '@' (so a password holding
-# '@' is masked whole: Arrow and Hadoop accept s3://key:p@ss@bucket with the '@' unescaped).
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s?#]*):(?P<password>[^/\s?#]*)@(?=[^@/\s?#]*(?:[/\s?#'\"]|$))")
+# '@' is masked whole: Arrow and Hadoop accept s3://key:p@ss@bucket with the '@' unescaped), '/'
+# included (an AWS secret key often holds one); a port (host:8080/a@b) is no password.
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][\w+.-]*://[^:/@\s?#]*):(?!\d*(?:[/?#\s]|$))(?P<password>[^\s?#]*)@"
+                           r"(?=[^@/\s?#]*(?:[/\s?#'\"]|$))")
 # ?account_key=...&sig=... and the like in URIs, and key=value / key: value pairs in free text.
 _QUERY_SECRET = re.compile(r"(?P<head>[?&;](?P<name>[\w.%-]+)=)(?P<value>[^&;\s#'\"]*)")
 # name=value, name: value, and quoted names as in a dict's repr or JSON ({'password': 'x'}).
 _TEXT_SECRET = re.compile(r"(?i)(?P<head>(?P<quote>['\"]?)\b(?P<name>[\w.-]*(?:" + "|".join(sorted(SECRET_WORDS)) +
                           r")[\w.-]*)(?P=quote)\s*[=:]\s*)(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;&'\"}]+)")
+# Credentials that say what they are without a name before them: AWS access key ids, Databricks,
+# GitHub and Hugging Face tokens, and a bearer token anywhere in a line.
+_BARE_CREDENTIAL = re.compile(r"\b(?:(?:AKIA|ASIA)[A-Z0-9]{16}|dapi[0-9a-f]{32}(?:-\d+)?|gh[pousr]_[A-Za-z0-9]{36,}"
+                              r"|github_pat_\w{22,}|hf_[A-Za-z0-9]{30,})\b")
+_BEARER = re.compile(r"(?P<head>\bBearer\s+)(?P<value>[\w.~+/-]+=*)")
 # An Authorization header's value is a scheme and its credentials ("Bearer abc"): masked to the line's end.
 _AUTHORIZATION = re.compile(r"(?i)(?P<head>\b(?:proxy-)?authorization['\"]?\s*[=:]\s*['\"]?)(?P<value>[^\r\n'\"]+)")
 
@@ -36,10 +43,14 @@ def is_secret_name(name: str) -> bool:
 
 
 def redact_text(text: str) -> str:
-    """`text` with URL passwords, credential query parameters and secret-named key=value pairs masked."""
+    """`text` with URL passwords, credential query parameters, secret-named key=value pairs, bearer
+    tokens and self-describing credentials (AKIA..., dapi..., ghp_..., hf_...) masked. The one rule
+    for MLflow's copies and for every SparkdlError's own text (sparkdl/errors.py)."""
     text = _URL_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
     text = _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}" if is_secret_name(m["name"]) else m[0], text)
     text = _AUTHORIZATION.sub(lambda m: f"{m['head']}{MASK}", text)
+    text = _BEARER.sub(lambda m: m[0] if m["value"] == MASK else f"{m['head']}{MASK}", text)
+    text = _BARE_CREDENTIAL.sub(MASK, text)
     return _TEXT_SECRET.sub(_masked_pair, text)
 
 

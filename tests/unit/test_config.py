@@ -156,7 +156,7 @@ def test_overrides_leave_the_original_unchanged(cfg: RunConfig) -> None:
 
 @pytest.mark.parametrize("item", ["epochs=3", "train.epochs", "train_epochs=3", ""])
 def test_malformed_override_is_rejected(cfg: RunConfig, item: str) -> None:
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match="section.option=value"):
         cfg.with_overrides([item])
 
 
