@@ -5,11 +5,12 @@ host and the exception line.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Iterator
 
-from sparkdl.driver.elastic import REGROUP_KEY, Resizing, say as _say
+from sparkdl.driver.elastic import REGROUP_KEY, Resizing, lost_below_minimum, say as _say
 
 
 _log = logging.getLogger("sparkdl")
@@ -33,8 +34,16 @@ class Untracked:
     def log_text(self, text: str, artifact_file: str) -> None:
         """Nothing to log."""
 
+    def set_tags(self, tags: Any) -> None:
+        """Nothing to tag."""
+
     def finish(self, status: str = "FINISHED") -> None:
         """No run to end."""
+
+    @contextlib.contextmanager
+    def ends_failed(self) -> Iterator[Untracked]:
+        """No run to mark failed."""
+        yield self
 
 
 def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, callbacks: tuple[Any, ...] = (),
@@ -59,7 +68,9 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
     jvm.drain_events(spark)  # only this job's events explain its failure
     cut_off: dict[int, str] = {}  # of the last failed attempt
     try:
-        with open_channel(spark, spec.launch.channel, monitor.on_message, spec.world_size) as channel:
+        # Any exception ends the MLflow run FAILED (Ctrl-C and a notebook's stop too): never left RUNNING.
+        with open_channel(spark, spec.launch.channel, monitor.on_message, spec.world_size) as channel, \
+                tracker.ends_failed():
             try:
                 attempt = 0
                 while True:
@@ -71,7 +82,7 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                     except (TrainingError, ResourceError) as failure:
                         channel.drain()
                         monitor.flush()
-                        cut_off = failed_attempt_cut_off(spark, failure, monitor, spec, resizing)
+                        cut_off = failed_attempt_cut_off(spark, failure, monitor, spec, resizing, attempt)
                         if attempt >= attempts or not (isinstance(failure, ResourceError)
                                                        or retryable(monitor.errors) or cut_off):
                             raise TrainingError(failure.message, hint=failure.hint) \
@@ -85,9 +96,6 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                     break
             except TrainingError as exc:
                 raise failed_run(spark, exc, tracker, monitor, spec, cut_off) from None
-            except BaseException:
-                tracker.finish("KILLED")  # interrupted (Ctrl-C, notebook stop): not left RUNNING
-                raise
             channel.drain()
             address = channel.address
             monitor.replay(history, output, f"channel {address.host}:{address.port}" if address else
@@ -112,15 +120,17 @@ def failed_run(spark: Any, exc: Any, tracker: Any, monitor: Any, spec: Any, cut_
     return named
 
 
-def failed_attempt_cut_off(spark: Any, failure: Exception, monitor: Any, spec: Any, resizing: Any
-                           ) -> dict[int, str]:
-    """The ranks the network cut off in a failed attempt ({} for lost slots); lost slots of a run of
-    fixed size are its error (re-raised)."""
+def failed_attempt_cut_off(spark: Any, failure: Exception, monitor: Any, spec: Any, resizing: Any,
+                           attempt: int = 1) -> dict[int, str]:
+    """The ranks the network cut off in a failed attempt ({} for lost slots). Lost slots of a run of
+    fixed size are its error: on a retry (executors were lost since the run started) a TrainingError
+    naming the hosts lost and min_workers, on the first attempt the slot check's own error."""
     from sparkdl.errors import ResourceError
 
     if isinstance(failure, ResourceError):
         if resizing is None:
-            raise failure
+            raise lost_below_minimum(spark, spec.launch, spec.world_size, monitor.rank_hosts) \
+                if attempt > 1 else failure
         return {}
     return cut_off_ranks(spark, monitor.errors, spec.world_size, monitor.rank_hosts)
 

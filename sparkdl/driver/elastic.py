@@ -81,12 +81,52 @@ def shrunk_world(launch: Any, slots: int, workers: int, hosts_left: list[str], w
     low, _ = worker_range(launch)
     if slots >= low:
         return min(slots, workers)
+    raise below_min_workers(launch, slots, workers, hosts_left,
+                            f"waiting launch.replacement_wait_s={waited_s:g} s for replacements")
+
+
+def below_min_workers(launch: Any, slots: int, workers: int, hosts_left: list[str], waited: str) -> TrainingError:
+    """The error of a run that lost hosts and cannot go on: fewer slots than launch.min_workers
+    (num_workers when unset: a run of fixed size goes on only with all of them)."""
+    low, _ = worker_range(launch)
     lost = f"lost host(s) {', '.join(hosts_left)}" if hosts_left else "lost executors"
-    raise TrainingError(
-        f"the run {lost}: {slots} slot(s) found after waiting launch.replacement_wait_s={waited_s:g} s for "
-        f"replacements, fewer than launch.min_workers={low} (it had {workers})",
-        hint="bring the hosts back (or add executors) and fit again: with the same checkpoint_dir and "
-             "train.resume_run the run continues from its latest checkpoint; or lower min_workers")
+    fixed = low >= launch.num_workers
+    unset = " (unset: num_workers)" if not launch.min_workers else ""
+    hint = ("bring the hosts back (or add executors) and fit again: with the same checkpoint_dir and "
+            "train.resume_run the run continues from its latest checkpoint; ")
+    hint += ("or set min_workers below num_workers so the run goes on with the slots there are" if fixed
+             else "or lower min_workers")
+    return TrainingError(f"the run {lost}: {slots} slot(s) found after {waited}, fewer than "
+                         f"launch.min_workers={low}{unset} (it had {workers})",
+                         hint=hint)
+
+
+def hosts_lost(rank_hosts: list[str], executor_hosts: list[str]) -> list[str]:
+    """The hosts the ranks ran on that no executor is on now; [] when the executors are unknown
+    (Spark Connect) or every host still has one (on one machine, executors lost leave its host)."""
+    return [h for h in hosts_of(rank_hosts) if executor_hosts and h not in executor_hosts]
+
+
+def executor_hosts(spark: Any) -> list[str]:
+    """The hosts of the application's executors now; [] when Spark does not say (Spark Connect)."""
+    from sparkdl.spark.session import facts
+
+    try:
+        return hosts_of(list(facts(spark).executors()))
+    except Exception:  # noqa: BLE001 - no executor list (Spark Connect): hosts unknown
+        return []
+
+
+def lost_below_minimum(spark: Any, launch: Any, workers: int, rank_hosts: list[str]) -> TrainingError:
+    """A run of fixed size (min_workers = num_workers) whose resubmitted job found fewer slots after
+    its hosts were lost: the error naming them and min_workers (instead of the slot check's)."""
+    from sparkdl.driver.job import concurrent_slots
+
+    error = below_min_workers(launch, concurrent_slots(spark, None, workers), workers,
+                              hosts_lost(rank_hosts, executor_hosts(spark)),
+                              f"the resubmitted job waited launch.slot_wait_s={float(launch.slot_wait_s):g} s")
+    error.final = True  # its own words: late rank reports must not rename it
+    return error
 
 
 def grown_world(launch: Any, slots: int, workers: int) -> int:
@@ -102,10 +142,12 @@ def hosts_of(executors: list[str]) -> list[str]:
 
 
 def log_change(tracker: Any, change: MembershipChange, changes: list[MembershipChange]) -> None:
-    """MLflow: the workers as a metric over the changes, every change so far as membership.json."""
+    """MLflow: the workers as a metric over the changes (step 0: the workers the run started with,
+    step n: after the n-th change), every change so far as membership.json."""
     import json
 
-    tracker.log_metric_points([({"workers": float(change.to_workers)}, len(changes))])
+    start = [({"workers": float(changes[0].from_workers)}, 0)] if len(changes) == 1 else []
+    tracker.log_metric_points([*start, ({"workers": float(change.to_workers)}, len(changes))])
     tracker.log_text(json.dumps([c.record() for c in changes], indent=1), "membership.json")
 
 
@@ -130,21 +172,14 @@ class Resizing:
         return concurrent_slots(self.spark, None, self.workers)
 
     def executor_hosts(self) -> list[str]:
-        from sparkdl.spark.session import facts
-
-        try:
-            return hosts_of(list(facts(self.spark).executors()))
-        except Exception:  # noqa: BLE001 - no executor list (Spark Connect): hosts unknown
-            return []
+        return executor_hosts(self.spark)
 
     def after_loss(self, spec: Any, rank_hosts: list[str]) -> tuple[Any, Any]:
         """After a failed attempt: wait for replacements, then go on with the slots there are (raises
         below min_workers). Same size: the spec as it is (the next attempt resumes its checkpoint)."""
         wait = float(self.launch.replacement_wait_s)
         slots = slots_after_loss(self.count_slots, spec.world_size, wait)
-        hosts_before = hosts_of(rank_hosts)
-        there = self.executor_hosts()
-        left = [h for h in hosts_before if there and h not in there]
+        left = hosts_lost(rank_hosts, self.executor_hosts())
         workers = shrunk_world(self.launch, slots, spec.world_size, left, wait)
         if workers == spec.world_size:
             return self.job_df, spec

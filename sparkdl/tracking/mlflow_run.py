@@ -1,8 +1,12 @@
 """MLflow tracking owned by the driver: one run per fit, nested under an active run if any.
 
-Every MLflow call goes through `_guard`: the first failure (server down, bad URI) logs ONE warning
-and turns tracking off for the rest of the run, so training always goes on and the metrics stay in
-model.history. mlflow is imported lazily: `import sparkdl` works without it.
+Every MLflow call goes through `_guard` (tracking/call_guard.py): a failed call is tried once more,
+the first failure is said ONE time, and every later call is still made, so training always goes on,
+the metrics stay in model.history, and a server that comes back gets the rest of the run (metric
+points a failed call could not send go with the next call). A param is logged once: a value that
+changes later (an attempt's world) belongs in metrics or tags, and MLflow refuses a changed param.
+`finish` ends the run once, FINISHED or FAILED; `ends_failed()` marks it FAILED on any exception.
+mlflow is imported lazily: `import sparkdl` works without it.
 """
 from __future__ import annotations
 
@@ -18,11 +22,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from sparkdl.tracking.call_guard import CallGuard, Outcome
 from sparkdl.tracking.redaction import redact_params, redact_text
 
 log = logging.getLogger("sparkdl")
 
 MAX_PARAM_CHARS = 6000  # MLflow 3 accepts 6000-character param values
+MAX_TAG_CHARS = 8000  # and 8000-character tag values
+MAX_UNSENT_METRICS = 10_000  # metric values kept for the next call while the server does not answer
 CLIENT_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 
 
@@ -31,7 +38,8 @@ MLFLOW_PYFUNC_CODE = Path(__file__).with_name("pyfunc.py")  # the logged model's
 
 
 class RunTracker:
-    """The driver's handle on one MLflow run; a disabled or broken tracker does nothing."""
+    """The driver's handle on one MLflow run; a disabled tracker does nothing, a failing one goes on
+    trying (tracking/call_guard.py)."""
 
     def __init__(self, enabled: bool, tracking_uri: str | None = None, experiment: str | None = None,
                  run_name: str | None = None) -> None:
@@ -40,7 +48,11 @@ class RunTracker:
         self.experiment = experiment
         self.run_name = run_name
         self.run_id: str | None = None
-        self.broken = False
+        self.ended: str | None = None  # the status the run was ended with
+        self._calls = CallGuard(redact=redact_text)
+        self._params: dict[str, str] = {}  # logged so far: MLflow refuses a param logged again with another value
+        self._unsent: list[Any] = []  # metric values of failed calls, sent with the next
+        self._metrics_lock = threading.Lock()  # the channel's thread and the fit's thread both log metrics
         self._client: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -90,22 +102,51 @@ class RunTracker:
             return found.experiment_id
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self._active():
-            self._guard("end the MLflow run", lambda: self._client.set_terminated(self.run_id, status=status))
+        """End the run with `status` (FINISHED or FAILED), once: later calls keep the first status.
+        Metric points still unsent are tried first, and failed calls are counted in a tag."""
+        if not self._active() or self.ended is not None:
+            return
+        self.ended = status
+        if self._unsent:
+            self.log_metric_points([])
+        if self._calls.failures:
+            self.set_tags({"sparkdl.tracking_failures": self._calls.failures})
+        self._guard("end the MLflow run", lambda: self._client.set_terminated(self.run_id, status=status))
+
+    @contextlib.contextmanager
+    def ends_failed(self) -> Iterator[RunTracker]:
+        """The block's exception (any: KeyboardInterrupt and a notebook's stop included) ends the run
+        FAILED, named in the tag sparkdl.failed_with, and propagates; a run never stays RUNNING."""
+        try:
+            yield self
+        except BaseException as exc:
+            if self._active() and self.ended is None:
+                self.set_tags({"sparkdl.failed_with": f"{type(exc).__name__}: {str(exc).strip()[:500]}"})
+                self.finish("FAILED")
+            raise
 
     # -- logging ---------------------------------------------------------------------------------
     def log_params(self, params: Mapping[str, Any]) -> None:
+        """Params not logged yet; one logged before with another value is set as a tag of that
+        name instead (MLflow refuses to change a param, and would fail the whole batch)."""
         if not self._active():
             return
         from mlflow.entities import Param
 
-        items = [Param(k, _param_text(v)) for k, v in params.items()]
+        texts = {k: _param_text(v) for k, v in params.items()}
+        changed = {k: t for k, t in texts.items() if k in self._params and self._params[k] != t}
+        items = [Param(k, t) for k, t in texts.items() if k not in self._params]
 
         def send() -> None:
-            for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-                self._client.log_batch(self.run_id, params=items[start: start + 100])
+            while items:  # MLflow caps a batch at 100 params
+                self._client.log_batch(self.run_id, params=items[:100])
+                self._params.update((p.key, p.value) for p in items[:100])
+                del items[:100]
 
-        self._guard("log params", send)
+        if items:
+            self._guard("log params", send)
+        if changed:
+            self.set_tags(changed)
 
     def log_metric_points(self, points: Sequence[tuple[Mapping[str, float], int]]) -> None:
         """Many (metrics, step) points in as few requests as MLflow allows (1000 values each)."""
@@ -116,18 +157,22 @@ class RunTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, int(step)) for metrics, step in points
-                 for k, v in metrics.items() if _is_number(v)]
+        new = [Metric(k, float(v), now, int(step)) for metrics, step in points for k, v in metrics.items()
+               if _is_number(v)]
+        with self._metrics_lock:
+            items, self._unsent = self._unsent + new, []
 
-        def send() -> None:
-            for start in range(0, len(items), 1000):
-                self._client.log_batch(self.run_id, metrics=items[start: start + 1000])
+            def send() -> None:
+                while items:  # MLflow caps a batch at 1000 values; a sent batch is not sent again
+                    self._client.log_batch(self.run_id, metrics=items[:1000])
+                    del items[:1000]
 
-        self._guard("log metrics", send)
+            if items and self._guard("log metrics", send) == "failed":
+                self._unsent = items[-MAX_UNSENT_METRICS:]  # the next call tries them again
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self._active():
-            self._guard("set tags", lambda: [self._client.set_tag(self.run_id, k, redact_text(str(v)))
+            self._guard("set tags", lambda: [self._client.set_tag(self.run_id, k, redact_text(str(v))[:MAX_TAG_CHARS])
                                              for k, v in tags.items()])
 
     def log_text(self, text: str, artifact_file: str) -> None:
@@ -193,26 +238,21 @@ class RunTracker:
                     finally:
                         mlflow.set_tracking_uri(previous)
 
-        self._guard("log the model", send)
+        # Not tried twice: a second log_model after a lost answer would log a second model.
+        self._guard("log the model", send, retry=False)
         return result[0] if result else None
 
     # -- failure handling ------------------------------------------------------------------------
     def _active(self) -> bool:
-        return self.enabled and not self.broken and self.run_id is not None
+        return self.enabled and self.run_id is not None
 
-    def _guard(self, what: str, action: Callable[[], Any]) -> None:
-        if self.broken:
-            return
-        try:
-            action()
-        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
-            self.broken = True
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            message = (f"sparkdl: MLflow tracking failed (could not {what}: {type(exc).__name__}: {first}); "
-                       "training goes on and the metrics stay in model.history")
-            log.warning(message)
-            # MLflow reconfigures logging on import; a Python warning reaches notebooks and terminals.
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+    @property
+    def failures(self) -> int:
+        """MLflow calls of this run that failed (each tried again once while calls succeeded)."""
+        return self._calls.failures
+
+    def _guard(self, what: str, action: Callable[[], Any], retry: bool = True) -> Outcome:
+        return self._calls.call(what, action, retry=retry)
 
 
 @contextlib.contextmanager
