@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from sparkdl.driver.attempt_world import AttemptWorlds
+
 log = logging.getLogger("sparkdl")
 LOG_TAIL_LINES = 200
 FLUSH_INTERVAL_S = 5.0  # live enough for a dashboard; each write costs the driver ~10-20 ms CPU
@@ -23,6 +25,7 @@ class RunMonitor:
         self.progress = progress
         self.callbacks = callbacks  # train.callbacks, resolved (driver/callbacks.py)
         self.regroup = regroup  # an elastic run's "end this job, more workers are there" (driver/elastic.py)
+        self.worlds = AttemptWorlds(tracker)  # each attempt's world in the MLflow run (driver/attempt_world.py)
         self.errors: dict[int, dict[str, Any]] = {}
         self.rank_hosts: list[str] = []  # each rank's executor address, from rank 0's start message
         self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -52,12 +55,9 @@ class RunMonitor:
             reply({"port": self._rendezvous_ports.get(key, 0)})
 
     def _on_start(self, message: dict[str, Any]) -> None:
-        hosts = message.get("hosts", [])
         self.rank_hosts = [str(h) for h in message.get("rank_hosts", [])]
-        self.tracker.log_params({"world.size": message.get("world_size"), "world.hosts": ", ".join(hosts),
-                                 "world.num_hosts": len(hosts), "world.device": message.get("device"),
-                                 "world.gpus_rank0": ", ".join(message.get("gpus", [])) or "none",
-                                 "world.steps_per_epoch": message.get("steps_per_epoch")})
+        # Each attempt's world (a retry or a resize starts another): params once, then metrics and tags.
+        self.worlds.started(message)
         if self.progress:
             from tqdm.auto import tqdm
 
