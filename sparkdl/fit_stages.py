@@ -173,7 +173,14 @@ def launch(df: DataFrame, validation_df: DataFrame | None, request: FitRequest, 
 
 
 def collect(df: DataFrame, request: FitRequest, data: FitData, planned: FitPlan, ran: FitRun, phases: Phases) -> FitResult:
-    """Stage 5: the trained model read from the ranks' parts, logged to MLflow, the run finished."""
+    """Stage 5: the trained model read from the ranks' parts, logged to MLflow, the run finished
+    (FAILED on any exception on the way, Ctrl-C included: never left RUNNING)."""
+    with ran.tracker.ends_failed():
+        return _collected(df, request, data, planned, ran, phases)
+
+
+def _collected(df: DataFrame, request: FitRequest, data: FitData, planned: FitPlan, ran: FitRun,
+               phases: Phases) -> FitResult:
     config, prepared, tracker = planned.config, data.prepared, ran.tracker
     log_prediction(tracker, planned.resolved, ran.history)
     tracker.set_tags(stop_tags(ran.history))
