@@ -139,7 +139,8 @@ def check_finite(key: str, value: Any) -> None:
         return
     if math.isinf(value) and key in INFINITY_ALLOWED:
         return
-    raise ConfigError(f"{key} must be a finite number, got {value!r}", hint=f"see conf/defaults.toml for {key}")
+    raise ConfigError(f"{key} must be a finite number, got {value!r}",
+                      hint=f"give {key} a finite value, or leave it out for its default (conf/defaults.toml)")
 
 
 def coerce(part: Any, name: str, value: Any) -> Any:

@@ -254,3 +254,70 @@ def test_a_non_finite_option_is_refused_before_any_spark_job(spark, small_df, op
     with pytest.raises(ConfigError, match=rf"\.{name}(\.\w+)? must be a finite number"):
         estimator(**options).fit(small_df)
     assert spark.sparkContext._jsc.sc().dagScheduler().nextJobId() == jobs_before
+
+
+def _next_job_id(spark) -> int:  # type: ignore[no-untyped-def]
+    return spark.sparkContext._jsc.sc().dagScheduler().nextJobId()
+
+
+def _noop(ctx) -> None:  # type: ignore[no-untyped-def]
+    return None
+
+
+@pytest.mark.parametrize("options", [
+    {"timeout_s": float("nan")}, {"lr": float("inf")}, {"grad_clip": float("nan")}, {"slot_wait_s": float("inf")},
+    {"peer_failure_delay_s": float("nan")}, {"outer_lr": float("inf")}])
+def test_run_without_a_dataframe_refuses_a_non_finite_option_before_any_job(spark, options) -> None:  # type: ignore[no-untyped-def]
+    # sparkdl.run without a DataFrame checked only two sections' own rules, not finiteness (issue 52):
+    # timeout_s=nan reached rank 0 as "cannot convert float NaN to integer".
+    jobs_before = _next_job_id(spark)
+    name = next(iter(options))
+    with pytest.raises(ConfigError, match=rf"(train|launch)\.{name} must be a finite number"):
+        sparkdl.run(_noop, num_workers=2, **options)
+    assert _next_job_id(spark) == jobs_before
+
+
+@pytest.mark.parametrize("channel", ["0.0", "0", "::", "[::]", "0:0:0:0:0:0:0:0", "0x0", "::ffff:0.0.0.0"])
+def test_every_spelling_of_the_unspecified_address_is_refused_as_channel(spark, small_df, channel) -> None:  # type: ignore[no-untyped-def]
+    # "0.0" resolves to 0.0.0.0: the channel listened on every interface, executors dialled themselves.
+    jobs_before = _next_job_id(spark)
+    with pytest.raises(ConfigError, match=r"launch.channel=.* is a wildcard address") as info:
+        sparkdl.run(_noop, num_workers=2, channel=channel)
+    assert 'launch.channel="auto"' in str(info.value)  # the fix
+    with pytest.raises(ConfigError, match=r"launch.channel=.* is a wildcard address"):
+        estimator(channel=channel).fit(small_df)
+    assert _next_job_id(spark) == jobs_before
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+@pytest.mark.parametrize("override, option", [
+    ('launch.channel="0.0"', "launch.channel"), ("launch.timeout_s=nan", "launch.timeout_s"),
+    ("train.lr=inf", "train.lr"), ("launch.slot_wait_s=inf", "launch.slot_wait_s")])
+def test_the_cli_refuses_the_same_options_before_any_job(spark, repo_root, tmp_path, capsys, command, override,  # type: ignore[no-untyped-def]
+                                                         option) -> None:
+    from sparkdl import cli
+
+    data = tmp_path / "rows.parquet"
+    spark.createDataFrame([(1.0, 0)], "p0 double, label long").write.parquet(str(data))
+    jobs_before = _next_job_id(spark)
+    rc = cli.main([command, "--conf", str(repo_root / "conf" / "examples" / "digits.toml"),
+                   "--set", f"input.path={data}", "--set", override])
+    assert rc == 2
+    assert f"error: {option}" in capsys.readouterr().err
+    assert _next_job_id(spark) == jobs_before
+
+
+def test_a_training_error_masks_credentials_in_the_users_error(spark) -> None:  # type: ignore[no-untyped-def]
+    # The MLflow copies of a failure were masked, the TrainingError's own text was not (issue 52).
+    def train_fn(ctx):  # type: ignore[no-untyped-def]
+        if ctx.rank == 1:
+            raise OSError("cannot open s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG@bucket/data "
+                          "with token=ghp_abcdefghijklmnopqrstuvwxyz0123456789")
+        ctx.comm.barrier()
+
+    with pytest.raises(TrainingError) as info:
+        sparkdl.run(train_fn, num_workers=2, timeout_s=30, peer_failure_delay_s=0.5)
+    text = str(info.value)
+    assert "rank 1: OSError: cannot open s3://" in text and "@bucket/data" in text
+    for secret in ("wJalrXUtnFEMI", "K7MDENG", "AKIAIOSFODNN7EXAMPLE", "ghp_abcdefghij"):
+        assert secret not in text and secret not in info.value.message
