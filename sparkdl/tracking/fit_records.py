@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from sparkdl.config import DataConfig
 from sparkdl.spark.session import facts
+from sparkdl.tracking.json_types import json_typed
 
 
 def run_params(options: Mapping[str, Any], data: DataConfig, num_workers: int, df: Any, prepared: Any) -> dict[str, Any]:
@@ -41,47 +42,34 @@ def _source(df: Any) -> str:
 
 
 def input_example(df: Any, layout: Any, rows: int = 5, sample: Any = None) -> Any:
-    """A few rows of features as the model sees them: a pandas frame of the scalar feature columns,
-    or a float32 array when array/vector columns are involved. Decimal columns arrive as doubles:
-    MLflow stores the example as JSON, which has no Decimal. input_cols runs: the probe rows, as a
-    dict of numpy arrays per input column (tensor specs), or a pandas frame when binary, string or
-    variable-length columns are among them."""
-    import numpy as np
+    """A few rows of the user's input columns, in the types a JSON body carries (json_typed): the
+    signature MLflow infers from it is then one every JSON client can satisfy (a float32 array
+    column logged as Array(float) refuses JSON numbers, which arrive as float64; int32 ids refuse
+    int64), and the pyfunc converts what arrives to the dtypes the model trained with
+    (serving.arrays_from_columns). feature_cols and sparse_cols runs: a pandas frame of the columns
+    (Decimal as double, Spark ML vectors as lists). input_cols runs: the probe rows, as a dict of
+    numpy arrays per column when every column is fixed-shape (named tensor specs, whose JSON MLflow
+    casts to the spec's type itself), else a frame (binary, string or variable-length columns)."""
+    import pandas as pd
 
-    if layout.sparse:  # the user's own columns: serving maps raw ids to rows as transform does
-        from sparkdl.data.feed_sql import quoted
-
-        names = list(layout.source_input_cols)
-        frame = df.select(*[quoted(c) for c in names]).limit(rows).toPandas()
-        for name in names:  # lists, not numpy arrays: MLflow's schema takes them as array columns
-            if frame[name].dtype == object:
-                frame[name] = frame[name].map(lambda v: list(v) if isinstance(v, (np.ndarray, tuple)) else v)
-        return frame
-    if layout.tensor_inputs:
+    if layout.tensor_inputs and not layout.sparse:
         from sparkdl.data.arrow_rows import incoming_arrays
         from sparkdl.data.layout import FIXED
 
         # The spool's own decoding: fixed columns as numpy in their element type (int32 tokens stay int32).
         inputs = layout.for_scoring()
         blocks = incoming_arrays(sample.combine_chunks().to_batches()[0], inputs)
-        columns = {c.source: block if c.kind == FIXED else block.to_pylist() for c, block in zip(inputs.inputs, blocks)}
         if all(c.kind == FIXED for c in layout.inputs):
-            return columns
-        import pandas as pd
+            return {c.source: block for c, block in zip(inputs.inputs, blocks)}
+        return json_typed(pd.DataFrame({c.source: list(block) if c.kind == FIXED and block.ndim > 1
+                                        else block.to_pylist() if c.kind != FIXED else block
+                                        for c, block in zip(inputs.inputs, blocks)}))
+    from sparkdl.data.feed_sql import quoted
 
-        return pd.DataFrame(columns)
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
-
-    from sparkdl.data.feed_sql import feature_kind, features_expression, quoted
-
-    cols = list(layout.source_feature_cols)
-    if all(feature_kind(df, c) == "scalar" for c in cols):
-        selected = [F.col(quoted(c)).cast("double").alias(c) if isinstance(df.schema[c].dataType, T.DecimalType)
-                    else F.col(quoted(c)) for c in cols]
-        return df.select(*selected).limit(rows).toPandas()
-    values = [r[0] for r in df.select(features_expression(df, cols)).limit(rows).collect()]
-    return np.asarray(values, dtype=np.float32)
+    # sparse_cols: the user's own columns (serving maps raw ids to rows as transform does);
+    # feature_cols: each column as the user has it, concatenated by the pyfunc in the fit's order.
+    names = list(layout.source_input_cols)
+    return json_typed(df.select(*[quoted(c) for c in names]).limit(rows).toPandas())
 
 
 def fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], phases: Any, prepared: Any,
@@ -93,3 +81,4 @@ def fit_extras(tracker: Any, model_uri: str | None, out_shape: tuple[int, ...], 
             "delivery": prepared.delivery,
             "model_parts": None if load_model else parts, "model_transfer": dict(parts.via_by_rank),
             "model_bytes": parts.nbytes, "model_send_s": max(parts.seconds_by_rank.values(), default=0.0)}
+

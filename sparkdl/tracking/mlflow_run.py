@@ -279,7 +279,9 @@ def model_signature(served: Any, input_example: Any, loaded: bool) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*Inferred schema contains integer column", category=UserWarning)
         output = pd.DataFrame(served.predict_columns(input_example)) if loaded else None
-        return infer_signature(input_example, output)
+        from sparkdl.tracking.json_types import json_signature  # what JSON clients send (issue 52 part 3)
+
+        return json_signature(infer_signature(input_example, output))
 
 
 def _is_number(value: Any) -> bool:

@@ -120,9 +120,65 @@ def _values(value: Any) -> Any:
 
 
 def _dense_block(layout: FeedLayout, columns: Any) -> np.ndarray:
-    """(rows, num_features) float32 from the feature columns, in source_feature_cols order."""
-    return np.column_stack([np.stack([np.asarray(v, np.float32).reshape(-1) for v in _values(columns[c])])
-                            for c in layout.source_feature_cols])
+    """(rows, num_features) float32 from the feature columns, in source_feature_cols order: numbers,
+    booleans, lists and vectors (JSON sends them as lists of doubles) all become float32, as the
+    fit's Spark expression made them."""
+    _require(columns, layout.source_feature_cols, layout)
+    return np.column_stack([np.stack([_floats(c, v) for v in _values(columns[c])]) for c in layout.source_feature_cols])
+
+
+def _floats(name: str, value: Any) -> np.ndarray:
+    """One row of a numeric column (features, weights) as float32 values, refused naming the column
+    when not numeric (a null, a string)."""
+    from sparkdl.errors import ColumnTypeError
+
+    if hasattr(value, "toArray"):  # a pyspark.ml.linalg vector handed in from Python
+        value = value.toArray()
+    try:
+        return np.asarray(value, np.float32).reshape(-1)
+    except (TypeError, ValueError):
+        raise ColumnTypeError(f"input column {name!r} holds {type(value).__name__} values, which are not numbers",
+                              hint="send numbers, or lists of numbers for array and vector columns") from None
+
+
+def _require(columns: Any, names: Any, layout: FeedLayout) -> None:
+    from sparkdl.errors import MissingColumnError
+
+    for name in names:
+        if name is not None and name not in columns:
+            raise MissingColumnError(f"input column {name!r} is missing", hint="pass every column the model was "
+                                     f"trained on: {list(layout.source_input_cols)}")
+
+
+def _fixed_block(column: Any, values: Any) -> np.ndarray:
+    """A fixed-shape column as the spool holds it: (rows, width) in its storage type (rows, for a
+    scalar column). JSON numbers arrive as int64/float64: they are narrowed to the trained type,
+    refused when that would change a value (a fraction for an integer column) or the width differs."""
+    from sparkdl.errors import ArrayLengthError, ColumnTypeError
+
+    try:
+        stacked = np.asarray(values) if isinstance(values, np.ndarray) and values.dtype != object else \
+            np.stack([np.asarray(v) for v in values])
+    except ValueError:
+        raise ArrayLengthError(f"input column {column.source!r} holds arrays of different lengths",
+                               hint=f"send {column.width} numbers per row, as in training") from None
+    block = stacked.reshape(len(stacked), -1)
+    if block.dtype.kind not in "iufb":
+        raise ColumnTypeError(f"input column {column.source!r} holds {block.dtype} values, but the model was trained "
+                              f"on {column.storage} values", hint=f"send numbers for {column.source!r}")
+    if block.shape[1] != column.width:
+        raise ArrayLengthError(f"input column {column.source!r} holds {block.shape[1]} values per row, but the model "
+                               f"was trained on {column.width}", hint=f"send {column.width} numbers per row, as in training")
+    storage = np.dtype(column.storage)
+    if storage.kind in "iub" and block.dtype.kind == "f" and not np.array_equal(block, np.round(block)):
+        raise ColumnTypeError(f"input column {column.source!r} holds fractions, but the model was trained on "
+                              f"{column.storage} values", hint=f"send whole numbers for {column.source!r}")
+    if storage.kind in "iu" and block.dtype.kind in "iuf" and block.size and \
+            (block.min() < np.iinfo(storage).min or block.max() > np.iinfo(storage).max):
+        raise ColumnTypeError(f"input column {column.source!r} holds values outside {column.storage}'s range, "
+                              f"which the model was trained on", hint=f"send {column.storage} values, as in training")
+    block = block.astype(storage, copy=False)
+    return block.reshape(-1) if column.scalar else block
 
 
 def arrays_from_columns(layout: FeedLayout, columns: Any) -> tuple:
@@ -134,17 +190,11 @@ def arrays_from_columns(layout: FeedLayout, columns: Any) -> tuple:
         matrix = columns if isinstance(columns, np.ndarray) else _dense_block(layout, columns)
         return (np.ascontiguousarray(np.asarray(matrix, np.float32).reshape(len(matrix), -1)),)
     arrays = []
+    _require(columns, layout.source_input_cols, layout)
     for column in layout.inputs:
-        if column.source not in columns:
-            from sparkdl.errors import MissingColumnError
-
-            raise MissingColumnError(f"input column {column.source!r} is missing", hint="pass every input column")
         values = _values(columns[column.source])
         if column.kind == FIXED:
-            stacked = np.asarray(values) if isinstance(values, np.ndarray) and values.dtype != object else \
-                np.stack([np.asarray(v) for v in values])
-            block = stacked.astype(column.storage, copy=False).reshape(len(stacked), -1)
-            arrays.append(block.reshape(-1) if column.scalar else block)
+            arrays.append(_fixed_block(column, values))
         elif column.kind == BINARY:
             arrays.append(pa.array([bytes(v) for v in values], pa.large_binary()))
         elif column.kind == TEXT:
@@ -160,12 +210,9 @@ def _sparse_arrays(layout: FeedLayout, columns: Any) -> tuple:
     categorical input its table rows (int64 per row, or large_list<int64> for multi-hot) and its
     weights (large_list<float32>). Ids map to rows by data/sparse_hash.py's rule, the one the
     prepared Spark columns follow, so serving scores the rows training looked up."""
-    from sparkdl.errors import ArrayLengthError, MissingColumnError, NullValuesError
+    from sparkdl.errors import ArrayLengthError, NullValuesError
 
-    for name in (*layout.source_feature_cols, *(c for f in layout.sparse for c in (f.source, f.source_weights))):
-        if name is not None and name not in columns:
-            raise MissingColumnError(f"input column {name!r} is missing", hint="pass every column the model was "
-                                     f"trained on: {list(layout.source_input_cols)}")
+    _require(columns, layout.source_input_cols, layout)
     arrays: list[Any] = []
     if layout.num_features:
         arrays.append(np.ascontiguousarray(np.asarray(_dense_block(layout, columns), np.float32)))
@@ -185,7 +232,7 @@ def _sparse_arrays(layout: FeedLayout, columns: Any) -> tuple:
             if any(_missing(w) for w in given):
                 raise NullValuesError(f"weights column {feature.source_weights!r} of sparse column "
                                       f"{feature.source!r} holds a null", hint="give every id a weight (1.0 = unweighted)")
-            weights = [np.asarray(w, np.float32).reshape(-1) for w in given]
+            weights = [_floats(feature.source_weights, w) for w in given]
             if any(not np.isfinite(w).all() for w in weights):
                 raise NullValuesError(f"weights column {feature.source_weights!r} of sparse column "
                                       f"{feature.source!r} holds NaN or infinite weights",
