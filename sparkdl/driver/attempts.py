@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any, Iterator
 
-from sparkdl.driver.elastic import REGROUP_KEY, Resizing, lost_below_minimum, say as _say
+from sparkdl.driver.elastic import REGROUP_KEY, Resizing, fixed_world_after_loss, lost_below_minimum, say as _say
 
 
 _log = logging.getLogger("sparkdl")
@@ -87,7 +87,8 @@ def tracked_submit(spark: Any, job_df: Any, spec: Any, tracker: Any = None, call
                                                        or retryable(monitor.errors) or cut_off):
                             raise TrainingError(failure.message, hint=failure.hint) \
                                 if isinstance(failure, ResourceError) else failure
-                        job_df, spec = retry_after(failure, attempt, attempts, monitor, spec, job_df, resizing, cut_off)
+                        job_df, spec = retry_after(spark, failure, (attempt, attempts), monitor, spec, job_df, resizing,
+                                                   cut_off)
                         continue
                     if resizing is not None and history and history[-1].get(REGROUP_KEY):
                         job_df, spec = resizing.grow(spec, monitor.rank_hosts)
@@ -129,16 +130,19 @@ def failed_attempt_cut_off(spark: Any, failure: Exception, monitor: Any, spec: A
 
     if isinstance(failure, ResourceError):
         if resizing is None:
-            raise lost_below_minimum(spark, spec.launch, spec.world_size, monitor.rank_hosts) \
+            raise lost_below_minimum(spark, spec.launch, spec.world_size, monitor.rank_hosts,
+                                     "the resubmitted job's slot check (launch.slot_wait_s)") \
                 if attempt > 1 else failure
         return {}
     return cut_off_ranks(spark, monitor.errors, spec.world_size, monitor.rank_hosts)
 
 
-def retry_after(failure: Exception, attempt: int, attempts: int, monitor: Any, spec: Any, job_df: Any,
+def retry_after(spark: Any, failure: Exception, counts: tuple[int, int], monitor: Any, spec: Any, job_df: Any,
                 resizing: Any, cut_off: dict[int, str]) -> tuple[Any, Any]:
-    """Say the failed attempt, then ready the next: re-plan an elastic run for the workers left, or
-    wait for cut-off hosts to answer again. Returns the (job_df, spec) to submit."""
+    """Say the failed attempt (`counts`: this attempt and how many there may be), then ready the
+    next: re-plan an elastic run for the workers left, wait for cut-off hosts to answer again, or
+    for a run of fixed size the replacements of lost executors. Returns the (job_df, spec) to submit."""
+    attempt, attempts = counts
     from sparkdl.errors import ResourceError, TrainingError
 
     named = failure if isinstance(failure, ResourceError) else name_the_failure(
@@ -154,6 +158,8 @@ def retry_after(failure: Exception, attempt: int, attempts: int, monitor: Any, s
             raise
     if cut_off:
         wait_for_hosts(cut_off, spec.launch.timeout_s)
+    else:  # executors lost: their replacements, or the error naming the hosts lost and min_workers
+        fixed_world_after_loss(spark, spec.launch, spec.world_size, monitor.rank_hosts)
     return job_df, spec
 
 

@@ -117,28 +117,28 @@ def executor_hosts(spark: Any) -> list[str]:
         return []
 
 
-def lost_below_minimum(spark: Any, launch: Any, workers: int, rank_hosts: list[str]) -> TrainingError:
-    """A run of fixed size (min_workers = num_workers) whose resubmitted job found fewer slots after
-    its hosts were lost: the error naming them and min_workers (instead of the slot check's)."""
+def lost_below_minimum(spark: Any, launch: Any, workers: int, rank_hosts: list[str], waited: str) -> TrainingError:
+    """The error of a run of fixed size (min_workers = num_workers) that lost hosts: fewer slots than
+    it had after `waited`, naming the hosts lost and min_workers (final: late rank reports must not
+    rename it)."""
     from sparkdl.driver.job import concurrent_slots
 
     error = below_min_workers(launch, concurrent_slots(spark, None, workers), workers,
-                              hosts_lost(rank_hosts, executor_hosts(spark)),
-                              f"the resubmitted job waited launch.slot_wait_s={float(launch.slot_wait_s):g} s")
-    error.final = True  # its own words: late rank reports must not rename it
+                              hosts_lost(rank_hosts, executor_hosts(spark)), waited)
+    error.final = True
     return error
 
 
-def grown_world(launch: Any, slots: int, workers: int) -> int:
-    """The world to grow to when `slots` are offered: more than `workers`, at most max_workers;
-    `workers` when there is nothing to grow into."""
-    _, high = worker_range(launch)
-    return max(workers, min(slots, high)) if launch.grow_workers else workers
+def fixed_world_after_loss(spark: Any, launch: Any, workers: int, rank_hosts: list[str]) -> None:
+    """Before a run of fixed size resubmits a failed attempt: wait up to launch.replacement_wait_s for
+    the slots it had (one py4j call when they are there); fewer, the run cannot go on: the error
+    naming the hosts lost and min_workers (not the slot check's, after its longer slot_wait_s)."""
+    from sparkdl.driver.job import concurrent_slots
 
-
-def hosts_of(executors: list[str]) -> list[str]:
-    """Host names of executor host:port addresses, in order, once each."""
-    return list(dict.fromkeys(e.rsplit(":", 1)[0] for e in executors))
+    wait = float(launch.replacement_wait_s)
+    if slots_after_loss(lambda: concurrent_slots(spark, None, workers), workers, wait) < workers:
+        raise lost_below_minimum(spark, launch, workers, rank_hosts,
+                                 f"waiting launch.replacement_wait_s={wait:g} s for replacements")
 
 
 def log_change(tracker: Any, change: MembershipChange, changes: list[MembershipChange]) -> None:
