@@ -21,6 +21,8 @@ FLUSH_INTERVAL_S = 5.0  # live enough for a dashboard; each write costs the driv
 
 class RunMonitor:
     def __init__(self, tracker: Any, progress: bool, callbacks: tuple[Any, ...] = (), regroup: Any = None) -> None:
+        from sparkdl.executor.pace import Sustained  # stdlib only: the rule the ranks' records follow
+
         self.tracker = tracker
         self.progress = progress
         self.callbacks = callbacks  # train.callbacks, resolved (driver/callbacks.py)
@@ -35,6 +37,7 @@ class RunMonitor:
         self._last_flush = time.monotonic()
         self._epochs_seen: set[int] = set()
         self._named_slow: set[int] = set()  # ranks already named as holding the others back
+        self._slow_streaks = Sustained()  # epochs in a row each slow rank cost the run (executor/pace.py)
         self._drift_said = False  # the measured speeds' drift from the start is said once
         self._wait_fraction: float | None = None  # the last epoch's share of step time spent waiting (progress bar)
         self._rendezvous_ports: dict[str, int] = {}  # stage attempt -> rank 0's port
@@ -94,6 +97,7 @@ class RunMonitor:
         self._say_fallback(record)
         if "wait_fraction" in record:
             self._wait_fraction = float(record["wait_fraction"])
+        self._show_epoch(record)
         # val_loss, val_accuracy and every val_<metric>: under the history's names, and epoch_-prefixed
         # like the other epoch curves
         validation = {k: v for k, v in record.items() if k.startswith("val_") and isinstance(v, (int, float))}
@@ -111,8 +115,18 @@ class RunMonitor:
                 verdict = self.regroup(record) or verdict
             reply(verdict)
 
+    def _show_epoch(self, record: dict[str, Any]) -> None:
+        """The bar's figures from the epoch's record once it ends: the last line left on screen
+        then says the epoch's loss (the history's and the epoch table's), not its last step's."""
+        if self._bar is None or "loss" not in record:
+            return
+        waiting = {"waiting": f"{self._wait_fraction:.0%}"} if self._wait_fraction is not None else {}
+        self._bar.set_postfix(epoch=int(record.get("epoch", 0)) + 1, loss=f"{float(record['loss']):.4f}",
+                              samples_s=f"{float(record.get('samples_per_sec', 0.0)):.0f}", **waiting, refresh=True)
+
     def _say_drift(self, record: dict[str, Any]) -> None:
-        """Measured speeds far from those the run started with (planner/uneven.py's bound), once."""
+        """Measured speeds far from those the run started with (planner/uneven.py's bound), once. The
+        rebalancer records it only at a re-split, which executor/pace.py's rule decides."""
         drift = record.get("speed_drift")
         if not drift or self._drift_said:
             return
@@ -139,15 +153,18 @@ class RunMonitor:
         self.tracker.log_text(line + "\n", artifact)
 
     def _name_slow_ranks(self, record: dict[str, Any]) -> None:
-        """A rank more than 1.5x slower than the median (executor/pace.py), once per rank and run."""
-        from sparkdl.executor.pace import slow_rank_message
+        """A rank more than 1.5x slower than the median that costs the run by executor/pace.py's rule
+        in WINDOW epochs in a row, once per rank and run."""
+        from sparkdl.executor.pace import entry_cost, slow_rank_message
 
-        for entry in record.get("slow_ranks", []):
-            if entry["rank"] in self._named_slow:
+        entries = {int(e["rank"]): e for e in record.get("slow_ranks", [])}
+        costs = {rank: cost for rank, e in entries.items() if (cost := entry_cost(e)) is not None}
+        for rank in self._slow_streaks.update(costs):
+            if rank in self._named_slow:
                 continue
-            self._named_slow.add(entry["rank"])
-            self._say(slow_rank_message(entry, float(record.get("wait_fraction", 0.0))),
-                      f"slow_rank_{entry['rank']}.txt")
+            self._named_slow.add(rank)
+            self._say(slow_rank_message(entries[rank], float(record.get("wait_fraction", 0.0))),
+                      f"slow_rank_{rank}.txt")
 
     def replay(self, history: list[dict[str, Any]], output: list[str], channel: str) -> None:
         """What never arrived live (the executors could not reach `channel`, or there was none), from

@@ -10,7 +10,7 @@ import torch
 from sparkdl.executor.context import WorkerContext
 from sparkdl.executor.loss_watch import LossWatch
 from sparkdl.executor.memory import peak_memory
-from sparkdl.executor.pace import pace_figures, slow_ranks_in_groups, wait_fraction
+from sparkdl.executor.pace import pace_figures, slow_ranks_in_groups, wait_fraction, with_costs
 from sparkdl.executor.rebalance import Rebalancer
 from sparkdl.strategies import Strategy
 
@@ -77,7 +77,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: Epo
     if ctx.spec.data.transform_fn is not None:  # time in transform_fn this epoch (on the prefetch thread)
         local["transform_seconds"] = record["transform_seconds"] = ctx.transform_seconds - totals.transform_started
     gathered = _gather_metrics(ctx, local)
-    record.update(_pace(gathered, ctx.world.hosts, strategy.peer_groups()))
+    record.update(_pace(gathered, ctx.world.hosts, strategy.peer_groups(), totals.step))
     for name, values in gathered.items():
         if name in ("step_seconds", "rows", "wait_seconds"):
             continue  # in the pace figures
@@ -92,13 +92,16 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: Epo
     return record
 
 
-def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], groups: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Each rank's compute time, waits and speed, and the ranks that hold the others back, named with
-    their hosts: each held against the ranks doing the same work (`groups`: Strategy.peer_groups)."""
+def _pace(gathered: dict[str, list[float]], hosts: Sequence[str], groups: Sequence[Sequence[int]],
+          step_count: int) -> dict[str, Any]:
+    """Each rank's compute time, waits and speed, and the ranks that hold the others back at a cost
+    (executor/pace.py's rule), named with their hosts: each held against the ranks doing the same
+    work (`groups`: Strategy.peer_groups)."""
     steps, waits = gathered["step_seconds"], gathered["wait_seconds"]
     figures: dict[str, Any] = pace_figures(steps, waits, gathered["rows"])
     figures["wait_fraction"] = wait_fraction(steps, waits)
-    slow = slow_ranks_in_groups(figures["rows_per_compute_s_by_rank"], hosts, groups)
+    slow = with_costs(slow_ranks_in_groups(figures["rows_per_compute_s_by_rank"], hosts, groups),
+                      figures["compute_seconds_by_rank"], steps, groups, step_count)
     if slow:
         figures["slow_ranks"] = slow
     return figures

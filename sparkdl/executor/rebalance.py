@@ -8,8 +8,10 @@ split's; what follows the ranks' measured speeds is *who computes* those rows. E
 its own compute seconds per row (step time less its waits in collectives); every `rebalance_every`
 steps (and after the run's 2nd and 4th: until the first agreement a slow rank holds every step back)
 the ranks agree on their smoothed speeds in one small allreduce, and when the lock-step time
-they predict improves by more than HYSTERESIS the step's rows are re-split in proportion to speed
-(never below a floor, so a slow rank's speed stays measured). A slower rank then sends the tail of
+they predict would improve enough, at WINDOW successive agreements, the step's rows are re-split in
+proportion to speed (never below a floor, so a slow rank's speed stays measured). "Enough" is
+executor/pace.py's rule, the one that names slow ranks: at least MIN_LOST_S a step and MIN_SHARE of
+the step's predicted compute, so sub-millisecond noise never moves rows (nor says speeds drifted). A slower rank then sends the tail of
 its batch to faster ones, point to point, one step ahead: the rows of step t+1 travel while step t
 computes. The loss of a rank computing n of a step's N rows is weighted n x W / N (weighted batches
 already average by the global weight total), so averaging gradients gives the mean over all N rows.
@@ -25,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
+from sparkdl.executor.pace import Cost, Sustained, costs_the_run
 from sparkdl.strategies.inputs import flat_inputs, input_spec, rebuilt_inputs
 
 if TYPE_CHECKING:
     from sparkdl.comm.base import Communicator, Work
     from sparkdl.data.epochs import EpochPlan
 
-HYSTERESIS = 0.05  # re-split only when the predicted step time drops by more than this share
-EARLY_AGREEMENTS = (2, 4)  # global steps of extra agreements: a slow rank costs every step until the first
+EARLY_AGREEMENTS = (2, 4)  # global steps of extra agreements: a slow rank costs every step until a re-split
 SMOOTHING = 0.5  # weight of the newest measurement in each rank's speed
 FLOOR_DIVISOR = 8  # a rank keeps at least 1/8 of its even share (at least one row)
 TAG_BASE = 1 << 20  # point-to-point tags of the exchange, clear of the pipeline's
@@ -79,18 +81,28 @@ def step_time(rows: Sequence[int], speeds: Sequence[float]) -> float:
     return max(n / s for n, s in zip(rows, speeds) if s > 0) if any(s > 0 for s in speeds) else 0.0
 
 
-def resplit(shares: Sequence[float], speeds: Sequence[float], rows: int, floor: int) -> list[float] | None:
-    """The new shares when splitting by `speeds` beats the current split by more than HYSTERESIS
-    (None: keep the current one). Ranks without a measurement keep the others' median."""
+def split_cost(shares: Sequence[float], speeds: Sequence[float], rows: int, floor: int) -> Cost | None:
+    """What keeping the current split costs per step against splitting by `speeds`: the predicted
+    seconds a re-split saves, of the current split's predicted step (None: fewer than two ranks
+    measured). Ranks without a measurement count at the others' median."""
     measured = [s for s in speeds if s > 0]
     if len(measured) < 2:
         return None
     median = statistics.median(measured)
     speeds = [s if s > 0 else median for s in speeds]
     now = step_time(split_rows(rows, shares, floor), speeds)
-    proposed = split_rows(rows, speeds, floor)
-    if step_time(proposed, speeds) >= (1.0 - HYSTERESIS) * now:
+    return Cost(now - step_time(split_rows(rows, speeds, floor), speeds), now)
+
+
+def resplit(shares: Sequence[float], speeds: Sequence[float], rows: int, floor: int) -> list[float] | None:
+    """The new shares when splitting by `speeds` pays by executor/pace.py's rule (one measurement's
+    verdict; the Rebalancer also asks for WINDOW in a row). None: keep the current split."""
+    cost = split_cost(shares, speeds, rows, floor)
+    if cost is None or not costs_the_run(cost):
         return None
+    measured = [s for s in speeds if s > 0]
+    median = statistics.median(measured)
+    speeds = [s if s > 0 else median for s in speeds]
     total = sum(speeds)
     return [s / total for s in speeds]
 
@@ -116,13 +128,14 @@ class Rebalancer:
     shares: list[float]  # fraction of each step's rows per rank, the same on every rank
     speeds: list[float] = field(default_factory=list)  # agreed smoothed rows/s per rank (0: unmeasured)
     rebalances: int = 0  # re-splits so far this epoch
-    drifted: str = ""  # how the measured speeds left those the run started from (once, planner/uneven.drift)
+    drifted: str = ""  # how the measured speeds left those the run started from, said at a re-split (once)
     rows_moved: int = 0  # rows sent between ranks so far this epoch (all ranks)
     _own_speed: float = 0.0
     _rows: float = 0.0
     _seconds: float = 0.0
     _current: tuple[int, int] = (0, 0)
     _started_from: list[float] = field(default_factory=list)  # the shares the run started with
+    _sustained: Sustained = field(default_factory=Sustained)  # agreements in a row at which a re-split paid
 
     def __post_init__(self) -> None:
         self._started_from = list(self.shares)
@@ -210,14 +223,19 @@ class Rebalancer:
         vector[self.comm.rank] = self._own_speed
         self.comm.allreduce(vector, op="sum")
         self.speeds = [float(v) for v in vector]
-        if not self.drifted and self._started_from:
+        cost = split_cost(self.shares, self.speeds, plan.rows_per_step, self._floor(plan))
+        # The same on every rank: the agreed speeds are, and so is every agreement's verdict.
+        if not self._sustained.update({"split": cost} if cost is not None else {}):
+            return
+        new = resplit(self.shares, self.speeds, plan.rows_per_step, self._floor(plan))
+        if new is None:
+            return
+        if not self.drifted and self._started_from:  # said only where it changes what the run does
             from sparkdl.planner.uneven import drift
 
             self.drifted = drift(self._started_from, self.speeds) or ""
-        new = resplit(self.shares, self.speeds, plan.rows_per_step, self._floor(plan))
-        if new is not None:
-            self.shares = new
-            self.rebalances += 1
+        self.shares = new
+        self.rebalances += 1
 
     def _start(self, step: int, batch: Triple, plan: "EpochPlan") -> _Exchange:
         counts = self._counts(step, plan)
