@@ -68,6 +68,7 @@ class ShardedEmbeddings(Strategy):
         self.steps.attach(self._optimizer)
         prefix = next(name for name, m in model.named_modules() if m is collection)
         self._table_keys = [f"{prefix + '.' if prefix else ''}weights.{i}" for i in range(len(collection.tables))]
+        self._bytes = EpochBytes()
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -86,6 +87,7 @@ class ShardedEmbeddings(Strategy):
             objective = loss * self.loss_weight
         objective.backward()
         training.bags.apply_gradients()
+        self._bytes.add(training.bags.last_bytes)  # this step's lookups (validation's are not training)
         training.average_dense_gradients()
         self.slow_down(started)
         self.steps.step(self._optimizer, training.dense_params)
@@ -114,7 +116,8 @@ class ShardedEmbeddings(Strategy):
         return {"param_bytes": float(shards + dense), "embedding_max_lag": float(self.training.bags.max_lag)}
 
     def epoch_record(self) -> dict[str, Any]:
-        return {"embedding_bytes_per_step": dict(self.training.bags.last_bytes)}
+        """Every rank calls it at the epoch's end (one small allreduce)."""
+        return {"embedding_bytes_per_step": self._bytes.take_mean(self.comm)}
 
     @property
     def replicated_state(self) -> bool:  # type: ignore[override]
@@ -174,6 +177,42 @@ def _split(inputs: Any) -> tuple[Any, Any]:
         return inputs[0], inputs[1]
     raise ConfigError("strategy 'embeddings' trains on batches of (dense, {column: Bag})",
                       hint="set data.sparse_cols (the categorical columns) and feature_cols (the dense ones)")
+
+
+class EpochBytes:
+    """The bytes a rank sent per training step for its tables, summed over an epoch by exchange
+    (embeddings/exchange.step_bytes' keys; "touched": replicated tables' row mask)."""
+
+    KINDS = ("counts", "ids", "rows", "gradients", "touched")  # fixed: every rank's allreduce is alike
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.seen: set[str] = set()
+        self.steps = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums, self.seen, self.steps = dict.fromkeys(self.KINDS, 0.0), set(), 0
+
+    def add(self, step_bytes: dict[str, int]) -> None:
+        for kind, value in step_bytes.items():
+            if kind in self.sums:
+                self.sums[kind] += float(value)
+                self.seen.add(kind)
+        self.steps += 1
+
+    def take_mean(self, comm: Any) -> dict[str, float]:
+        """Mean bytes per step over the epoch's training steps and over the ranks (each rank's own
+        mean, averaged), for the kinds some rank sent; then starts the next epoch's sums."""
+        steps = max(self.steps, 1)
+        means = [self.sums[k] / steps for k in self.KINDS]
+        seen = [1.0 if k in self.seen else 0.0 for k in self.KINDS]
+        vector = torch.tensor(means + seen + [1.0 if self.steps else 0.0], dtype=torch.float64)
+        comm.allreduce(vector, op="sum")
+        ranks = max(float(vector[-1]), 1.0)
+        count = len(self.KINDS)
+        self._reset()
+        return {k: round(float(vector[i]) / ranks, 1) for i, k in enumerate(self.KINDS) if vector[count + i] > 0}
 
 
 __all__ = ["ShardedEmbeddings", "ROWS_MARK", "table_optimizer"]
