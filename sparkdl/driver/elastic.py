@@ -141,6 +141,19 @@ def fixed_world_after_loss(spark: Any, launch: Any, workers: int, rank_hosts: li
                                  f"waiting launch.replacement_wait_s={wait:g} s for replacements")
 
 
+def grown_world(launch: Any, slots: int, workers: int) -> int:
+    """The world to grow to when `slots` are offered: more than `workers`, at most max_workers;
+    `workers` when there is nothing to grow into."""
+    _, high = worker_range(launch)
+    return max(workers, min(slots, high)) if launch.grow_workers else workers
+
+
+def hosts_of(executors: list[str]) -> list[str]:
+    """Host names of executor host:port addresses, in order, once each."""
+    return list(dict.fromkeys(e.rsplit(":", 1)[0] for e in executors))
+
+
+
 def log_change(tracker: Any, change: MembershipChange, changes: list[MembershipChange]) -> None:
     """MLflow: the workers as a metric over the changes (step 0: the workers the run started with,
     step n: after the n-th change), every change so far as membership.json."""
