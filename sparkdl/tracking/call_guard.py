@@ -8,7 +8,10 @@ never stops for tracking, and one failed call never turns tracking off for the r
   the same request would be refused the same way.
 - The first failure is said once (a warning on the log and a Python warning a notebook shows);
   later ones go to the debug log and are counted (`failures`, the run's tag sparkdl.tracking_failures).
-- Every later call is still made: a server that comes back gets the rest of the run.
+- Every later call is still made: a server that comes back gets the rest of the run. Only the
+  frequent, deferrable ones (metric points, every few seconds) wait `resting()` after a failure:
+  they are kept and go with the first call after it, so a dead server does not hold the driver's
+  channel thread for seconds at every flush.
 
 Standard library only: the unit tests drive it with a fake failing client.
 """
@@ -23,6 +26,7 @@ log = logging.getLogger("sparkdl")
 
 Outcome = Literal["ok", "refused", "failed"]
 RETRY_PAUSE_S = 1.0
+REST_S = 30.0  # how long deferrable calls wait after a failure before trying again
 
 
 def refused(exc: BaseException) -> bool:
@@ -44,9 +48,11 @@ class CallGuard:
     """Runs one tracker's MLflow calls under the rule above; `failures` counts the calls that failed."""
 
     def __init__(self, pause_s: float = RETRY_PAUSE_S, sleep: Callable[[float], None] = time.sleep,
-                 redact: Callable[[str], str] = lambda text: text) -> None:
-        self.pause_s = pause_s
-        self.sleep = sleep
+                 redact: Callable[[str], str] = lambda text: text, rest_s: float = REST_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pause_s, self.rest_s = pause_s, rest_s
+        self.sleep, self.clock = sleep, clock
+        self.failed_at = float("-inf")  # when the last call failed (clock)
         self.redact = redact  # error texts echo URIs (tracking/redaction.py)
         self.failures = 0
         self.healthy = True  # the last call succeeded (or none was made): a failure gets one more try
@@ -74,10 +80,15 @@ class CallGuard:
                 return "ok"
         return "failed"  # pragma: no cover - the loop returns on its last try
 
+    def resting(self) -> bool:
+        """A deferrable call should wait: calls are failing and the last failed under rest_s ago."""
+        return not self.healthy and self.clock() - self.failed_at < self.rest_s
+
     def _failed(self, what: str, exc: BaseException, outcome: Outcome) -> None:
         self.failures += 1
         if outcome == "failed":
             self.healthy = False
+            self.failed_at = self.clock()
         text = self.redact(f"{type(exc).__name__}: {first_line(exc)}")
         if self.said:
             log.debug("sparkdl: MLflow call failed again (could not %s: %s)", what, text)

@@ -108,7 +108,7 @@ class RunTracker:
             return
         self.ended = status
         if self._unsent:
-            self.log_metric_points([])
+            self.log_metric_points([], now=True)
         if self._calls.failures:
             self.set_tags({"sparkdl.tracking_failures": self._calls.failures})
         self._guard("end the MLflow run", lambda: self._client.set_terminated(self.run_id, status=status))
@@ -148,19 +148,23 @@ class RunTracker:
         if changed:
             self.set_tags(changed)
 
-    def log_metric_points(self, points: Sequence[tuple[Mapping[str, float], int]]) -> None:
-        """Many (metrics, step) points in as few requests as MLflow allows (1000 values each)."""
+    def log_metric_points(self, points: Sequence[tuple[Mapping[str, float], int]], now: bool = False) -> None:
+        """Many (metrics, step) points in as few requests as MLflow allows (1000 values each). While
+        calls fail they are kept for a later call (CallGuard.resting), unless `now`."""
         if not self._active():
             return
         import time
 
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        new = [Metric(k, float(v), now, int(step)) for metrics, step in points for k, v in metrics.items()
+        stamp = int(time.time() * 1000)
+        new = [Metric(k, float(v), stamp, int(step)) for metrics, step in points for k, v in metrics.items()
                if _is_number(v)]
         with self._metrics_lock:
             items, self._unsent = self._unsent + new, []
+            if self._calls.resting() and not now:
+                self._unsent = items[-MAX_UNSENT_METRICS:]
+                return
 
             def send() -> None:
                 while items:  # MLflow caps a batch at 1000 values; a sent batch is not sent again

@@ -111,11 +111,13 @@ class FakeClient:
         self.status.append(status)
 
 
-def tracker_on(client: FakeClient) -> RunTracker:
+def tracker_on(client: FakeClient, clock: list[float] | None = None) -> RunTracker:
     tracker = RunTracker(enabled=True)
     tracker.run_id = "run"
     tracker._client = client  # noqa: SLF001 - the fake stands where MlflowClient would
-    tracker._calls = CallGuard(pause_s=0.0, sleep=lambda s: None)  # noqa: SLF001
+    time_now = clock if clock is not None else [0.0]
+    tracker._calls = CallGuard(pause_s=0.0, sleep=lambda s: None, rest_s=30.0,  # noqa: SLF001
+                               clock=lambda: time_now[0])
     return tracker
 
 
@@ -130,19 +132,30 @@ def test_a_param_is_logged_once_and_a_changed_value_becomes_a_tag() -> None:
     assert client.tags == {"world.size": "2"} and tracker.failures == 0
 
 
-def test_metric_points_of_a_failed_call_go_with_the_next_and_the_run_ends_once() -> None:
-    client = FakeClient()
-    tracker = tracker_on(client)
+def test_metric_points_of_a_failed_call_go_with_a_later_one_and_the_run_ends_once() -> None:
+    client, clock = FakeClient(), [0.0]
+    tracker = tracker_on(client, clock)
     client.down = True
     with pytest.warns(RuntimeWarning, match="MLflow tracking failed"):
         tracker.log_metric_points([({"loss": 1.0}, 0)])
     client.down = False
-    tracker.log_metric_points([({"loss": 0.5}, 1)])
-    assert client.metrics == [("loss", 1.0, 0), ("loss", 0.5, 1)]
-    tracker.finish("FINISHED")
+    clock[0] = 10.0
+    tracker.log_metric_points([({"loss": 0.7}, 1)])  # resting after a failure: kept, not sent (no wait at a flush)
+    assert client.metrics == []
+    clock[0] = 31.0
+    tracker.log_metric_points([({"loss": 0.5}, 2)])  # tried again: the server is back, everything goes
+    assert client.metrics == [("loss", 1.0, 0), ("loss", 0.7, 1), ("loss", 0.5, 2)]
+    client.down = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per run
+        tracker.log_metric_points([({"loss": 0.4}, 3)])
+    client.down = False
+    tracker.log_metric_points([({"loss": 0.3}, 4)])  # resting
+    tracker.finish("FINISHED")  # sends what is kept, whatever the rest
     tracker.finish("FAILED")  # a later failure keeps the status the run ended with
+    assert client.metrics[-2:] == [("loss", 0.4, 3), ("loss", 0.3, 4)]
     assert client.status == ["FINISHED"] and tracker.ended == "FINISHED"
-    assert client.tags == {"sparkdl.tracking_failures": "1"}
+    assert client.tags == {"sparkdl.tracking_failures": "2"}
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), ValueError("boom")])
