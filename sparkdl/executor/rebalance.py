@@ -8,8 +8,8 @@ split's; what follows the ranks' measured speeds is *who computes* those rows. E
 its own compute seconds per row (step time less its waits in collectives); every `rebalance_every`
 steps (and after the run's 2nd and 4th: until the first agreement a slow rank holds every step back)
 the ranks agree on their smoothed speeds in one small allreduce, and when the lock-step time
-they predict would improve enough, at WINDOW successive agreements, the step's rows are re-split in
-proportion to speed (never below a floor, so a slow rank's speed stays measured). "Enough" is
+they predict would improve enough, at WINDOW successive agreements (each judged on its own steps'
+speeds, the same rank setting the pace), the step's rows are re-split in proportion to speed (never below a floor, so a slow rank's speed stays measured). "Enough" is
 executor/pace.py's rule, the one that names slow ranks: at least MIN_LOST_S a step and MIN_SHARE of
 the step's predicted compute, so sub-millisecond noise never moves rows (nor says speeds drifted). A slower rank then sends the tail of
 its batch to faster ones, point to point, one step ahead: the rows of step t+1 travel while step t
@@ -94,6 +94,20 @@ def split_cost(shares: Sequence[float], speeds: Sequence[float], rows: int, floo
     return Cost(now - step_time(split_rows(rows, speeds, floor), speeds), now)
 
 
+def window_cost(shares: Sequence[float], speeds: Sequence[float], rows: int, floor: int) -> dict[int, Cost]:
+    """One agreement's measurement for pace.Sustained: {the rank that sets the pace at these speeds:
+    what the current split costs}, from the speeds of the steps since the last agreement alone (not
+    the smoothed ones, which would carry one burst into the next agreement and count it twice); the
+    key is the rank, so a burst that moves from rank to rank (a loaded machine) is no streak."""
+    cost = split_cost(shares, speeds, rows, floor)
+    if cost is None:
+        return {}
+    median = statistics.median(s for s in speeds if s > 0)
+    counts = split_rows(rows, shares, floor)
+    pace = max(range(len(speeds)), key=lambda r: counts[r] / (speeds[r] if speeds[r] > 0 else median))
+    return {pace: cost}
+
+
 def resplit(shares: Sequence[float], speeds: Sequence[float], rows: int, floor: int) -> list[float] | None:
     """The new shares when splitting by `speeds` pays by executor/pace.py's rule (one measurement's
     verdict; the Rebalancer also asks for WINDOW in a row). None: keep the current split."""
@@ -135,7 +149,7 @@ class Rebalancer:
     _seconds: float = 0.0
     _current: tuple[int, int] = (0, 0)
     _started_from: list[float] = field(default_factory=list)  # the shares the run started with
-    _sustained: Sustained = field(default_factory=Sustained)  # agreements in a row at which a re-split paid
+    _sustained: Sustained = field(default_factory=Sustained)  # agreements in a row the same rank cost the run
 
     def __post_init__(self) -> None:
         self._started_from = list(self.shares)
@@ -214,18 +228,19 @@ class Rebalancer:
         """Every `every` steps: the ranks' speeds agreed in one allreduce, and perhaps a new split."""
         if global_step == 0 or (global_step % self.every and global_step not in EARLY_AGREEMENTS):
             return
-        if self._seconds > 0 and self._rows > 0:
-            measured = self._rows / self._seconds
-            self._own_speed = measured if self._own_speed <= 0 else \
-                SMOOTHING * measured + (1.0 - SMOOTHING) * self._own_speed
+        window = self._rows / self._seconds if self._seconds > 0 and self._rows > 0 else 0.0
+        if window > 0:
+            self._own_speed = window if self._own_speed <= 0 else \
+                SMOOTHING * window + (1.0 - SMOOTHING) * self._own_speed
         self._rows = self._seconds = 0.0
-        vector = torch.zeros(self.comm.size, dtype=torch.float64)
-        vector[self.comm.rank] = self._own_speed
+        size = self.comm.size
+        vector = torch.zeros(2 * size, dtype=torch.float64)  # smoothed speeds, then this window's alone
+        vector[self.comm.rank], vector[size + self.comm.rank] = self._own_speed, window
         self.comm.allreduce(vector, op="sum")
-        self.speeds = [float(v) for v in vector]
-        cost = split_cost(self.shares, self.speeds, plan.rows_per_step, self._floor(plan))
-        # The same on every rank: the agreed speeds are, and so is every agreement's verdict.
-        if not self._sustained.update({"split": cost} if cost is not None else {}):
+        self.speeds = [float(v) for v in vector[:size]]
+        # The same verdict on every rank (the agreed figures are), by executor/pace.py's rule.
+        if not self._sustained.update(window_cost(self.shares, [float(v) for v in vector[size:]],
+                                                  plan.rows_per_step, self._floor(plan))):
             return
         new = resplit(self.shares, self.speeds, plan.rows_per_step, self._floor(plan))
         if new is None:

@@ -13,7 +13,7 @@ import pytest
 from sparkdl.driver.monitor import RunMonitor
 from sparkdl.executor.pace import (MIN_LOST_S, WINDOW, Cost, Sustained, costs_the_run, slow_rank_message,
                                    slow_ranks_in_groups, with_costs)
-from sparkdl.executor.rebalance import resplit, split_cost
+from sparkdl.executor.rebalance import resplit, split_cost, window_cost
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "support"))
 
@@ -79,6 +79,24 @@ def test_the_rebalancer_asks_the_same_rule() -> None:
     # the same ratio at 500 rows/s: 22 ms a step saved
     assert resplit(even, [500.0, 150.0], 32, 1) == pytest.approx([500 / 650, 150 / 650])
     assert split_cost(even, [500.0, 0.0], 32, 1) is None
+
+
+def test_an_agreement_is_judged_on_its_own_steps_and_keyed_by_the_rank_that_sets_the_pace() -> None:
+    even = [0.5, 0.5]
+    (rank, cost), = window_cost(even, [500.0, 150.0], 32, 1).items()
+    assert rank == 1 and costs_the_run(cost)
+    assert list(window_cost(even, [150.0, 500.0], 32, 1)) == [0]
+    assert list(window_cost([0.8, 0.2], [500.0, 500.0], 32, 1)) == [0]  # too many rows on a rank as fast
+    assert window_cost(even, [500.0, 0.0], 32, 1) == {}
+
+
+def test_a_burst_moving_from_rank_to_rank_is_no_streak() -> None:
+    from gloo_world import run_world
+    from test_rebalance import _epoch
+
+    # A loaded machine: each window one rank or the other is starved (3x slower, 16 rows at 100 rows/s).
+    results = run_world(2, _epoch, [[100.0, 100 / 3], [100 / 3, 100.0]] * 3, 2)
+    assert results[0]["counts"] == {"rebalances": 0, "rows_moved": 0}
 
 
 def test_sub_millisecond_noise_never_re_splits_nor_says_speeds_drifted() -> None:
