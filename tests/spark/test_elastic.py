@@ -2,8 +2,11 @@
 spark-class on 127.0.0.1): a Worker and its executor killed for good mid-run (nothing relaunches
 them) -> the fit goes on with the 2 workers left, its data parallel weights equal to a run that
 resumed the same checkpoint on 2 workers; fewer slots than min_workers -> a TrainingError naming
-the slots found; a worker that comes back -> the fit grows to 3 at the next epoch end.
-Applications run in subprocesses (this process keeps its local-cluster session)."""
+the slots found; a worker that comes back -> the fit grows to 3 at the next epoch end. Tracked by a
+real MLflow server: a run that shrinks and grows back ends FINISHED with every change in
+membership.json and the workers metric; a run of fixed size that loses a host ends FAILED with a
+TrainingError naming min_workers. Applications run in subprocesses (this process keeps its
+local-cluster session)."""
 from __future__ import annotations
 
 import contextlib
@@ -124,8 +127,9 @@ def test_below_min_workers_the_fit_fails_naming_the_slots_found(cluster, tmp_pat
     assert time.monotonic() - started < 240
 
 
-@ON_THE_BED
-def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def shrink_and_grow_back(cluster: StandaloneCluster, tmp_path: Path, *extra: str) -> tuple[int, str, dict]:
+    """A 3-worker fit that loses a Worker for good (-> 2) and gets a replacement once it went on with 2
+    (-> 3 at an epoch end): (its exit status, its output, what it saved)."""
     restore_workers(cluster, 3)
     marker, log = tmp_path / "killed", tmp_path / "fit.log"
 
@@ -143,12 +147,18 @@ def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_pat
         done = subprocess.run([sys.executable, str(SUPPORT / "elastic_fit.py"), cluster.url, str(tmp_path / "grown.pt"),
                                "--checkpoint-dir", str(tmp_path / "checkpoints"), "--min-workers", "2", "--grow",
                                "--sync", "diloco", "--epochs", "12", "--step-sleep", "0.2", "--kill-marker",
-                               str(marker)], cwd=REPO, env=environment(), stdout=sink, stderr=subprocess.STDOUT,
+                               str(marker), *extra], cwd=REPO, env=environment(), stdout=sink, stderr=subprocess.STDOUT,
                               timeout=600)
     helper.join(60)
     output = log.read_text(errors="replace")
-    assert done.returncode == 0, output[-5000:]
-    grown = torch.load(tmp_path / "grown.pt", weights_only=False)
+    saved = torch.load(tmp_path / "grown.pt", weights_only=False) if done.returncode == 0 else {}
+    return done.returncode, output, saved
+
+
+@ON_THE_BED
+def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    returncode, output, grown = shrink_and_grow_back(cluster, tmp_path)
+    assert returncode == 0, output[-5000:]
     workers = [h["workers"] for h in grown["history"]]
     assert 2 in workers and workers[-1] == 3, (workers, output[-3000:])
     changes = [c for h in grown["history"] for c in h.get("membership", [])]
@@ -156,3 +166,52 @@ def test_a_worker_that_comes_back_grows_the_run_at_an_epoch_end(cluster, tmp_pat
     assert changes[1]["reason"] == "slots returned" and "sparkdl: workers 2 -> 3 (slots returned" in output
     assert changes[1]["global_batch"] == changes[0]["global_batch"] == 24
     assert all(h["val_loss"] < 1.2 for h in grown["history"][-2:])  # it kept learning through both changes
+
+
+def test_a_run_that_shrinks_and_grows_back_keeps_its_whole_mlflow_record(cluster, mlflow_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 52: each attempt re-logged world.size, MLflow refused the changed value and tracking went
+    off: the run stayed RUNNING, without its loss curve, and the grow-back never reached MLflow."""
+    from mlflow import MlflowClient
+
+    returncode, output, grown = shrink_and_grow_back(cluster, tmp_path, "--tracking-uri", mlflow_server.uri,
+                                                     "--experiment", "sparkdl-elastic")
+    assert returncode == 0, output[-5000:]
+    assert "MLflow tracking failed" not in output, output[-3000:]
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    run = client.get_run(grown["run_id"])
+    assert run.info.status == "FINISHED"
+    changes = [c for h in grown["history"] for c in h.get("membership", [])]
+    assert [(c["from_workers"], c["to_workers"]) for c in changes] == [(3, 2), (2, 3)]
+    logged = json.loads(Path(client.download_artifacts(run.info.run_id, "membership.json", str(tmp_path))).read_text())
+    assert logged == changes  # every change, the grow-back too, as the history has them
+    workers = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "workers"))
+    assert workers == [(0, 3.0), (1, 2.0), (2, 3.0)]
+    # Each attempt's world: metrics over the attempts and a tag each; params only the first one's.
+    sizes = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "world_size"), key=lambda m: m.step)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [3.0, 2.0, 3.0], sizes
+    assert run.data.tags["sparkdl.attempts"] == str(len(sizes)) and run.data.params["world.size"] == "3"
+    assert "2 workers on" in run.data.tags["sparkdl.attempt.2.world"]
+    epochs = {m.step for m in client.get_metric_history(run.info.run_id, "epoch_loss")}
+    assert epochs == set(range(12))  # the whole loss curve, across both changes
+    assert {"loss_curve.png", "membership.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_a_run_of_fixed_size_that_loses_a_host_fails_naming_min_workers(cluster, mlflow_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """min_workers unset (= num_workers): the run waits replacement_wait_s for a replacement, then
+    fails naming what it lost and min_workers (was: the slot check's InsufficientSlotsError)."""
+    from mlflow import MlflowClient
+
+    restore_workers(cluster, 3)
+    marker = tmp_path / "killed"
+    done = fit(cluster, tmp_path / "none.pt", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--kill-marker",
+               str(marker), "--tracking-uri", mlflow_server.uri, "--experiment", "sparkdl-fixed-size-loss",
+               check=False)
+    assert marker.exists() and done.returncode != 0
+    assert re.search(r"TrainingError: the run lost (executors|host\(s\) [^:]+): 2 slot\(s\) found after waiting "
+                     r"launch.replacement_wait_s=5 s for replacements, fewer than launch.min_workers=3 "
+                     r"\(unset: num_workers\) \(it had 3\)", done.stderr), done.stderr[-3000:]
+    assert "InsufficientSlotsError" not in done.stderr
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("sparkdl-fixed-size-loss").experiment_id])
+    assert run.info.status == "FAILED"
+    assert "failure.txt" in {a.path for a in client.list_artifacts(run.info.run_id)}

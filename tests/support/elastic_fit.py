@@ -6,7 +6,9 @@ file.
 
     python elastic_fit.py MASTER OUT --checkpoint-dir DIR [--workers 3] [--min-workers 2] [--grow]
         [--kill-marker PATH] [--kill-rank 2] [--kill-call 9] [--strategy data_parallel] [--sync allreduce]
-        [--resume-run ID] [--epochs 4] [--batch 8] [--step-sleep S]
+        [--resume-run ID] [--epochs 4] [--batch 8] [--step-sleep S] [--tracking-uri URI --experiment NAME]
+
+With --tracking-uri the fit is tracked there (its MLflow run id saved as "run_id"); else untracked.
 """
 from __future__ import annotations
 
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument("--experiment", default=None)
     args = parser.parse_args()
     from pyspark.sql import SparkSession
 
@@ -101,13 +105,14 @@ def main() -> None:
         model=net, feature_cols=FEATURES, label_col="label", batch_size=args.batch, epochs=args.epochs,
         num_workers=args.workers, min_workers=args.min_workers, max_workers=args.max_workers,
         grow_workers=args.grow, replacement_wait_s=5.0, slot_wait_s=60.0, optimizer="sgd", lr=0.1, momentum=0.9,
-        seed=5, strategy=args.strategy, tracking=False, progress=False, loss=killing_loss,
+        seed=5, strategy=args.strategy, tracking=args.tracking_uri is not None, tracking_uri=args.tracking_uri,
+        experiment=args.experiment, progress=False, loss=killing_loss,
         validation_df=rows_df(spark, 96), checkpoint_dir=args.checkpoint_dir, checkpoint_every=3,
         keep_checkpoints=args.keep, resume_run=args.resume_run, peer_failure_delay_s=0.5, timeout_s=60.0, **sync)
     model = estimator.fit(df)
     runs = [p.name for p in Path(args.checkpoint_dir).iterdir() if p.is_dir()]
     torch.save({"state": model.torch_module().state_dict(), "history": json.loads(json.dumps(model.history)),
-                "runs": runs}, args.out)
+                "runs": runs, "run_id": model.run_id}, args.out)
     spark.stop()
 
 
