@@ -205,7 +205,9 @@ def demo_session(master: str, workers: int) -> Any:
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = (SparkSession.builder.appName("sparkdl-demo").config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false"))
+               .config("spark.ui.showConsoleProgress", "false")
+               # the feature expression's plan is wide: without this Spark warns it truncated its text
+               .config("spark.sql.debug.maxToStringFields", "1000"))
     try:
         spark = builder.master(master).getOrCreate()
         deadline = time.monotonic() + 60
@@ -221,25 +223,32 @@ def demo_session(master: str, workers: int) -> Any:
     return builder.master(f"local[{workers}]").getOrCreate()
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def demo_job(spark: Any, epochs: int, workers: int, **options: Any) -> tuple[Any, float, int]:
+    """The demo's job on `spark`: train on the bundled digits, print the epoch table; (the model,
+    its test accuracy, test rows). `options` go to the estimator (tests: tracking=False)."""
     from pyspark.sql import functions as F
 
     from sparkdl.datasets import DIGITS_FEATURE_COLS, digits_dataframe, train_test_split_digits
     from sparkdl.estimator import TorchEstimator
 
+    train_idx, test_idx = train_test_split_digits(seed=0)
+    estimator = TorchEstimator(model=functools.partial(build_mlp, 64, (128,), 10), feature_cols=DIGITS_FEATURE_COLS,
+                               label_col="label", optimizer="adam", lr=DEMO_LR, batch_size=32,
+                               epochs=epochs, num_workers=workers, seed=0, **options)
+    model = estimator.fit(digits_dataframe(spark, indices=train_idx))
+    print_history(model.history, epochs)
+    scored = model.transform(digits_dataframe(spark, indices=test_idx))
+    acc = scored.agg(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+    return model, float(acc), len(test_idx)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     spark = demo_session(args.master, args.workers)
     try:
         print(f"spark master: {facts(spark).master()}", flush=True)
-        train_idx, test_idx = train_test_split_digits(seed=0)
-        estimator = TorchEstimator(model=functools.partial(build_mlp, 64, (128,), 10), feature_cols=DIGITS_FEATURE_COLS,
-                                   label_col="label", optimizer="adam", lr=DEMO_LR, batch_size=32,
-                                   epochs=args.epochs, num_workers=args.workers, seed=0)
-        model = estimator.fit(digits_dataframe(spark, indices=train_idx))
-        print_history(model.history, args.epochs)
-        scored = model.transform(digits_dataframe(spark, indices=test_idx))
-        acc = scored.agg(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
-        print(f"test accuracy: {acc:.3f} ({len(test_idx)} test rows, {time.perf_counter() - started:.1f} s in all)",
+        _, acc, rows = demo_job(spark, args.epochs, args.workers)
+        print(f"test accuracy: {acc:.3f} ({rows} test rows, {time.perf_counter() - started:.1f} s in all)",
               flush=True)
         return 0
     finally:
