@@ -32,7 +32,10 @@ class SparkdlPyfunc(PythonModel):
         files = sorted(os.path.join(weights, name) for name in os.listdir(weights) if name.endswith(".safetensors"))
         self.served = module_from_files(skeleton, files)
 
-    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        """`model_input` as MLflow hands it after its schema check: a frame of the user's columns in
+        JSON's types (sparkdl/tracking/json_types.py), a dict of numpy arrays (tensor specs), or an
+        older model's feature matrix; ServedModel narrows each column to the dtype it trained with."""
         return pd.DataFrame(self.served.predict_columns(model_input))
 
 
