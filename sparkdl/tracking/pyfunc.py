@@ -32,7 +32,8 @@ class SparkdlPyfunc(PythonModel):
         files = sorted(os.path.join(weights, name) for name in os.listdir(weights) if name.endswith(".safetensors"))
         self.served = module_from_files(skeleton, files)
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
+    # The hint stays pd.DataFrame: MLflow reads it when logging, and warns on one it cannot use (Any).
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         """`model_input` as MLflow hands it after its schema check: a frame of the user's columns in
         JSON's types (sparkdl/tracking/json_types.py), a dict of numpy arrays (tensor specs), or an
         older model's feature matrix; ServedModel narrows each column to the dtype it trained with."""
