@@ -321,3 +321,14 @@ def test_a_training_error_masks_credentials_in_the_users_error(spark) -> None:  
     assert "rank 1: OSError: cannot open s3://" in text and "@bucket/data" in text
     for secret in ("wJalrXUtnFEMI", "K7MDENG", "AKIAIOSFODNN7EXAMPLE", "ghp_abcdefghij"):
         assert secret not in text and secret not in info.value.message
+
+
+@pytest.mark.parametrize("options", [{"timeout_s": float("nan")}, {"slot_wait_s": float("inf")},
+                                     {"channel": "0.0"}])
+def test_the_compat_layer_refuses_the_same_options_before_any_job(spark, options) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl.compat import TorchDistributor
+
+    jobs_before = _next_job_id(spark)
+    with pytest.raises(ConfigError, match=rf"launch\.{next(iter(options))}"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, **options).run(_noop, None)
+    assert _next_job_id(spark) == jobs_before
