@@ -61,19 +61,21 @@ class TorchDistributor:
             gpus = int(float(conf("spark.driver.resource.gpu.amount", "0") or 0))
             if gpus < 1:
                 raise CompatRuntimeError(f"{self.name}(use_gpu=True, local_mode=True) needs GPUs on the driver, but "
-                                  "spark.driver.resource.gpu.amount is not set",
+                                  "GPU resources were not configured properly on the driver "
+                                  "(spark.driver.resource.gpu.amount is not set)",
                                   hint="TorchDistributor(..., use_gpu=False) trains on CPUs; or start Spark with "
                                        "spark.driver.resource.gpu.amount and a discovery script")
             self.num_processes = min(self.num_processes, gpus)
             return self.num_processes
         per_task = int(float(conf("spark.task.resource.gpu.amount", "0") or 0))
         if per_task < 1:
-            raise CompatRuntimeError(f"{self.name}(use_gpu=True) needs GPUs in every task, but spark.task.resource.gpu.amount "
-                              "is not set", hint="TorchDistributor(..., use_gpu=False) trains on CPUs; or give tasks "
+            raise CompatRuntimeError(f"{self.name}(use_gpu=True) needs GPUs in every task, but "
+                              "'spark.task.resource.gpu.amount' was unset, so gpu usage is unavailable",
+                              hint="TorchDistributor(..., use_gpu=False) trains on CPUs; or give tasks "
                                                  "GPUs (spark.task.resource.gpu.amount=1, conf/spark/gpu-cluster.conf)")
         if self.num_processes % per_task:
-            raise CompatRuntimeError(f"{self.name}: num_processes ({self.num_processes}) must be a multiple of "
-                              f"spark.task.resource.gpu.amount ({per_task})",
+            raise CompatRuntimeError(f"{self.name} 'num_processes' value ({self.num_processes}) must be a multiple of "
+                              f"'spark.task.resource.gpu.amount' ({per_task}) value",
                               hint=f"num_processes={self.num_processes - self.num_processes % per_task or per_task}")
         return per_task
 

@@ -1,7 +1,8 @@
 """Driver side of a launch: check slots, submit the barrier mapInArrow job, collect rank 0's result.
 
 Spark retries a barrier stage that cannot get all its slots for ~10 minutes before failing, so the
-slot count is checked first and a shortfall fails within `launch.slot_wait_s` with both numbers.
+slot count is checked first and a shortfall fails within `launch.slot_wait_s` (unset: Spark's own
+barrier-check budget) with both numbers.
 """
 from __future__ import annotations
 
@@ -34,29 +35,68 @@ def concurrent_slots(spark: SparkSession, profile: Any = None, wanted: int = 0) 
     return facts(spark).slots(profile, wanted)
 
 
-def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float, profile: Any = None,
+# Spark's own patience for a barrier stage short of slots (its defaults: 15 s x 40 checks).
+BARRIER_CHECK_INTERVAL = "spark.scheduler.barrier.maxConcurrentTasksCheck.interval"
+BARRIER_CHECK_FAILURES = "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures"
+SLOT_WAIT_REPORT_S = 15.0  # how often the wait says where it stands
+
+
+def spark_seconds(text: str | None, default: float) -> float:
+    """A Spark time setting in seconds ("15s", "2min", "500ms", "1h"; a bare number is seconds)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|sec|m|min|h|d)?\s*", str(text or ""))
+    if not match:
+        return default
+    scale = {"ms": 1e-3, None: 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+    return float(match.group(1)) * scale[match.group(2)]
+
+
+def slot_wait_seconds(spark: SparkSession, wait_s: float | None) -> float:
+    """launch.slot_wait_s, or unset: as long as Spark's barrier-scheduling check would wait (its
+    interval x maxFailures), so a cluster still registering executors is given Spark's own patience."""
+    if wait_s is not None:
+        return float(wait_s)
+    conf = facts(spark).conf
+    interval = spark_seconds(conf(BARRIER_CHECK_INTERVAL, "15s"), 15.0)
+    try:
+        failures = int(conf(BARRIER_CHECK_FAILURES, "40") or 40)
+    except ValueError:
+        failures = 40
+    return max(interval * failures, 0.0)
+
+
+def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float | None, profile: Any = None,
                  gpus_per_worker: int = 0) -> int:
-    """Wait (executors may still be registering) up to wait_s for num_workers slots, else raise."""
+    """Wait (executors may still be registering) up to wait_s (None: Spark's barrier-check budget)
+    for num_workers slots, saying how the wait goes every SLOT_WAIT_REPORT_S, else raise."""
     # Only a cluster manager adds executors over time; a local master's slot count is final.
     master = facts(spark).master()
-    deadline = time.monotonic() + (0.0 if is_local_master(master) else wait_s)
+    budget = 0.0 if is_local_master(master) else slot_wait_seconds(spark, wait_s)
+    start = time.monotonic()
+    next_report = start  # said at once, then every SLOT_WAIT_REPORT_S
     while True:
         slots = concurrent_slots(spark, profile, num_workers)
-        if slots >= num_workers or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if slots >= num_workers or now - start >= budget:
             break
-        time.sleep(0.5)
+        if now >= next_report:
+            log.warning("sparkdl: waiting for task slots: %d of %d free after %.0f s (up to %.0f s for executors "
+                        "to register; launch.slot_wait_s)", slots, num_workers, now - start, budget)
+            next_report = now + SLOT_WAIT_REPORT_S
+        time.sleep(min(0.5, max(budget - (now - start), 0.01)))
+    waited = f" after waiting {time.monotonic() - start:.0f} s" if budget else ""
     if slots < num_workers and gpus_per_worker:
         raise InsufficientSlotsError(
             f"num_workers={num_workers} with gpus_per_worker={gpus_per_worker} needs {num_workers} tasks "
-            f"with {gpus_per_worker} GPU(s) each at once, but the executors' GPUs and cores allow only {slots}",
+            f"with {gpus_per_worker} GPU(s) each at once, but the executors' GPUs and cores allow only {slots}{waited}",
             hint=f"lower num_workers to {max(slots, 1)} or gpus_per_worker, or give executors more GPUs "
                  f"(spark.executor.resource.gpu.amount and a discovery script)")
     if slots < num_workers:
         raise InsufficientSlotsError(
             f"num_workers={num_workers} needs {num_workers} task slots at once, but Spark ({master}) "
-            f"can run only {slots} tasks at the same time",
+            f"can run only {slots} tasks at the same time{waited}",
             hint=f"lower num_workers to {max(slots, 1)}, or give Spark more executor cores "
-                 f"(e.g. master local[{num_workers}] or more executors); a barrier job needs every slot at once")
+                 f"(e.g. master local[{num_workers}] or more executors); a barrier job needs every slot at once; "
+                 f"launch.slot_wait_s waits longer for executors still registering")
     return slots
 
 
