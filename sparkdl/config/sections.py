@@ -73,18 +73,13 @@ class DataConfig:
     packing: bool = False  # causal LMs: a batch's texts joined (end-of-text between) and cut into max_length blocks
 
     def validate(self, columns: bool = True) -> None:
-        """`columns=False`: a run without a DataFrame (sparkdl.run's own loop), whose column options
-        do not apply; every other data option is still checked."""
         check_types("data", self)
-        if not columns:
-            check_rows_options(self)
-        elif self.input_cols is not None:
-            check_input_spec(self)
-        else:
-            check_feature_spec(self)
-        if columns:
+        if columns:  # False: a run without a DataFrame (sparkdl.run's own loop), no column options apply
+            (check_input_spec if self.input_cols is not None else check_feature_spec)(self)
             check_sparse_cols(self)
             check_text_options(self)
+        else:
+            check_rows_options(self)
         positive_int_or_zero("data.prefetch_batches", self.prefetch_batches)
         choice("data.spool", self.spool, SPOOL_MODES)
         positive_int_or_zero("data.shuffle_buffer_rows", self.shuffle_buffer_rows)
@@ -335,10 +330,9 @@ class RunConfig:
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     def validate(self, columns: bool = True) -> "RunConfig":
-        """Every option of every section, and the rules across sections: the one validation of fit,
-        run (with a DataFrame, and without one: `columns=False`), plan, the CLI and the estimator.
-        Each section's own `validate` checks types and finiteness too, so a section checked alone
-        (sparkdl.compat's launch options) meets the same rules."""
+        """Every option and the rules across sections: the one validation of fit, run (without a
+        DataFrame: `columns=False`), plan and the CLI. Each section's `validate` checks its types and
+        finiteness too, so one checked alone (sparkdl.compat's launch) meets the same rules."""
         for section in _sections(self):
             part = getattr(self, section)
             if section == "data":
