@@ -29,7 +29,9 @@ from standalone import StandaloneCluster, descendants, environment
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(900)
+# Mostly waiting (JVMs starting, a host's replacement, replacement_wait_s): `make test` runs it in the
+# bed's lane, beside the main one (setup.cfg's bed_lane marker).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.bed_lane]
 # Where the multi-host bed runs, tests/spark/test_multihost_elastic.py runs these on hosts of their own.
 ON_THE_BED = pytest.mark.skipif(multihost.why_not() is None, reason="the multi-host bed runs this across hosts "
                                 "(tests/spark/test_multihost_elastic.py); here only where it cannot run")

@@ -13,10 +13,9 @@ import sparkdl
 from sparkdl import TorchEstimator
 from sparkdl.errors import ConfigError, TrainingError
 
-if os.environ.get("SPARKDL_REQUIRE_HOROVOD"):
-    import horovod.torch as hvd  # `make test` built it: a failed import must fail, not skip
-else:
-    hvd = pytest.importorskip("horovod.torch", reason="Horovod is not installed: run `make horovod`")
+# Horovod is imported by each test, not here: `make test` collects this module while it still builds
+# Horovod. tests/conftest.py fails these tests where Horovod does not import and SPARKDL_REQUIRE_HOROVOD
+# is set (`make test` built it), and skips them elsewhere.
 pytestmark = pytest.mark.horovod
 
 

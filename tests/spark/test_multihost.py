@@ -110,6 +110,7 @@ def test_every_strategy_trains_across_hosts_whose_names_resolve_to_loopback(bed_
         assert result["accuracy"] >= 0.55, (strategy, result)  # the largest class is 47 % of the rows
 
 
+@pytest.mark.horovod  # `make test` runs this module once its Horovod build ended (tests/conftest.py)
 def test_horovod_refuses_before_training_where_its_connection_would_dial_loopback(bed_run) -> None:  # type: ignore[no-untyped-def]
     result = bed_run["fit-horovod"]
     assert result.get("error") == "TrainingError", result
