@@ -159,9 +159,11 @@ def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any
     return config.merged({"data": {"feature_cols": tuple(features), "label_col": label}}).validate()
 
 
-def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: str, prediction_col: str = "prediction",
+def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: str, columns: Any = "prediction",
             batch_size: int = 1024, gpus_per_task: float = 0.0, served: Any = None) -> Any:
-    """Append `prediction_col` computed on the executors through mapInArrow; every input column kept.
+    """Append the prediction computed on the executors through mapInArrow (and, for classifiers,
+    rawPrediction and probability vectors: `columns`, a tracking.inference.ScoreColumns or the
+    prediction column's name); every input column kept.
 
     `gpus_per_task` > 0 runs the scoring stage under a task ResourceProfile with that many GPUs, so a
     CPU-default application scores on GPUs; a fraction (0.25) lets 1/amount tasks share one GPU."""
@@ -173,27 +175,32 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
     from sparkdl.data.feed import check_columns, features_expression
     from sparkdl.data.layout import FEATURES_COLUMN
     from sparkdl.errors import SchemaError
-    from sparkdl.tracking.inference import make_predict_fn
+    from sparkdl.tracking.inference import ScoreColumns, make_predict_fn
     from sparkdl.driver.job import gpu_task_profile
     from sparkdl.wire.codec import dumps_any
 
     check_gpus_per_task(gpus_per_task)
     check_inference_batch_size(batch_size)
+    columns = ScoreColumns(prediction=columns) if isinstance(columns, str) else columns
     cols = list(layout.source_input_cols)
     check_columns(df, cols)
-    if prediction_col in df.columns:
-        raise SchemaError(f"the DataFrame already has a column named {prediction_col!r}",
-                          hint="drop it first or pass another prediction column name")
-    prediction_type = {"class": T.LongType(), "binary": T.LongType(), "value": T.DoubleType(),
+    scores = columns.scores(kind)
+    for name in (columns.prediction, *scores):
+        if name in df.columns:
+            raise SchemaError(f"the DataFrame already has a column named {name!r}, which transform writes",
+                              hint="drop it first, or name the output otherwise (setPredictionCol, "
+                                   "setProbabilityCol, setRawPredictionCol; \"\" leaves a score column out)")
+    prediction_type = {"class": T.DoubleType(), "binary": T.DoubleType(), "value": T.DoubleType(),
                        "classes": T.ArrayType(T.LongType()), "values": T.ArrayType(T.FloatType()),
                        "text": T.StringType(), "embedding": T.ArrayType(T.FloatType())}[kind]
     metadata = {"sparkdl.output_shape": list(served.output_shape)} if served is not None else {}
-    out_schema = T.StructType(df.schema.fields + [T.StructField(prediction_col, prediction_type, True, metadata)])
+    out_schema = T.StructType(df.schema.fields + [T.StructField(columns.prediction, prediction_type, True, metadata)]
+                              + [T.StructField(name, T.ArrayType(T.DoubleType()), True) for name in scores])
     spark = df.sparkSession
     ship_by_value(module, served.transform_fn if served is not None else None, spark=spark)
     module_bytes = facts(spark).ship(dumps_any(module))
     carried = replace(served, module=None) if served is not None else None
-    fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, prediction_col,
+    fn = make_predict_fn(module_bytes, uuid.uuid4().hex, FEATURES_COLUMN, layout.num_features, kind, columns,
                          batch_size, carried)
     profile = gpu_task_profile(spark, gpus_per_task) if gpus_per_task else None
     if layout.sparse:  # ids mapped to table rows by the SQL training used
@@ -206,4 +213,9 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
         prepared = df.withColumns({c.column: selected_inputs(df, c) for c in layout.inputs})
     else:
         prepared = df.withColumn(FEATURES_COLUMN, features_expression(df, cols))
-    return prepared.mapInArrow(fn, out_schema, profile=profile)
+    scored = prepared.mapInArrow(fn, out_schema, profile=profile)
+    if not scores:
+        return scored
+    from pyspark.ml.functions import array_to_vector
+
+    return scored.withColumns({name: array_to_vector(name) for name in scores})  # Spark ML's evaluators read vectors

@@ -1,49 +1,59 @@
-"""TorchEstimator and TorchModel: sparkdl as pyspark.ml stages (fit/transform, Pipelines, save/load)."""
+"""TorchEstimator and TorchModel: sparkdl as pyspark.ml stages (fit/transform, Params, tuning,
+Pipelines, save/load; estimator_params.py declares the Params, estimator_io.py saves and loads)."""
 from __future__ import annotations
 
-import dataclasses
-import io
-import json
-import pickle
 from typing import Any
 
 from pyspark.ml import Estimator, Model
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import DataFrame
 
 from sparkdl import api
 from sparkdl.config import RunConfig
 from sparkdl.data.layout import FeedLayout
 from sparkdl.errors import SparkdlError
-from sparkdl.spark.session import facts
-from sparkdl.storage.files import (delete_tree, exists, join, list_names, locate, pyarrow_reaches, read_all,
-                                   read_bytes, write_atomic, write_bytes)
-
-FORMAT_VERSION = 2  # 1: module.pkl held the weights too, with state.pt beside it (still read)
-WEIGHTS_DIR = "weights"
+from sparkdl.estimator_params import RunConfigParams, ScoreColumnParams
 
 
-class TorchEstimator(Estimator, MLWritable):
+class TorchEstimator(RunConfigParams, Estimator, MLWritable, MLReadable):
     """`TorchEstimator(model=net, feature_cols=[...], label_col="label", ...).fit(df) -> TorchModel`.
 
-    Keyword options are those of RunConfig (see conf/defaults.toml); unknown ones raise at once.
+    Keyword options are those of RunConfig (see conf/defaults.toml), or Spark ML's column names
+    (featuresCol, labelCol, predictionCol, probabilityCol, rawPredictionCol, weightCol); unknown
+    ones raise at once. Each is a Spark ML Param (`est.lr`, `est.getLr()`, `est.setLr(0.1)`), so
+    ParamGridBuilder, CrossValidator and TrainValidationSplit tune it, and a Pipeline saves it.
     """
 
     def __init__(self, model: Any = None, *, config: RunConfig | None = None, validation_df: DataFrame | None = None,
                  plan: Any = None, **options: Any) -> None:
-        """`plan`: a kept plan (what sparkdl.plan returns, or its JSON text) to train with exactly,
-        without planning again; `plan_from_run=<MLflow run id>` takes an earlier fit's plan.json."""
+        """`config`: the base every option's default comes from. `plan`: a kept plan (what
+        sparkdl.plan returns, or its JSON text) to train with exactly, without planning again;
+        `plan_from_run=<MLflow run id>` takes an earlier fit's plan.json."""
         super().__init__()
         self.model = model
         self.validation_df = validation_df
-        self.config = RunConfig.from_kwargs(base=config, **options)
+        self.base_config = config or RunConfig()
+        self._config_defaults(self.base_config)
+        self._set_options(options)
         self.plan = api.kept_plan(plan, self.config) if isinstance(plan, (str, bytes)) else plan
 
+    @property
+    def config(self) -> RunConfig:
+        """The RunConfig a fit of this estimator runs with: the base config with every Param's value."""
+        return self._run_config(self.base_config)
+
+    def setParams(self, **options: Any) -> "TorchEstimator":
+        """Set any options by name (sparkdl's or Spark ML's column names), as the constructor takes them."""
+        self._set_options(options)
+        return self
+
     def _fit(self, dataset: DataFrame) -> "TorchModel":
-        result = api.fit(dataset, self.model, self.config, validation_df=self.validation_df, plan=self.plan)
+        config = self.config
+        result = api.fit(dataset, self.model, config, validation_df=self.validation_df, plan=self.plan)
         model = TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
-                           history=result.history, prediction_col=self.config.data.prediction_col,
-                           run_id=result.extra.get("mlflow_run_id"), options=result.config.flat())
+                           history=result.history, prediction_col=config.data.prediction_col,
+                           run_id=result.extra.get("mlflow_run_id"), options=result.config.flat(),
+                           probability_col=self.getProbabilityCol(), raw_prediction_col=self.getRawPredictionCol())
         model.model_uri = result.extra.get("model_uri")  # the MLflow model (pyfunc-loadable)
         model.transform_fn = result.config.data.transform_fn
         model.explicit_dtypes = sorted(result.config.data.input_dtypes or {})
@@ -58,22 +68,33 @@ class TorchEstimator(Estimator, MLWritable):
         return model
 
     def write(self) -> MLWriter:
-        raise SparkdlError("TorchEstimator is not saved; save the fitted TorchModel instead",
-                           hint="model = estimator.fit(df); model.save(path)")
+        from sparkdl.estimator_io import TorchEstimatorWriter
+
+        return TorchEstimatorWriter(self)
+
+    @classmethod
+    def read(cls) -> MLReader:
+        from sparkdl.estimator_io import TorchEstimatorReader
+
+        return TorchEstimatorReader(cls)
 
 
-class TorchModel(Model, MLWritable, MLReadable):
-    """A trained module plus what it needs to score a DataFrame like the one it was trained on."""
+class TorchModel(ScoreColumnParams, Model, MLWritable, MLReadable):
+    """A trained module plus what it needs to score a DataFrame like the one it was trained on.
+    Its Params are the columns transform writes: predictionCol (a double for classifiers and
+    regressors) and, for classifiers, probabilityCol and rawPredictionCol (vectors; "": left out)."""
 
     def __init__(self, module: Any = None, layout: FeedLayout | None = None, output_kind: str = "class",
                  history: list[dict[str, Any]] | None = None, prediction_col: str = "prediction",
-                 run_id: str | None = None, options: dict[str, Any] | None = None) -> None:
+                 run_id: str | None = None, options: dict[str, Any] | None = None,
+                 probability_col: str = "probability", raw_prediction_col: str = "rawPrediction") -> None:
         super().__init__()
+        self._score_defaults(prediction_col)
+        self._set(probabilityCol=probability_col, rawPredictionCol=raw_prediction_col)
         self._module = module
         self.layout = layout
         self.output_kind = output_kind
         self.history = list(history or [])
-        self.prediction_col = prediction_col
         self.run_id = run_id  # the MLflow run of the fit (None when tracking was off or failed)
         self.options = dict(options or {})
         self.model_uri: str | None = None
@@ -88,6 +109,10 @@ class TorchModel(Model, MLWritable, MLReadable):
         self.model_return: dict[str, Any] = {}  # bytes and seconds of the trip back (not saved)
         self._pending_parts: Any = None  # trained_model.ModelParts not loaded yet (output.load_model=False)
         self.generation: Any = None  # output_kind "text": model/generation.Generation (None: its defaults)
+
+    @property
+    def prediction_col(self) -> str:
+        return self.getPredictionCol()
 
     def _defer_loading(self, parts: Any) -> None:
         """Keep the trained weights in their files until the module is first used; the files go when
@@ -185,197 +210,25 @@ class TorchModel(Model, MLWritable, MLReadable):
     def _transform(self, dataset: DataFrame) -> DataFrame:
         if self._module is None or self.layout is None:
             raise SparkdlError("this TorchModel holds no trained module", hint="fit an estimator or TorchModel.load(path)")
-        return api.predict(dataset, self.torch_module(), self.layout, self.output_kind, self.prediction_col,
+        return api.predict(dataset, self.torch_module(), self.layout, self.output_kind, self.score_columns(),
                            batch_size=self.inference_batch_size, gpus_per_task=self.inference_gpus,
                            served=self.served() if self.layout.tensor_inputs else None)
 
+    def score_columns(self) -> Any:
+        """The columns transform writes (tracking/inference.ScoreColumns) from this model's Params."""
+        from sparkdl.tracking.inference import ScoreColumns
+
+        return ScoreColumns(self.getPredictionCol(), self.getProbabilityCol(), self.getRawPredictionCol())
+
     def write(self) -> MLWriter:
-        return _TorchModelWriter(self)
+        from sparkdl.estimator_io import TorchModelWriter
+
+        return TorchModelWriter(self)
 
     @classmethod
     def read(cls) -> MLReader:
-        return _TorchModelReader(cls)
+        from sparkdl.estimator_io import TorchModelReader
+
+        return TorchModelReader(cls)
 
 
-class _TorchModelWriter(MLWriter):
-    """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
-    data/: the module's weightless skeleton (module.pkl), its weights as tensor files (weights/,
-    written a piece at a time from the tensors, or copied from the ranks' files when the model was
-    never loaded) and sparkdl.json; all through sparkdl/storage/files.py."""
-
-    def __init__(self, instance: TorchModel) -> None:
-        super().__init__()
-        self.instance = instance
-
-    def saveImpl(self, path: str) -> None:
-        from sparkdl.model.trained import skeleton_bytes
-
-        model = self.instance
-        if model._module is None or model.layout is None:
-            raise SparkdlError("cannot save a TorchModel that holds no trained module")
-        if pyarrow_reaches(path) and exists(locate(path).child("metadata")):
-            raise SparkdlError(f"{path!r} already holds a saved model",
-                               hint="model.write().overwrite().save(path) replaces it")
-        info = {"format": FORMAT_VERSION, "layout": model.layout.to_dict(), "output_kind": model.output_kind,
-                "output_shape": list(model.output_shape), "explicit_dtypes": list(model.explicit_dtypes),
-                "history": model.history, "prediction_col": model.prediction_col, "run_id": model.run_id,
-                "inference": {"gpus_per_task": model.inference_gpus, "batch_size": model.inference_batch_size},
-                "options": {k: v for k, v in model.options.items() if _jsonable(v)},
-                "generation": dataclasses.asdict(model.generation) if model.generation is not None else None}
-        data = join(path, "data")
-        _write_weights(self.sparkSession, join(data, WEIGHTS_DIR), model)
-        files = [("module.pkl", skeleton_bytes(model._module)), ("sparkdl.json", json.dumps(info, indent=1).encode())]
-        if model.transform_fn is not None:
-            from sparkdl.wire.codec import dumps_any
-
-            files.append(("transform_fn.pkl", dumps_any(model.transform_fn)))
-        for name, payload in files:
-            write_bytes(self.sparkSession, join(data, name), payload)
-        _save_metadata(self.sparkSession, model, path)  # last: a half-saved model has none, and no loader takes it
-
-    def _handleOverwrite(self, path: str) -> None:
-        if pyarrow_reaches(path):
-            delete_tree(locate(path))
-            return
-        super()._handleOverwrite(path)
-
-
-def _save_metadata(spark: Any, model: TorchModel, path: str) -> None:
-    """Spark ML's metadata (PipelineModel.load finds the class by it): written from this process where
-    pyarrow reaches the path (on a cluster, Spark's own writer would put a local path on an executor's
-    disk, and needs a Hadoop connector for object stores), else by Spark's writer."""
-    extra = {"sparkdlFormat": FORMAT_VERSION}
-    if not pyarrow_reaches(path):
-        DefaultParamsWriter.saveMetadata(model, path, facts(spark).metadata_context(), extraMetadata=extra)
-        return
-    text = DefaultParamsWriter._get_metadata_to_save(model, spark, extra, None)  # noqa: SLF001 - Spark's own format
-    metadata = locate(path).child("metadata")
-    write_atomic(metadata.child("part-00000"), (text + "\n").encode("utf-8"))
-    write_atomic(metadata.child("_SUCCESS"), b"")
-
-
-def _load_metadata(spark: Any, path: str) -> dict[str, Any]:
-    if not pyarrow_reaches(path):
-        return DefaultParamsReader.loadMetadata(path, facts(spark).metadata_context())
-    metadata = locate(path).child("metadata")
-    parts = [n for n in list_names(metadata) if n.startswith("part-")]
-    if not parts:
-        raise FileNotFoundError(metadata.path)
-    text = read_all(metadata.child(parts[0])).decode("utf-8").strip().splitlines()[0]
-    return DefaultParamsReader._parseMetaData(text)  # noqa: SLF001 - Spark's own format
-
-
-def _write_weights(spark: Any, directory: str, model: TorchModel) -> None:
-    """The weights as tensor files under `directory`: streamed where pyarrow reaches the path,
-    else (a Hadoop-only scheme) as one payload through the session."""
-    from sparkdl.storage.files import atomic_output, locate, open_input, pyarrow_reaches
-    from sparkdl.model.tensor_files import tensor_pieces
-
-    pending = model._pending_parts
-    sources = list(pending.files) if pending is not None else [None]
-    for index, source in enumerate(sources):
-        target = join(directory, f"part-{index}.safetensors")
-        if source is None:
-            total, pieces = tensor_pieces(model._module.state_dict())
-        if not pyarrow_reaches(target):
-            payload = read_bytes(spark, source) if source is not None else b"".join(bytes(p) for p in pieces)
-            write_bytes(spark, target, payload)
-            continue
-        with atomic_output(locate(target)) as out:
-            if source is None:
-                for piece in pieces:
-                    out.write(piece)
-            else:
-                with open_input(locate(source)) as stream:
-                    while chunk := stream.read(4 << 20):
-                        out.write(chunk)
-
-
-class _TorchModelReader(MLReader):
-    def __init__(self, cls: type) -> None:
-        super().__init__()
-        self.cls = cls
-
-    def load(self, path: str) -> TorchModel:
-        try:
-            metadata = _load_metadata(self.sparkSession, path)
-        except Exception:  # noqa: BLE001 - Hadoop's "input path does not exist" arrives as a Py4J error
-            raise SparkdlError(f"{path!r} is not a saved TorchModel (no Spark ML metadata there)",
-                               hint="pass the directory written by TorchModel.save(path)") from None
-        data = join(path, "data")
-
-        def read(name: str) -> bytes:
-            try:
-                return read_bytes(self.sparkSession, join(data, name))
-            except FileNotFoundError:
-                raise SparkdlError(f"{path!r} is not a saved TorchModel: data/{name} is missing",
-                                   hint="pass the directory written by TorchModel.save") from None
-
-        info = json.loads(read("sparkdl.json"))
-        module = _read_module(self.sparkSession, data, int(info.get("format", 1)), read)
-        module.eval()
-        model = TorchModel(module=module, layout=FeedLayout.from_dict(info["layout"]), output_kind=info["output_kind"],
-                           history=info["history"], prediction_col=info["prediction_col"],
-                           run_id=info.get("run_id"), options=info.get("options"))
-        inference = info.get("inference", {})
-        model.inference_gpus = float(inference.get("gpus_per_task", 0.0))
-        model.inference_batch_size = int(inference.get("batch_size", 1024))
-        model.output_shape = tuple(info.get("output_shape", ()))
-        model.explicit_dtypes = list(info.get("explicit_dtypes", []))
-        if info.get("generation"):
-            from sparkdl.model.generation import Generation
-
-            model.generation = Generation(**info["generation"])
-        if model.layout.transformed:
-            model.transform_fn = pickle.loads(read("transform_fn.pkl"))
-        model._resetUid(metadata["uid"])  # a reloaded PipelineModel must keep its stage uids
-        return model
-
-
-def _read_module(spark: Any, data: str, version: int, read: Any) -> Any:
-    """The saved module: format 2's skeleton with its tensor files read into it one tensor at a
-    time; format 1's pickled module with state.pt."""
-    import torch
-
-    if version < 2:
-        module = pickle.loads(read("module.pkl"))
-        module.load_state_dict(torch.load(io.BytesIO(read("state.pt")), weights_only=True))
-        return module
-    from sparkdl.storage.files import list_names, locate, pyarrow_reaches
-    from sparkdl.model.trained import load_parts, load_skeleton, check_complete
-    from sparkdl.model.tensor_files import read_tensors
-
-    module = load_skeleton(read("module.pkl"))
-    directory = join(data, WEIGHTS_DIR)
-    if pyarrow_reaches(directory):
-        files = [join(directory, n) for n in list_names(locate(directory)) if n.endswith(".safetensors")]
-        load_parts(module, files)
-        names = {n for f in files for n in _names(f)}
-    else:  # a Hadoop-only scheme: whole files through the session
-        taken: dict[str, Any] = {}
-        for index in range(1 << 20):
-            try:
-                payload = read_bytes(spark, join(directory, f"part-{index}.safetensors"))
-            except FileNotFoundError:
-                break
-            taken.update(read_tensors(io.BytesIO(payload)))
-        module.load_state_dict(taken, strict=False, assign=True)
-        names = set(taken)
-    check_complete(module, names)
-    return module
-
-
-def _names(uri: str) -> list[str]:
-    from sparkdl.storage.files import locate, open_input
-    from sparkdl.model.tensor_files import read_header
-
-    with open_input(locate(uri)) as stream:
-        return [e.name for e in read_header(stream).entries]
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except TypeError:
-        return False

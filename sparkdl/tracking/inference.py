@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -46,10 +47,29 @@ def inference_device(addresses: list[str], cuda_available: bool, visible: str | 
     return "cuda:0"
 
 
+# Kinds that also write a classifier's scores (rawPrediction, probability) beside the prediction.
+SCORED_KINDS = ("class", "binary")
+
+
+@dataclass(frozen=True)
+class ScoreColumns:
+    """The columns transform writes, as Spark ML's classifiers name them: the prediction (a double for
+    "class", "binary" and "value"); for classifiers the raw scores and probabilities as arrays of
+    doubles here, made vectors by the driver's plan (api.predict). "" leaves a column out."""
+
+    prediction: str = "prediction"
+    probability: str = "probability"
+    raw_prediction: str = "rawPrediction"
+
+    def scores(self, output_kind: str) -> tuple[str, ...]:
+        """The score columns written beside the prediction for this kind, raw scores first."""
+        if output_kind not in SCORED_KINDS:
+            return ()
+        return tuple(c for c in (self.raw_prediction, self.probability) if c)
+
+
 def prediction_arrow_type(output_kind: str) -> pa.DataType:
-    if output_kind in ("class", "binary"):
-        return pa.int64()
-    if output_kind == "value":
+    if output_kind in ("class", "binary", "value"):
         return pa.float64()
     if output_kind == "classes":
         return pa.list_(pa.int64())
@@ -79,10 +99,10 @@ def to_predictions(output: Any, output_kind: str) -> pa.Array:
     if output_kind == "text":
         return pa.array(list(output), pa.string())
     out = output.detach().float().cpu()
-    if output_kind == "class":
-        return pa.array(out.argmax(dim=1).numpy().astype(np.int64))
+    if output_kind == "class":  # a double, as Spark ML's classifiers write it
+        return pa.array(out.argmax(dim=1).numpy().astype(np.float64))
     if output_kind == "binary":
-        return pa.array((out.reshape(-1) > 0).numpy().astype(np.int64))
+        return pa.array((out.reshape(-1) > 0).numpy().astype(np.float64))
     if output_kind == "value":
         return pa.array(out.reshape(-1).double().numpy())
     if output_kind == "classes":  # (B, T, C) -> T class indices per row
@@ -94,8 +114,53 @@ def to_predictions(output: Any, output_kind: str) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), pa.float32()))
 
 
+def class_scores(output: Any, output_kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(raw scores, probabilities), (rows, classes) float64: a "class" model's logits and their
+    softmax; a "binary" model's one logit z as [-z, z] and [1 - sigmoid(z), sigmoid(z)], as Spark's
+    LogisticRegression writes them (so BinaryClassificationEvaluator reads index 1)."""
+    import torch
+
+    out = output.detach().double().cpu()
+    if output_kind == "binary":
+        z = out.reshape(-1)
+        p = torch.sigmoid(z)  # not softmax([-z, z]), which is sigmoid(2z)
+        return torch.stack([-z, z], dim=1).numpy(), torch.stack([1 - p, p], dim=1).numpy()
+    raw = out.reshape(out.shape[0], -1)
+    return raw.numpy(), torch.softmax(raw, dim=1).numpy()
+
+
+def _vector_array(matrix: np.ndarray) -> pa.Array:
+    offsets = pa.array(np.arange(0, matrix.size + 1, max(1, matrix.shape[1]), dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), pa.float64()))
+
+
+def output_columns(output: Any, output_kind: str, columns: ScoreColumns) -> dict[str, pa.Array]:
+    """Every column transform writes for one batch of the module's output, by name."""
+    written = {columns.prediction: to_predictions(output, output_kind)}
+    if columns.scores(output_kind):
+        raw, probability = class_scores(output, output_kind)
+        for name, values in ((columns.raw_prediction, raw), (columns.probability, probability)):
+            if name:
+                written[name] = _vector_array(values)
+    return written
+
+
+def empty_columns(output_kind: str, columns: ScoreColumns) -> dict[str, pa.Array]:
+    written = {columns.prediction: pa.array([], prediction_arrow_type(output_kind))}
+    written.update({name: pa.array([], pa.list_(pa.float64())) for name in columns.scores(output_kind)})
+    return written
+
+
+def _appended(batch: pa.RecordBatch, columns: list[dict[str, pa.Array]]) -> pa.RecordBatch:
+    """`batch` with the written columns of its chunks appended (concatenated per name)."""
+    for name in columns[0]:
+        parts = [c[name] for c in columns]
+        batch = batch.append_column(name, pa.concat_arrays(parts) if len(parts) > 1 else parts[0])
+    return batch
+
+
 def _tensor_predictions(served: Any, module: Any, device: str, batches: Iterator[pa.RecordBatch],
-                        prediction_col: str, batch_size: int) -> Iterator[pa.RecordBatch]:
+                        columns: ScoreColumns, batch_size: int) -> Iterator[pa.RecordBatch]:
     """input_cols models: the prepared input columns through the training conversion (and
     transform_fn), then the model; the prepared columns are dropped again."""
     from dataclasses import replace
@@ -108,14 +173,14 @@ def _tensor_predictions(served: Any, module: Any, device: str, batches: Iterator
     for batch in batches:
         kept = batch.select([n for n in batch.schema.names if n not in prepared])
         if batch.num_rows == 0:
-            yield kept.append_column(prediction_col, pa.array([], prediction_arrow_type(served.output_kind)))
+            yield _appended(kept, [empty_columns(served.output_kind, columns)])
             continue
         out = served.scores(incoming_arrays(batch, layout), device, batch_size)
-        yield kept.append_column(prediction_col, to_predictions(out, served.output_kind))
+        yield _appended(kept, [output_columns(out, served.output_kind, columns)])
 
 
 def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, num_features: int,
-                    output_kind: str, prediction_col: str, batch_size: int,
+                    output_kind: str, columns: ScoreColumns, batch_size: int,
                     served: Any = None) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """`model_key` is unique per transform call: a reused Python worker must never score with the
     module cached for an earlier model."""
@@ -140,7 +205,7 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
             _MODULE_CACHE[key] = module.to(device)
         module = _MODULE_CACHE[key]
         if served is not None:
-            yield from _tensor_predictions(served, module, device, batches, prediction_col, batch_size)
+            yield from _tensor_predictions(served, module, device, batches, columns, batch_size)
             return
         for batch in batches:
             index = batch.schema.get_field_index(feature_column)
@@ -154,8 +219,8 @@ def make_predict_fn(module_broadcast: Any, model_key: str, feature_column: str, 
                     chunk = matrix[start: start + batch_size]
                     if len(chunk) == 0:
                         continue
-                    outputs.append(to_predictions(output_of(module, torch.from_numpy(chunk).to(device)), output_kind))
-            predictions = pa.concat_arrays(outputs) if outputs else pa.array([], prediction_arrow_type(output_kind))
-            yield kept.append_column(prediction_col, predictions)
+                    out = output_of(module, torch.from_numpy(chunk).to(device))
+                    outputs.append(output_columns(out, output_kind, columns))
+            yield _appended(kept, outputs or [empty_columns(output_kind, columns)])
 
     return sparkdl_predict
