@@ -83,10 +83,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     try:
         import horovod.torch  # noqa: F401
+        return
     except ImportError as exc:
-        if os.environ.get("SPARKDL_REQUIRE_HOROVOD"):
-            built = _build.get("status", "unknown")
-            pytest.fail(f"Horovod is required here (SPARKDL_REQUIRE_HOROVOD) but does not import ({exc}); "
-                        f"the build's exit status: {built} (log: .horovod-build.log under `make test`, "
-                        "or run `make horovod`)", pytrace=False)
+        problem = str(exc)
+    if not os.environ.get("SPARKDL_REQUIRE_HOROVOD"):
         pytest.skip("Horovod is not installed: run `make horovod`")
+    pytest.fail(f"Horovod is required here (SPARKDL_REQUIRE_HOROVOD) but does not import ({problem}); the build's "
+                f"exit status: {_build.get('status', 'unknown')} (its log: .horovod-build.log under `make test`; "
+                "or run `make horovod`)", pytrace=False)
