@@ -86,10 +86,10 @@ def test_sparkdl_submit_waits_for_late_executors_then_trains_and_saves(spark, tm
              "--conf", "spark.executor.memory=768m", "--", "train", "--conf", "conf/examples/digits.toml",
              "--set", f"input.path={data}", "--set", f"output.model_path={out}", "--set", "train.epochs=2",
              "--set", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-             "--set", "tracking.progress=false"], cwd=REPO, env=environment(), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True)
+             "--set", "tracking.progress=false"], cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)  # under spark-submit Python's log lines may reach stdout
         lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(driver.stderr), daemon=True)  # type: ignore[arg-type]
+        reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)  # type: ignore[arg-type]
         reader.start()
         deadline = time.monotonic() + 420  # a loaded machine takes minutes to get there
         while not any("waiting for task slots: 1 of 2 free" in line for line in lines):  # the wait is shown
