@@ -62,12 +62,13 @@ def plan(model: ModelSpec, df: DataFrame, config: RunConfig | None = None, **opt
 
 
 def fit(df: DataFrame, model: ModelSpec, config: RunConfig, validation_df: DataFrame | None = None,
-        plan: ResolvedPlan | str | None = None) -> FitResult:
-    """Train `model` on `df` with `config` on a barrier job; the stages of sparkdl/fit_stages.py in order."""
+        plan: ResolvedPlan | str | None = None, shared: Any = None) -> FitResult:
+    """Train `model` on `df` with `config` on a barrier job; the stages of sparkdl/fit_stages.py in
+    order. `shared`: a data.prepare.PreparedRuns the fits of one tuning grid share."""
     phases = Phases()
     request = validate(df, model, config, plan)
     phases.mark("slots")
-    data = prepare_data(df, validation_df, request, phases)
+    data = prepare_data(df, validation_df, request, phases, shared)
     phases.mark("checks")
     planned = plan_fit(request, data)
     phases.mark("plan")

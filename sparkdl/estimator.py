@@ -47,9 +47,26 @@ class TorchEstimator(RunConfigParams, Estimator, MLWritable, MLReadable):
         self._set_options(options)
         return self
 
-    def _fit(self, dataset: DataFrame) -> "TorchModel":
+    def fitMultiple(self, dataset: DataFrame, paramMaps: Any) -> Any:
+        """Spark ML's tuning entry (CrossValidator, TrainValidationSplit): one fit per ParamMap, as
+        Spark's own iterator of (index, model), the points sharing what does not depend on their
+        values: the session, its calibration, Python workers and imports (as any fits do), and the
+        data stage (the stats job and the dealing of rows) wherever the points differ only in
+        options that stage does not read (lr, epochs, the optimizer, the strategy; data.prepare)."""
+        from pyspark.ml.base import _FitMultipleIterator
+
+        from sparkdl.data.prepare import PreparedRuns
+
+        estimator, shared = self.copy(), PreparedRuns()
+
+        def fit_one(index: int) -> "TorchModel":
+            return estimator.copy(paramMaps[index])._fit(dataset, shared)
+
+        return _FitMultipleIterator(fit_one, len(paramMaps))
+
+    def _fit(self, dataset: DataFrame, shared: Any = None) -> "TorchModel":
         config = self.config
-        result = api.fit(dataset, self.model, config, validation_df=self.validation_df, plan=self.plan)
+        result = api.fit(dataset, self.model, config, validation_df=self.validation_df, plan=self.plan, shared=shared)
         model = TorchModel(module=result.module, layout=result.layout, output_kind=result.output_kind,
                            history=result.history, prediction_col=config.data.prediction_col,
                            run_id=result.extra.get("mlflow_run_id"), options=result.config.flat(),

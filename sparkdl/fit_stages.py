@@ -16,6 +16,7 @@ from sparkdl.config import RunConfig
 from sparkdl.config.elastic import is_elastic
 from sparkdl.data.feed import PreparedData
 from sparkdl.data.layout import FeedLayout
+from sparkdl.data.prepare import PreparedRuns
 from sparkdl.driver.attempts import tracked_submit
 from sparkdl.driver.callbacks import resolve_callbacks
 from sparkdl.driver.checks import (before_training, check_enough_rows, check_output_width, check_picklable,
@@ -132,13 +133,18 @@ def validate(df: DataFrame, model: ModelSpec, config: RunConfig, plan: ResolvedP
     return FitRequest(config, model, callbacks, kept, spark)
 
 
-def prepare_data(df: DataFrame, validation_df: DataFrame | None, request: FitRequest, phases: Phases) -> FitData:
-    """Stage 2: the data stage (one stats job, shards), the model probed on real rows, and every
-    check that needs both."""
+def prepare_data(df: DataFrame, validation_df: DataFrame | None, request: FitRequest, phases: Phases,
+                 shared: PreparedRuns | None = None) -> FitData:
+    """Stage 2: the data stage (one stats job, shards; `shared`: taken from an earlier fit of the
+    same tuning grid where its options allow), the model probed on real rows, and every check that
+    needs both."""
     from sparkdl.data.prepare import prepare_run
 
     config = request.config
-    prepared = prepare_run(df, config.data, config.train, config.launch, validation_df)
+    if shared is not None:
+        prepared = shared.prepared(df, config.data, config.train, config.launch, validation_df)
+    else:
+        prepared = prepare_run(df, config.data, config.train, config.launch, validation_df)
     phases.mark("prepare")
     module, out_width, sample, out_shape = probe(request.model, config, prepared)
     check_activation_checkpointing(config.train, module)

@@ -23,6 +23,38 @@ if TYPE_CHECKING:
     from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
 
 
+def preparation_key(data: "DataConfig", train: "TrainConfig", launch: "LaunchConfig") -> str:
+    """What prepare_run's result depends on besides the DataFrames: every data option, and the few
+    train and launch options it reads (keep in step with prepare_run)."""
+    return repr((data, train.seed, train.loss, train.task, bool(train.resume_run), launch.num_workers,
+                 is_elastic(launch)))
+
+
+class PreparedRuns:
+    """prepare_run's results kept for the fits of one tuning grid (TorchEstimator.fitMultiple): the
+    grid's points that differ only in options prepare_run does not read (lr, epochs, the optimizer,
+    the strategy) share one stats job and one dealing of the rows. Thread-safe (CrossValidator's
+    parallelism fits points at once); the DataFrames are held, so their ids stay theirs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._prepared: dict[tuple[int, int, str], tuple[PreparedData, DataFrame, DataFrame | None]] = {}
+        self.shared = 0  # fits that took an earlier fit's preparation
+
+    def prepared(self, df: DataFrame, data: "DataConfig", train: "TrainConfig", launch: "LaunchConfig",
+                 validation_df: DataFrame | None = None) -> PreparedData:
+        key = (id(df), id(validation_df), preparation_key(data, train, launch))
+        with self._lock:  # one preparation per key, even when two points ask at once
+            if key in self._prepared:
+                self.shared += 1
+                return self._prepared[key][0]
+            prepared = prepare_run(df, data, train, launch, validation_df)
+            self._prepared[key] = (prepared, df, validation_df)
+            return prepared
+
+
 def prepare_run(df: DataFrame, data: "DataConfig", train: "TrainConfig", launch: "LaunchConfig",
                 validation_df: DataFrame | None = None, custom_loop: bool = False) -> PreparedData:
     """The data stage: the DataFrame checked, split, counted and dealt into launch.num_workers shards,
