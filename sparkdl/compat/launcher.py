@@ -135,8 +135,9 @@ def run_on_driver(call: ChildCall, processes: int, options: CompatOptions, param
         with tempfile.TemporaryDirectory(prefix="sparkdl-local-") as workdir:
             outcomes = run_children(call, envs, workdir, list(range(processes)), prefix_always=True,
                                     sibling_grace_s=options.launch.peer_failure_delay_s)
-    except BaseException:
-        tracker.finish("KILLED")
+    except BaseException as exc:  # Ctrl-C included: the run ends FAILED, named, never RUNNING
+        tracker.set_tags({"sparkdl.failed_with": f"{type(exc).__name__}: {str(exc).strip()[:500]}"})
+        tracker.finish("FAILED")
         raise
     finally:
         if server is not None:
