@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> float:
                    tracking=False, progress=False)
     print(sparkdl.plan(model, clicks, **options).explain())
     fitted = TorchEstimator(model=model, **options).fit(clicks)
-    fitted.transform(clicks.limit(5)).select("user", "item", "tags", "prediction").show()
+    # the click probability is probability[1]; prediction is 1.0 where it passes 0.5
+    fitted.transform(clicks.limit(5)).select("user", "item", "tags", "probability", "prediction").show(truncate=False)
     auc = fitted.history[-1]["val_auc"]
     print(f"held-out AUC: {auc:.3f}")
     return auc

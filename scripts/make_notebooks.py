@@ -352,7 +352,7 @@ for h in model.history:
     print(f"epoch {h['epoch']}: loss {h['loss']:.4f}  val AUC {h['val_auc']:.3f}  "
           f"embedding bytes/step {sum(h['embedding_bytes_per_step'].values())}")
 assert model.history[-1]["val_auc"] > 0.6
-model.transform(clicks.limit(5)).select("user", "item", "tags", "prediction").show()'''),
+model.transform(clicks.limit(5)).select("user", "item", "tags", "probability", "prediction").show(truncate=False)'''),
 ]
 
 TRANSFORMERS = [

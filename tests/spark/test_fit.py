@@ -60,7 +60,9 @@ def test_data_parallel_step_equals_single_process_step(spark) -> None:  # type: 
 def test_digits_reach_accuracy_through_fit_and_transform(digits_model) -> None:  # type: ignore[no-untyped-def]
     model, test = digits_model
     scored = model.transform(test)
-    assert set(test.columns) | {"prediction"} == set(scored.columns)
+    # Spark ML's classifier columns: prediction a double, rawPrediction (logits) and probability vectors
+    assert set(test.columns) | {"prediction", "rawPrediction", "probability"} == set(scored.columns)
+    assert dict(scored.dtypes)["prediction"] == "double" and dict(scored.dtypes)["probability"] == "vector"
     assert accuracy(scored) >= 0.93
     history = model.history
     assert [h["epoch"] for h in history] == list(range(15))
