@@ -240,6 +240,11 @@ class TorchEstimatorWriter(MLWriter):
         if pyarrow_reaches(path) and exists(locate(path).child("metadata")):
             raise SparkdlError(f"{path!r} already holds a saved stage",
                                hint="estimator.write().overwrite().save(path) replaces it")
+        if estimator.validation_df is not None:
+            import warnings
+
+            warnings.warn("sparkdl: TorchEstimator.save keeps no validation_df (a DataFrame belongs to its session); "
+                          "pass validation_df= to the loaded estimator again, or use validation_fraction", stacklevel=3)
         params, pickled = jsonable_params(estimator._paramMap)  # noqa: SLF001 - Spark's own Params maps
         defaults, _ = jsonable_params(estimator._defaultParamMap)  # noqa: SLF001 - the base config has them all
         ship_by_value(estimator.model, None, spark=self.sparkSession)  # a notebook's classes travel by value
