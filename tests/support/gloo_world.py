@@ -1,6 +1,6 @@
 """Run a function on W real gloo ranks (spawned processes on 127.0.0.1), without Spark.
 
-`fn(comm, *args)` must be a module-level function (spawn pickles it by reference); its return value
+`fn(comm, *args)` must be a module-level function (pickled by reference); its return value
 (picklable, no torch tensors: they would be shared through file descriptors that die with the
 process) comes back in rank order.
 """
@@ -41,10 +41,22 @@ def _rank_main(rank: int, world: int, port: Any, fn: Callable[..., Any], args: t
         comm.close()
 
 
+# The ranks fork from a server process that imported torch and sparkdl's communicator once per test
+# session, instead of each being a fresh interpreter importing torch (about 2 s of CPU a rank; the unit
+# suite starts hundreds of ranks). As isolated as spawn: the server holds no state of any test.
+PRELOAD = ["torch", "sparkdl.comm.torch_dist", "gloo_world"]
+
+
+def rank_context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first world of the session)
+    return ctx
+
+
 def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
               executors: tuple[str, ...] = ()) -> list[Any]:
     """`executors`: each rank's executor address in its WorldInfo (what islands are declared by)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     port = ctx.Value("i", 0)  # rank 0's store port, once it listens
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue, executors)) for r in range(world)]

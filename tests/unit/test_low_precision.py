@@ -2,13 +2,13 @@
 127.0.0.1, against the exact fp32 mean and against a plain fp16 allreduce."""
 from __future__ import annotations
 
-import multiprocessing
 import socket
 from typing import Any
 
 import pytest
 import torch
 
+from gloo_world import rank_context
 from sparkdl.strategies import low_precision
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,7 +46,7 @@ def run_world(wire: str) -> dict[int, tuple[torch.Tensor, torch.Tensor, Any]]:
     with socket.socket() as spare:
         spare.bind(("127.0.0.1", 0))
         port = spare.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()  # forked from a server that imported torch once (tests/support/gloo_world.py)
     out = context.Queue()
     ranks = [context.Process(target=rank_main, args=(r, port, wire, out)) for r in range(WORLD)]
     for process in ranks:
