@@ -23,8 +23,6 @@ from standalone import StandaloneCluster, environment
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
-# Mostly waiting (a Worker arriving a minute late): `make test` runs it in the bed's lane (setup.cfg).
-pytestmark = pytest.mark.bed_lane
 
 
 @pytest.fixture(scope="module")
