@@ -43,7 +43,8 @@ def _rank_main(rank: int, world: int, port: Any, fn: Callable[..., Any], args: t
 
 # The ranks fork from a server process that imported torch and sparkdl's communicator once per test
 # session, instead of each being a fresh interpreter importing torch (about 2 s of CPU a rank; the unit
-# suite starts hundreds of ranks). As isolated as spawn: the server holds no state of any test.
+# suite starts hundreds of ranks). As isolated as spawn: the server holds no state of any test; but
+# ranks see the environment of the session's first world (pass settings as arguments, not os.environ).
 PRELOAD = ["torch", "sparkdl.comm.torch_dist", "gloo_world"]
 
 
