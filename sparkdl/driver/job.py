@@ -64,17 +64,35 @@ def slot_wait_seconds(spark: SparkSession, wait_s: float | None) -> float:
     return max(interval * failures, 0.0)
 
 
+def executors_final(spark: SparkSession) -> bool:
+    """Whether every executor the application will get has registered, so waiting cannot add
+    slots: local-cluster[N, ...] with its N up, or spark.executor.instances up with dynamic
+    allocation off. Unknown (a standalone master without instances, dynamic allocation, Spark
+    Connect) is never final: those are waited for."""
+    session = facts(spark)
+    match = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,.*\]", session.master())
+    expected = int(match.group(1)) if match else None
+    if expected is None and (session.conf("spark.dynamicAllocation.enabled", "false") or "").lower() != "true":
+        try:
+            expected = int(session.conf("spark.executor.instances", "0") or 0) or None
+        except ValueError:
+            expected = None
+    return expected is not None and len(session.executors()) >= expected
+
+
 def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float | None, profile: Any = None,
                  gpus_per_worker: int = 0) -> int:
     """Wait (executors may still be registering) up to wait_s (None: Spark's barrier-check budget)
     for num_workers slots, saying how the wait goes every SLOT_WAIT_REPORT_S, else raise."""
-    # Only a cluster manager adds executors over time; a local master's slot count is final.
+    # Only a cluster manager adds executors over time; a local master's slot count is final, and
+    # so is a cluster's whose executors have all registered (more would need more executors).
     master = facts(spark).master()
-    budget = 0.0 if is_local_master(master) else slot_wait_seconds(spark, wait_s)
+    slots = concurrent_slots(spark, profile, num_workers)
+    final = slots >= num_workers or is_local_master(master) or executors_final(spark)
+    budget = 0.0 if final else slot_wait_seconds(spark, wait_s)
     start = time.monotonic()
     next_report = start  # said at once, then every SLOT_WAIT_REPORT_S
     while True:
-        slots = concurrent_slots(spark, profile, num_workers)
         now = time.monotonic()
         if slots >= num_workers or now - start >= budget:
             break
@@ -83,6 +101,9 @@ def ensure_slots(spark: SparkSession, num_workers: int, wait_s: float | None, pr
                         "to register; launch.slot_wait_s)", slots, num_workers, now - start, budget)
             next_report = now + SLOT_WAIT_REPORT_S
         time.sleep(min(0.5, max(budget - (now - start), 0.01)))
+        slots = concurrent_slots(spark, profile, num_workers)
+        if slots < num_workers and executors_final(spark):  # all there now, and still short: waiting adds none
+            break
     waited = f" after waiting {time.monotonic() - start:.0f} s" if budget else ""
     if slots < num_workers and gpus_per_worker:
         raise InsufficientSlotsError(
