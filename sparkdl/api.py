@@ -163,8 +163,8 @@ def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any
 def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: str, columns: Any = "prediction",
             batch_size: int = 1024, gpus_per_task: float = 0.0, served: Any = None) -> Any:
     """Append the prediction computed on the executors through mapInArrow (and, for classifiers,
-    rawPrediction and probability vectors: `columns`, a tracking.inference.ScoreColumns or the
-    prediction column's name); every input column kept.
+    rawPrediction and probability vectors: `columns`, a tracking.inference.ScoreColumns, or the
+    name of the one prediction column); every input column kept.
 
     `gpus_per_task` > 0 runs the scoring stage under a task ResourceProfile with that many GPUs, so a
     CPU-default application scores on GPUs; a fraction (0.25) lets 1/amount tasks share one GPU."""
@@ -182,7 +182,8 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
 
     check_gpus_per_task(gpus_per_task)
     check_inference_batch_size(batch_size)
-    columns = ScoreColumns(prediction=columns) if isinstance(columns, str) else columns
+    if isinstance(columns, str):  # the prediction column alone, as before score columns existed
+        columns = ScoreColumns(prediction=columns, probability="", raw_prediction="")
     cols = list(layout.source_input_cols)
     check_columns(df, cols)
     scores = columns.scores(kind)
