@@ -160,6 +160,27 @@ def _run_config(train_fn: Any, df: Any, num_workers: int, options: dict[str, Any
     return config.merged({"data": {"feature_cols": tuple(features), "label_col": label}}).validate()
 
 
+def _scored_schema(df: DataFrame, kind: str, columns: Any, served: Any) -> Any:
+    """transform's output schema: df's columns, the prediction, and the score columns of `kind`
+    (arrays of doubles here; made vectors after the scoring stage); a name df already has is refused."""
+    from pyspark.sql import types as T
+
+    from sparkdl.errors import SchemaError
+
+    scores = columns.scores(kind)
+    for name in (columns.prediction, *scores):
+        if name in df.columns:
+            raise SchemaError(f"the DataFrame already has a column named {name!r}, which transform writes",
+                              hint="drop it first, or name the output otherwise (setPredictionCol, "
+                                   "setProbabilityCol, setRawPredictionCol; \"\" leaves a score column out)")
+    prediction_type = {"class": T.DoubleType(), "binary": T.DoubleType(), "value": T.DoubleType(),
+                       "classes": T.ArrayType(T.LongType()), "values": T.ArrayType(T.FloatType()),
+                       "text": T.StringType(), "embedding": T.ArrayType(T.FloatType())}[kind]
+    metadata = {"sparkdl.output_shape": list(served.output_shape)} if served is not None else {}
+    return T.StructType(df.schema.fields + [T.StructField(columns.prediction, prediction_type, True, metadata)]
+                        + [T.StructField(name, T.ArrayType(T.DoubleType()), True) for name in scores])
+
+
 def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: str, columns: Any = "prediction",
             batch_size: int = 1024, gpus_per_task: float = 0.0, served: Any = None) -> Any:
     """Append the prediction computed on the executors through mapInArrow (and, for classifiers,
@@ -171,11 +192,8 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
     import uuid
     from dataclasses import replace
 
-    from pyspark.sql import types as T
-
     from sparkdl.data.feed import check_columns, features_expression
     from sparkdl.data.layout import FEATURES_COLUMN
-    from sparkdl.errors import SchemaError
     from sparkdl.tracking.inference import ScoreColumns, make_predict_fn
     from sparkdl.driver.job import gpu_task_profile
     from sparkdl.wire.codec import dumps_any
@@ -187,17 +205,7 @@ def predict(df: DataFrame, module: torch.nn.Module, layout: FeedLayout, kind: st
     cols = list(layout.source_input_cols)
     check_columns(df, cols)
     scores = columns.scores(kind)
-    for name in (columns.prediction, *scores):
-        if name in df.columns:
-            raise SchemaError(f"the DataFrame already has a column named {name!r}, which transform writes",
-                              hint="drop it first, or name the output otherwise (setPredictionCol, "
-                                   "setProbabilityCol, setRawPredictionCol; \"\" leaves a score column out)")
-    prediction_type = {"class": T.DoubleType(), "binary": T.DoubleType(), "value": T.DoubleType(),
-                       "classes": T.ArrayType(T.LongType()), "values": T.ArrayType(T.FloatType()),
-                       "text": T.StringType(), "embedding": T.ArrayType(T.FloatType())}[kind]
-    metadata = {"sparkdl.output_shape": list(served.output_shape)} if served is not None else {}
-    out_schema = T.StructType(df.schema.fields + [T.StructField(columns.prediction, prediction_type, True, metadata)]
-                              + [T.StructField(name, T.ArrayType(T.DoubleType()), True) for name in scores])
+    out_schema = _scored_schema(df, kind, columns, served)
     spark = df.sparkSession
     ship_by_value(module, served.transform_fn if served is not None else None, spark=spark)
     module_bytes = facts(spark).ship(dumps_any(module))

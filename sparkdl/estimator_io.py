@@ -24,15 +24,33 @@ ESTIMATOR_FORMAT = 1
 WEIGHTS_DIR = "weights"
 
 
-class TorchModelWriter(MLWriter):
-    """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
-    data/: the module's weightless skeleton (module.pkl), its weights as tensor files (weights/,
-    written a piece at a time from the tensors, or copied from the ranks' files when the model was
-    never loaded) and sparkdl.json; all through sparkdl/storage/files.py."""
+class StageWriter(MLWriter):
+    """Writes one sparkdl stage; overwrite() deletes the old one through pyarrow where it reaches."""
 
     def __init__(self, instance: Any) -> None:
         super().__init__()
         self.instance = instance
+
+    def _handleOverwrite(self, path: str) -> None:
+        if pyarrow_reaches(path):
+            delete_tree(locate(path))
+            return
+        super()._handleOverwrite(path)
+
+
+class StageReader(MLReader):
+    """Reads one sparkdl stage of class `cls`."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__()
+        self.cls = cls
+
+
+class TorchModelWriter(StageWriter):
+    """Params metadata in Spark's own layout (so PipelineModel.load finds the class), the model in
+    data/: the module's weightless skeleton (module.pkl), its weights as tensor files (weights/,
+    written a piece at a time from the tensors, or copied from the ranks' files when the model was
+    never loaded) and sparkdl.json; all through sparkdl/storage/files.py."""
 
     def saveImpl(self, path: str) -> None:
         from sparkdl.model.trained import skeleton_bytes
@@ -59,13 +77,6 @@ class TorchModelWriter(MLWriter):
         for name, payload in files:
             write_bytes(self.sparkSession, join(data, name), payload)
         _save_metadata(self.sparkSession, model, path)  # last: a half-saved model has none, and no loader takes it
-
-    def _handleOverwrite(self, path: str) -> None:
-        if pyarrow_reaches(path):
-            delete_tree(locate(path))
-            return
-        super()._handleOverwrite(path)
-
 
 def save_metadata(spark: Any, instance: Any, path: str, params: dict[str, Any], defaults: dict[str, Any],
                   extra: dict[str, Any]) -> None:
@@ -129,12 +140,8 @@ def _write_weights(spark: Any, directory: str, model: Any) -> None:
                         out.write(chunk)
 
 
-class TorchModelReader(MLReader):
+class TorchModelReader(StageReader):
     """TorchModel.load: the module from its skeleton and tensor files, the rest from sparkdl.json."""
-
-    def __init__(self, cls: type) -> None:
-        super().__init__()
-        self.cls = cls
 
     def load(self, path: str) -> Any:
         try:
@@ -222,15 +229,11 @@ def _jsonable(value: Any) -> bool:
         return False
 
 
-class TorchEstimatorWriter(MLWriter):
+class TorchEstimatorWriter(StageWriter):
     """TorchEstimator.save (a Pipeline's save too): its Params in the metadata where JSON holds them;
     the model object (pickled by value, with its weights), the base config and any Param JSON
     cannot hold (a callable loss, a tokenizer) in data/estimator.pkl. validation_df is not saved
     (a DataFrame belongs to its session)."""
-
-    def __init__(self, instance: Any) -> None:
-        super().__init__()
-        self.instance = instance
 
     def saveImpl(self, path: str) -> None:
         from sparkdl.driver.shipping import ship_by_value
@@ -253,19 +256,8 @@ class TorchEstimatorWriter(MLWriter):
         write_bytes(self.sparkSession, join(path, "data", "estimator.pkl"), payload)
         save_metadata(self.sparkSession, estimator, path, params, defaults, {"sparkdlFormat": ESTIMATOR_FORMAT})
 
-    def _handleOverwrite(self, path: str) -> None:
-        if pyarrow_reaches(path):
-            delete_tree(locate(path))
-            return
-        super()._handleOverwrite(path)
-
-
-class TorchEstimatorReader(MLReader):
+class TorchEstimatorReader(StageReader):
     """TorchEstimator.load (and Pipeline.load): the estimator with the Params it was saved with."""
-
-    def __init__(self, cls: type) -> None:
-        super().__init__()
-        self.cls = cls
 
     def load(self, path: str) -> Any:
         try:
