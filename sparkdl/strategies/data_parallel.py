@@ -210,6 +210,7 @@ class DataParallel(Strategy):
                 "diloco_inner_steps_by_rank": [int(r["inner_steps"]) for r in every],
                 "diloco_round_steps_by_rank": [[int(x["steps"]) for x in r["rounds"]] for r in every],
                 "diloco_staleness_bound_by_rank": [[int(x["staleness_bound"]) for x in r["rounds"]] for r in every],
+                "diloco_round_plans_by_rank": [[[int(h) for h in x["plan_steps"]] for x in r["rounds"]] for r in every],
                 "diloco_landing_staleness_by_rank": landed,
                 "diloco_max_staleness": max((max(s, default=0) for s in landed), default=0)}
 

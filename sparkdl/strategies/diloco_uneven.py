@@ -171,7 +171,10 @@ class UnevenOuterSync:
         self._in_flight: deque[tuple[int, Future, torch.Tensor]] = deque()  # (round, sync, own delta)
         self.wait_s = 0.0
         # per round since the last take_schedule(): this replica's H_w and the bound s in force
-        self.schedule: list[dict[str, Any]] = [{"round": 1, "steps": self.every, "staleness_bound": bounds[0]}]
+        # and the agreed plan it came from (every replica's H_w): replicas land a sync at different
+        # rounds when staleness lets one run ahead, so their k-th rounds may follow different plans
+        self.schedule: list[dict[str, Any]] = [{"round": 1, "steps": self.every, "staleness_bound": bounds[0],
+                                                "plan_steps": [self.every] * self.size}]
         self.landings: list[tuple[int, int]] = []  # (round, staleness) since the last take_schedule()
         self.inner_steps_total = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-outer-sync") \
@@ -196,7 +199,8 @@ class UnevenOuterSync:
         self._start(k)
         self._land_due(k)
         self.round_steps = self.plan.steps[self.rank]
-        self.schedule.append({"round": k + 1, "steps": self.round_steps, "staleness_bound": self.plan.staleness})
+        self.schedule.append({"round": k + 1, "steps": self.round_steps, "staleness_bound": self.plan.staleness,
+                              "plan_steps": list(self.plan.steps)})
         waited = time.perf_counter() - started
         self.wait_s += waited
         self._round_wait += waited
