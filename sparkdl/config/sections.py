@@ -21,6 +21,7 @@ from sparkdl.config.training import (DELIVERY_MODES, check_emulation, check_oute
                                      check_training_essentials)
 from sparkdl.config.training import InputConfig, ModelConfig, OutputConfig, TrackingConfig  # noqa: F401 - public here
 from sparkdl.config.elastic import check_worker_range
+from sparkdl.config.threads import AUTO as AUTO_THREADS, threads_option
 from sparkdl.config.merging import check_across_sections, merged_section
 from sparkdl.config.sparse import check_sparse_cols
 from sparkdl.config.embeddings import EmbeddingConfig, check_embedding_run
@@ -262,7 +263,7 @@ class LaunchConfig:
     # None: as long as Spark's own barrier-scheduling check would wait (its interval x maxFailures)
     slot_wait_s: float | None = None
     peer_failure_delay_s: float = 5.0  # a rank whose collective broke waits this long, so the first failure is heard
-    threads_per_worker: int | None = None
+    threads_per_worker: int | str | None = None  # torch threads per rank; None / "auto": the task's CPUs (executor/threads.py)
     run_dir: str | None = None
     max_memory_per_rank: int | str | None = None  # bytes, or "512MB" / "2GiB"; None: no budget
     emulate_network: dict | None = None  # {"latency_ms": .., "gbps": ..}: slow every message down (experiments)
@@ -282,6 +283,10 @@ class LaunchConfig:
     max_workers: int = 0
     grow_workers: bool = False
     replacement_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.threads_per_worker == AUTO_THREADS:  # one spelling of "auto" downstream: None
+            object.__setattr__(self, "threads_per_worker", None)
 
     def validate(self) -> None:
         check_types("launch", self)  # a NaN or infinite timeout is refused here, not on rank 0
@@ -314,8 +319,7 @@ class LaunchConfig:
         if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
             raise ConfigError(f"launch.peer_failure_delay_s must be a number of seconds >= 0, got {delay!r}",
                               hint="5 (the default) lets the rank that failed first be named; 0 fails at once")
-        if self.threads_per_worker is not None:
-            positive_int("launch.threads_per_worker", self.threads_per_worker)
+        threads_option(self.threads_per_worker)
 
 
 @dataclass(frozen=True)

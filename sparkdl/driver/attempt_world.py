@@ -32,6 +32,7 @@ class AttemptWorlds:
     def __init__(self, tracker: Any) -> None:
         self.tracker = tracker
         self.count = 0
+        self._threads_logged = False
 
     def started(self, message: Mapping[str, Any]) -> None:
         self.count += 1
@@ -42,3 +43,11 @@ class AttemptWorlds:
                                           "world_num_hosts": float(len(hosts))}, self.count - 1)])
         self.tracker.set_tags({f"sparkdl.attempt.{self.count}.world": world_line(message),
                                "sparkdl.attempts": self.count})
+
+    def threads(self, record: Mapping[str, Any]) -> None:
+        """`world.threads_per_rank`: the torch threads each rank trains with (executor/threads.py),
+        a param from the first epoch record that carries them."""
+        threads = record.get("torch_threads_by_rank")
+        if threads and not self._threads_logged:
+            self._threads_logged = True
+            self.tracker.log_params({"world.threads_per_rank": ", ".join(str(int(t)) for t in threads)})

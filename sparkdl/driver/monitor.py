@@ -92,6 +92,7 @@ class RunMonitor:
         point.update({k: record[k] for k in ("time_to_first_step_s", "spool_seconds") if k in record})
         point.update(memory_points(record))
         point.update(pace_points(record))
+        self.worlds.threads(record)
         self._name_slow_ranks(record)
         self._say_drift(record)
         self._say_fallback(record)

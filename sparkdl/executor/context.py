@@ -7,7 +7,6 @@ rank derives the same steps from the same inputs.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator
@@ -21,15 +20,7 @@ if TYPE_CHECKING:
     from sparkdl.tracking.phases import Clock
     from sparkdl.executor.reporter import Reporter
 
-__all__ = ["WorkerContext", "EpochPlan", "epoch_plan", "check_shards", "rank_threads"]
-
-
-def rank_threads(configured: int | None, cpus: int | None, ranks_on_host: int) -> int:
-    """torch threads of one training rank: launch.threads_per_worker, else the host's cores shared
-    by the ranks on it (each starting one thread per core would thrash)."""
-    if configured:
-        return configured
-    return max(1, (cpus or os.cpu_count() or 1) // max(ranks_on_host, 1))
+__all__ = ["WorkerContext", "EpochPlan", "epoch_plan", "check_shards"]
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ class EpochTotals:
 
 SLOWEST_RANK = ("data_seconds", "time_to_first_step_s", "spool_seconds",
                 "checkpoint_saves", "checkpoint_stall_s", "checkpoint_write_s")
-# Kept per rank too (what sharding saves shows rank by rank); the baselines the peak grew from only so.
-PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes")
-BASELINES = ("start_rss_bytes", "model_start_rss_bytes")
+# Kept per rank too (what sharding saves shows rank by rank); the baselines the peak grew from, and
+# the torch threads each rank trains with (executor/threads.py), only so.
+PER_RANK = ("peak_rss_bytes", "start_rss_bytes", "model_start_rss_bytes", "cuda_peak_bytes", "torch_threads")
+BASELINES = ("start_rss_bytes", "model_start_rss_bytes", "torch_threads")
 
 
 def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: EpochTotals, seconds: float,
@@ -68,7 +69,7 @@ def epoch_record(ctx: WorkerContext, strategy: Strategy, epoch: int, totals: Epo
     record.update(strategy.epoch_record())
     local = dict(strategy.epoch_metrics(), bytes_sent=float(bytes_sent), data_seconds=totals.data_seconds,
                  step_seconds=totals.step_seconds, rows=float(totals.samples), **peak_memory(ctx.comm.device),
-                 **totals.checkpoint)
+                 torch_threads=float(torch.get_num_threads()), **totals.checkpoint)
     # Collectives timed on this thread; a strategy's own figure also holds waits for its background
     # sync thread (DiLoCo's outer syncs not hidden behind training): the larger is this rank's wait.
     local["wait_seconds"] = max(totals.wait_seconds, float(local.get("comm_wait_s", 0.0)))

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from sparkdl.comm.base import Communicator, WorldInfo
 from sparkdl.executor.failures import is_peer_failure, report_error
-from sparkdl.executor.context import WorkerContext, check_shards, rank_threads
+from sparkdl.executor.context import WorkerContext, check_shards
 from sparkdl.wire.spec import TrainSpec
 from sparkdl.wire.codec import dumps_any, failure_text, output_batch, result_batches
 
@@ -97,7 +97,7 @@ def run_rank(spec: TrainSpec, context: Any, batches: Iterable[pa.RecordBatch],
         launch = spec.launch
         world, listening, gathering = _rendezvous(spec, context, client)
         clock.lap("rendezvous")
-        _limit_threads(spec, world, stack)
+        _limit_threads(spec, context, world, stack)
         _pin_gpus(world, stack)
         comm = comm_registry.create(launch.backend, world, launch.timeout_s, exchange=context.allGather,
                                     env=launch.horovod_env, listening=listening[1] if listening else None)
@@ -371,10 +371,14 @@ def _pin_gpus(world: WorldInfo, stack: ExitStack) -> None:
     stack.callback(restore)
 
 
-def _limit_threads(spec: TrainSpec, world: WorldInfo, stack: ExitStack) -> None:
+def _limit_threads(spec: TrainSpec, context: Any, world: WorldInfo, stack: ExitStack) -> None:
+    """torch's intra-op threads for this rank: the task's CPUs as Spark allotted them, or
+    launch.threads_per_worker (executor/threads.py, the rule's one home)."""
     import torch
 
-    threads = rank_threads(spec.launch.threads_per_worker, os.cpu_count(), world.local_size)
+    from sparkdl.executor.threads import threads_for_rank
+
+    threads = threads_for_rank(spec.launch.threads_per_worker, context, world.executors, world.rank, world.local_size)
     # Python workers are reused by later tasks (inference too): give them back what they had.
     stack.callback(torch.set_num_threads, torch.get_num_threads())
     torch.set_num_threads(threads)
