@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from sparkdl.planner.overlap import BUCKET_BYTES, Bucket, Timeline, bucket_sizes, layer_buckets, timeline
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -23,6 +25,9 @@ class LayerCost:
     out_features: int = 0
     overhead_s: float = 0.0  # per forward + backward call, whatever the rows (launch, Python, small kernels)
     frozen_params: int = 0  # held but never trained or sent (a PEFT adapter's base): weights only
+    # The share of the layer's forward + backward spent in backward: measured on the driver where
+    # profiled (planner/profile.py), else backward's 2 of the 3 forward-sized products.
+    backward_share: float = 2.0 / 3.0
 
 
 @dataclass(frozen=True)
@@ -96,12 +101,35 @@ def allreduce_bytes(nbytes: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
 
 
+def backward_layers_s(work: Workload) -> list[float]:
+    """Each layer's backward time for one rank's rows, in BACKWARD order (the last layer first)."""
+    return [layers_compute_s([layer], work.rows, work.flops_per_s) * layer.backward_share
+            for layer in reversed(work.layers)]
+
+
+def gradient_timeline(work: Workload, net: Network, overlapped: bool) -> Timeline:
+    """Data parallel's gradient buckets on the link in one synchronising step (planner/overlap.py):
+    overlapped, grad_overlap.py's buckets, each ready when backward has produced its gradients;
+    else average_gradients' buckets (BUCKET_BYTES each), all after backward."""
+    backward = backward_layers_s(work)
+    grads = [layer.params * work.param_bytes for layer in reversed(work.layers)]
+    if overlapped:
+        buckets = layer_buckets(grads, backward)
+    else:
+        buckets = [Bucket(size, sum(backward)) for size in
+                   bucket_sizes(sum(grads), BUCKET_BYTES, BUCKET_BYTES)]
+    transfers = [allreduce_s(bucket.nbytes, work.world, net) for bucket in buckets]
+    return timeline(buckets, transfers, sum(backward), overlapped)
+
+
 def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimate:
-    """T = C(B/W) + max(0, T_AR(grad bytes) - overlap x T_bwd): `overlap` 1 when gradient buckets are
-    reduced during backward (train.overlap_grads on torch), 0 when averaged after it."""
+    """T = C(B/W) + exposed allreduce. `overlap` > 0 when gradient buckets are reduced during
+    backward (train.overlap_grads on torch): each bucket's allreduce then starts once backward has
+    produced it and the link is free, and only what runs past backward's end is exposed (the last
+    bucket always); 0 when every bucket is averaged after backward (planner/overlap.py)."""
     compute = layers_compute_s(work.layers, work.rows, work.flops_per_s) + work.step_overhead_s
     grad_bytes = work.params * work.param_bytes
-    exposed = max(0.0, allreduce_s(grad_bytes, work.world, net) - overlap * compute * 2 / 3) / work.accumulate
+    exposed = gradient_timeline(work, net, overlap > 0).exposed_s / work.accumulate
     memory = work.params * work.optimizer_bytes_per_param + work.frozen_bytes \
         + work.rows * sum(l.saved_bytes for l in work.layers)
     return Estimate(compute + exposed, compute, exposed, allreduce_bytes(grad_bytes, work.world) / work.accumulate,

@@ -34,6 +34,13 @@ class LayerProfile:
     out_bytes: int  # per row: what crosses a stage boundary after this layer
     saved_bytes: float  # per row: activations autograd keeps for backward
     seconds: float  # forward + backward of `rows` rows (fastest repeat; alike layers share the fastest)
+    backward_seconds: float = 0.0  # the backward part of `seconds` (same repeat rule): when gradients arrive
+
+    @property
+    def backward_share(self) -> float:
+        """What cost.LayerCost.backward_share takes: the measured share of backward (2/3 unmeasured)."""
+        return min(1.0, self.backward_seconds / self.seconds) if self.seconds > 0 and self.backward_seconds > 0 \
+            else 2.0 / 3.0
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,7 @@ def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[in
     try:
         for index, layer in enumerate(real_layers(model)):  # a meta copy: each layer real only while profiled
             signatures.append(_signature(layer, x))
-            out, saved, seconds = _measure(layer, x, repeats, precision, whole_model)
+            out, saved, seconds, backward = _measure(layer, x, repeats, precision, whole_model)
             if not isinstance(out, torch.Tensor):
                 raise ModelError(f"layer {index} ({type(layer).__name__}) returns {type(out).__name__}, not one "
                                  "tensor, so the model cannot be cut into pipeline stages there",
@@ -177,7 +184,8 @@ def profile_sequential(model: nn.Sequential, input_shape: "ModelInput | tuple[in
                 index=index, kind=type(layer).__name__, params=params,
                 param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
                 out_shape=tuple(out.shape[1:]), out_dtype=str(sent).replace("torch.", ""),
-                out_bytes=out[0].numel() * sent.itemsize, saved_bytes=saved / rows, seconds=seconds))
+                out_bytes=out[0].numel() * sent.itemsize, saved_bytes=saved / rows, seconds=seconds,
+                backward_seconds=backward))
             x = out.detach()
     finally:
         model.train(was_training)
@@ -202,13 +210,18 @@ def _alike_cost_alike(layers: list[LayerProfile], signatures: list[tuple]) -> tu
     import dataclasses
 
     fastest: dict[tuple, float] = {}
+    fastest_backward: dict[tuple, float] = {}
     for layer, signature in zip(layers, signatures):
         fastest[signature] = min(fastest.get(signature, math.inf), layer.seconds)
-    return tuple(dataclasses.replace(layer, seconds=fastest[signature]) for layer, signature in zip(layers, signatures))
+        fastest_backward[signature] = min(fastest_backward.get(signature, math.inf), layer.backward_seconds)
+    return tuple(dataclasses.replace(layer, seconds=fastest[signature], backward_seconds=fastest_backward[signature])
+                 for layer, signature in zip(layers, signatures))
 
 
 def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32",
-             whole_model: bool = False) -> tuple[object, float, float]:
+             whole_model: bool = False) -> tuple[object, float, float, float]:
+    """(output, bytes saved for backward, fastest forward + backward, fastest backward alone): the
+    backward part says when within a step this layer's gradients arrive (planner/overlap.py)."""
     from contextlib import nullcontext
 
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else nullcontext
@@ -220,7 +233,7 @@ def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32",
             saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    times = []
+    times, backward_times = [], []
     out: object = None
     for attempt in range(repeats + 1):  # the first run warms up allocators and kernels
         saved[0] = 0
@@ -229,11 +242,53 @@ def _measure(layer: nn.Module, x: Any, repeats: int, precision: str = "32",
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
             out = _call(layer, inputs)
             out = primary_output(out) if whole_model else out  # a whole Hugging Face model: its logits
+        backward_started = time.perf_counter()
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.backward(torch.ones_like(out))
         if attempt:
-            times.append(time.perf_counter() - started)
+            ended = time.perf_counter()
+            times.append(ended - started)
+            backward_times.append(ended - backward_started)
         if not isinstance(out, torch.Tensor):
             break
     # The fastest repeat: load on the driver only ever adds time to a measurement.
-    return out, float(saved[0]), min(times) if times else 0.0
+    return out, float(saved[0]), min(times) if times else 0.0, min(backward_times) if backward_times else 0.0
+
+
+@dataclass(frozen=True)
+class GradientTimes:
+    """One measured backward of a whole model: each trainable parameter's bytes and when (seconds
+    after backward began) its gradient was final, in the model's parameter order."""
+
+    param_bytes: tuple[int, ...]
+    ready_s: tuple[float, ...]
+    backward_s: float
+
+
+def gradient_times(model: nn.Module, inputs: Any, loss_of: Any, repeats: int = 3) -> GradientTimes:
+    """Time backward on `inputs` with a post-accumulate hook per trainable parameter (what
+    strategies/grad_overlap.py starts its buckets on): the repeat with the fastest backward (load
+    only ever adds time), after one warm-up. `loss_of(output)` makes the scalar loss. Gradients are
+    cleared afterwards; the weights are untouched."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    stamps = [0.0] * len(params)
+    hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
+             for i, p in enumerate(params)]
+    best: GradientTimes | None = None
+    try:
+        for attempt in range(max(1, repeats) + 1):
+            loss = loss_of(_call(model, inputs))
+            started = time.perf_counter()
+            loss.backward()
+            ended = time.perf_counter()
+            measured = GradientTimes(tuple(p.numel() * p.element_size() for p in params),
+                                     tuple(s - started for s in stamps), ended - started)
+            if attempt and (best is None or measured.backward_s < best.backward_s):
+                best = measured
+            for p in params:
+                p.grad = None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert best is not None
+    return best
