@@ -165,6 +165,7 @@ def decide_placement(tables: Any, data: "DataConfig", launch: "LaunchConfig", la
              for t in tables if t.name in counts}
     for t in tables:  # a table no column feeds is never looked up
         stats.setdefault(t.name, measure_ids(t.name, t.num_rows, (), 1, data.batch_size, world))
-    net = calibration_ends(cluster, launch)[0].net
-    return decide_embeddings(tables, stats, world, net, rank_memory_budget(launch, cluster),
-                             embeddings.embedding_optimizer, all_peers=True)
+    ends = calibration_ends(cluster, launch)  # as measured, and its best repeats: a flip between them is a close call
+    return decide_embeddings(tables, stats, world, ends[0].net, rank_memory_budget(launch, cluster),
+                             embeddings.embedding_optimizer, all_peers=True,
+                             optimistic=ends[1].net if len(ends) > 1 else None)

@@ -34,11 +34,13 @@ from sparkdl.planner.outer_candidates import (island_candidate, streamed_rounds,
                                               user_wire)
 from sparkdl.planner.speed import matmul_flops
 from sparkdl.planner.partition import balanced_cuts
-from sparkdl.planner.plan import ISLANDS_WITHIN, Candidate, Decision, Plan, decide
+from sparkdl.planner.plan import Candidate, Plan, decide
+from sparkdl.planner.plan_notes import explained, plan_notes
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
+from sparkdl.planner.steps_to_loss import with_steps_factors
 from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
-from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds, speeds_note
+from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds
 
 IST_R = 30
 
@@ -146,16 +148,17 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                                              user_wire(train))[0], train.fragments, steps),
              streamed_rounds(measured_work, ends[0].net, train, len(layer_groups(model)), "subgroup" in backend_ops,
                              steps))
-    priced = [_price_end(model, data, train, launch, costs, end, budget, backend_ops, unequal, every)
+    priced = [with_steps_factors(_price_end(model, data, train, launch, costs, end, budget, backend_ops, unequal,
+                                            every), measured_work.params, launch.num_workers)
               for end in ends]
     decision = decide(priced[0], priced[1] if len(priced) > 1 else None, train.approximate_min_speedup, steps)
     measured = ends[0]
     emulated = launch.emulate_network
-    return Plan(candidates=tuple(_explained(priced[0], decision, train.approximate_min_speedup)),
+    return Plan(candidates=tuple(explained(priced[0], decision, train.approximate_min_speedup)),
                 chosen=decision.index, world=launch.num_workers, latency_s=measured.latency_s,
                 bandwidth_Bps=measured.bandwidth_Bps, emulated=bool(emulated), memory_budget=budget,
-                notes=tuple(_notes(data, launch, cluster, costs, ends, unequal, decision)),
-                executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge)
+                notes=tuple(plan_notes(data, launch, cluster, costs, ends, unequal, decision)),
+                executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge, steps=steps)
 
 
 def run_steps(data: DataConfig, train: TrainConfig, launch: LaunchConfig, num_rows: int,
@@ -214,60 +217,6 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                                        estimate.step_s, estimate.bytes_per_step, estimate.memory_bytes, feasible, why,
                                        compute_s=estimate.compute_s, comm_s=estimate.comm_s))
     return candidates
-
-
-def _explained(candidates: list[Candidate], decision: Decision, needed: float) -> list[Candidate]:
-    """The candidates with the chosen one's reason, and for every other feasible one why not."""
-    out = list(candidates)
-    chosen = out[decision.index]
-    out[decision.index] = Candidate(**{**chosen.__dict__, "reason": decision.reason})
-    for i, c in enumerate(out):
-        if c.feasible and i != decision.index:  # why not this one
-            why = f"{c.predicted_step_s / chosen.predicted_step_s:.2f}x the chosen step"
-            if c.strategy in ("diloco", "ist", "islands") and c.predicted_step_s < chosen.predicted_step_s:
-                if chosen.strategy == "islands":
-                    why += f"; {c.strategy} keeps more replicas apart than islands (preferred within {ISLANDS_WITHIN:g}x)"
-                elif chosen.predicted_step_s < needed * c.predicted_step_s:
-                    why += f"; approximate, and not {needed:g}x faster than the exact choice (approximate_min_speedup)"
-                elif decision.hinge:
-                    why += "; approximate, and its advantage does not hold at both ends of the calibration"
-                else:
-                    why += "; approximate, and the exact choice's communication is cheap or the run short"
-            out[i] = Candidate(**{**c.__dict__, "reason": why})
-    return out
-
-
-def _notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, costs: ModelCosts, ends: list[CalibrationEnd],
-           unequal: bool, decision: Decision) -> list[str]:
-    measured, workers = ends[0], launch.num_workers
-    slowest, fastest = min(measured.speeds), max(measured.speeds)
-    notes = [f"compute: {slowest / 1e9:.1f} GFLOP/s per rank (slowest of {workers}"
-             + (", EMULATED speeds" if launch.emulate_speed else "")
-             + (f"; fastest {fastest / 1e9:.1f}" if fastest > HETEROGENEOUS * slowest else "")
-             + f"), profiled with {costs.threads} thread(s) at batch {data.batch_size}",
-             *([speeds_note(measured.speeds)] if fastest > HETEROGENEOUS * slowest else []),
-             "emulated network: timings are for the emulated links, not this cluster's" if launch.emulate_network
-             else f"network: slowest measured link of {workers} ranks"]
-    if cluster.collective_bandwidth_Bps:
-        ring_latency, ring_bandwidth = measured.net.ring
-        notes.append(f"collectives: the measured allreduce behaves as a ring of {ring_latency * 1e3:.3g} ms and "
-                     f"{ring_bandwidth * 8 / 1e9:.3g} Gbit/s per hop")
-    if len(ends) > 1:
-        best = ends[1]
-        ring_latency, ring_bandwidth = best.net.ring
-        notes.append(f"calibration's optimistic end (best of each measurement's repeats): {min(best.speeds) / 1e9:.1f} "
-                     f"GFLOP/s per rank, ring of {ring_latency * 1e3:.3g} ms and {ring_bandwidth * 8 / 1e9:.3g} Gbit/s "
-                     "per hop; an approximate strategy must win at both ends"
-                     + ("; the ranks are equal there (a short probe may fit in a throttled host's CPU quota: "
-                        "the measured speeds decide balancing)"
-                        if unequal and max(best.speeds) <= HETEROGENEOUS * min(best.speeds) else ""))
-    if cluster.probes > 1:
-        notes.append(f"calibration: best of {cluster.probes} probes (the first one's ends disagreed)")
-    if costs.transformer_note:
-        notes.append(costs.transformer_note)
-    if decision.hinge:
-        notes.append(f"decision hinged on: {decision.hinge}")
-    return notes
 
 
 def _full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int,

@@ -5,7 +5,8 @@ which loads torch today): measurements come in as numbers, a frozen EmbeddingDec
 text come out. Not wired into fit yet.
 
 Replicated: every rank holds every table, its gradient and optimizer state, and every step allreduces
-every table's whole gradient (dense): T = T_AR(sum_t 4 N_t D_t), whatever rows the batch touched.
+every table's whole gradient (dense) with one "touched on some rank" flag per row in the same buffer
+(embeddings/replicated.py): T = T_AR(sum_t 4 N_t (D_t + 1)), whatever rows the batch touched.
 Sharded (embeddings/sharded.py): each rank holds its rows (placement.py: row-wise blocks or whole
 tables) and a step runs four all-to-alls, counts (8 T bytes to every peer), the distinct touched ids
 (int64) to their owners, their rows back (4 D bytes each) and the rows' gradients to the owners again:
@@ -27,6 +28,13 @@ from sparkdl.planner.cost import Network, allreduce_bytes, allreduce_s
 
 INDEX_BYTES = 8  # int64 ids and counts, as embeddings/exchange.py sends them
 OPTIMIZERS = ("rowwise_adagrad", "adam")
+# Replicated and sharded train the same update, so only speed picks between them; one calibration of
+# a loaded host put a link's latency at 1.96 ms and the next at 0.078 ms (issue 53) and the choice
+# flipped. A choice within CLOSE_CALL, or one that flips across the calibration's range (median to
+# best repeat), is a close call: it goes to DEFAULT_PLACEMENT, the layout a run without measurements
+# takes (driver/embedding_plan.py), so repeated plans of a run on the same hosts agree.
+CLOSE_CALL = 0.15
+DEFAULT_PLACEMENT = "sharded"
 
 
 def state_bytes_per_row(optimizer: str, dim: int) -> int:
@@ -115,8 +123,9 @@ class OptionCost:
 
 
 def replicated(tables: Sequence[TableSpec], world: int, net: Network, optimizer: str) -> OptionCost:
-    """Every table's whole gradient allreduced (ring, not overlapped with backward) every step."""
-    grad_bytes = sum(t.nbytes for t in tables)
+    """Every table's whole gradient and its touched-row flags (one float per row, in the same buffer:
+    embeddings/replicated.py apply_gradients) allreduced (ring, not overlapped with backward) every step."""
+    grad_bytes = sum(t.nbytes + t.num_rows * FLOAT_BYTES for t in tables)
     memory = sum(2 * t.nbytes + t.num_rows * state_bytes_per_row(optimizer, t.dim) for t in tables)
     messages = 2 * (world - 1) if world > 1 else 0
     return OptionCost("replicated", allreduce_s(grad_bytes, world, net), allreduce_bytes(grad_bytes, world),
@@ -220,11 +229,13 @@ class EmbeddingDecision:
 
 def decide_embeddings(tables: Sequence[TableSpec], stats: Mapping[str, IdStats], world: int, net: Network,
                       memory_budget: float | None = None, optimizer: str = "rowwise_adagrad",
-                      all_peers: bool = False) -> EmbeddingDecision:
+                      all_peers: bool = False, optimistic: Network | None = None) -> EmbeddingDecision:
     """Replicated against sharded (every row/table-wise split that puts the k smallest tables whole on
     one rank, k = 0..T), each refused when its fullest rank exceeds `memory_budget` (the planner's
     rank_memory_budget: launch.max_memory_per_rank or the executor's Python memory per rank). The
-    cheaper feasible one per step wins; a tie keeps replicated (the plain data-parallel path)."""
+    cheaper feasible one per step on `net` (the calibration as measured) wins, unless the call is
+    close: within CLOSE_CALL of the best of the other kind, or another kind wins on `optimistic`
+    (the calibration's best repeats); a close call goes to DEFAULT_PLACEMENT."""
     tables = list(tables)
     if not tables:
         raise ConfigError("no embedding tables were given", hint="pass at least one TableSpec")
@@ -232,8 +243,7 @@ def decide_embeddings(tables: Sequence[TableSpec], stats: Mapping[str, IdStats],
     if missing:
         raise ConfigError(f"no id statistics for embedding tables {', '.join(missing)}",
                           hint="measure every table's ids with measure_ids(...) first")
-    options = [_checked(replicated(tables, world, net, optimizer), memory_budget)]
-    options += _best_shardings(tables, stats, world, net, optimizer, all_peers, memory_budget)
+    options = _priced(tables, stats, world, net, optimizer, all_peers, memory_budget)
     feasible = [i for i, o in enumerate(options) if o.feasible]
     if not feasible:
         least = min(o.memory_bytes for o in options)
@@ -241,11 +251,55 @@ def decide_embeddings(tables: Sequence[TableSpec], stats: Mapping[str, IdStats],
                           f"sharded over {world} workers a rank needs {size(least)}, over the budget of "
                           f"{size(memory_budget)} per rank",
                           hint="add workers (launch.num_workers) or raise launch.max_memory_per_rank")
-    chosen = min(feasible, key=lambda i: (options[i].step_s, options[i].bytes_per_step, i))
+    chosen = _cheapest(options)
+    other_end = _priced(tables, stats, world, optimistic, optimizer, all_peers, memory_budget) \
+        if optimistic is not None and world > 1 else None
+    # One rank exchanges nothing either way: no call to make.
+    chosen, close = _settled(options, chosen, other_end) if world > 1 else (chosen, "")
     reasons = _reasons(options, chosen, net, memory_budget)
+    if close:
+        reasons[chosen] = f"{close}: {DEFAULT_PLACEMENT}, the default, so repeated plans agree; {reasons[chosen]}"
     options = [_with_reason(o, reasons[i]) for i, o in enumerate(options)]
     return EmbeddingDecision(tuple(options), chosen, reasons[chosen], world, net.latency_s, net.bandwidth_Bps,
                              sum(t.nbytes for t in tables), memory_budget)
+
+
+def _priced(tables: list[TableSpec], stats: Mapping[str, IdStats], world: int, net: Network, optimizer: str,
+            all_peers: bool, budget: float | None) -> list[OptionCost]:
+    """Replicated first, then the sharded splits worth listing, on one view of the link."""
+    options = [_checked(replicated(tables, world, net, optimizer), budget)]
+    return options + _best_shardings(tables, stats, world, net, optimizer, all_peers, budget)
+
+
+def _cheapest(options: Sequence[OptionCost]) -> int:
+    feasible = [i for i, o in enumerate(options) if o.feasible]
+    return min(feasible, key=lambda i: (options[i].step_s, options[i].bytes_per_step, i))
+
+
+def _kind(option: OptionCost) -> str:
+    return "replicated" if option.name == "replicated" else "sharded"
+
+
+def _settled(options: list[OptionCost], chosen: int, other_end: list[OptionCost] | None) -> tuple[int, str]:
+    """(the option to run, why the call was close, '' when it was not). A close call: the best of the
+    other kind within CLOSE_CALL of the chosen one's step, or the calibration's other end choosing the
+    other kind (the same options, in the same order). Then the best feasible DEFAULT_PLACEMENT option."""
+    rivals = [i for i, o in enumerate(options) if o.feasible and _kind(o) != _kind(options[chosen])]
+    if not rivals:
+        return chosen, ""  # nothing of the other kind fits: no call to make
+    rival = min(rivals, key=lambda i: options[i].step_s)
+    c, r = options[chosen], options[rival]
+    close = ""
+    if other_end is not None and _kind(other_end[_cheapest(other_end)]) != _kind(c):
+        flipped = other_end[_cheapest(other_end)]
+        close = (f"the choice flips across the calibration's range ({c.name} {_ms(c.step_s)} as measured, "
+                 f"{flipped.name} at its best repeats)")
+    elif r.step_s <= (1 + CLOSE_CALL) * c.step_s:
+        close = f"a close call ({c.name} {_ms(c.step_s)} against {r.name} {_ms(r.step_s)}, within {CLOSE_CALL:.0%})"
+    if not close:
+        return chosen, ""
+    default = [i for i, o in enumerate(options) if o.feasible and _kind(o) == DEFAULT_PLACEMENT]
+    return min(default, key=lambda i: (options[i].step_s, i)), close
 
 
 def _checked(option: OptionCost, budget: float | None) -> OptionCost:

@@ -1,14 +1,16 @@
 """Plan: every candidate layout with its predicted cost, the one chosen, and why. Standard library
 only: candidates come in as numbers (planner/cost.py), the choice and its explanation go out.
 
-The choice: data parallel when it fits and its exposed allreduce is at most CHEAP_COMM of its compute;
-otherwise the fastest predicted exact strategy (data parallel, hybrid: the update equals synchronous
-training), unless an approximate one (DiLoCo, IST) is predicted at least APPROXIMATE_MIN_SPEEDUP times
-faster, since those change the optimisation. This is ALGORITHMS.md's rule list: fits and
-communication is cheap -> data parallel; does not fit -> hybrid (the fastest K that fits);
-communication-bound -> IST for wide MLPs, otherwise DiLoCo. `decide` requires an approximate
-strategy to pass that rule at both ends of the calibration (as measured, and at its optimistic end),
-so one noisy calibration cannot switch the algorithm, and says what the decision hinged on.
+The choice is by predicted time to data parallel's loss, not time per step (ALGORITHMS.md,
+"Choosing by time to loss"): time_to_loss(c) = k(c) x steps x step(c), k = 1 for exact strategies
+(data parallel, hybrid, sharded: the update equals synchronous training) and k >= 1 for approximate
+ones (DiLoCo and its forms, islands, IST; planner/steps_to_loss.py states k). Data parallel when it
+fits and its exposed allreduce is at most CHEAP_COMM of its compute; otherwise the best exact strategy
+(data parallel when within CLOSE_CALL of the fastest exact step), unless an approximate one reaches
+the loss at least 1 + CLOSE_CALL times sooner (and approximate_min_speedup times, when the user asks
+for more) and saves MIN_SAVING_S over the run. `decide` requires that at both ends of the calibration
+(as measured, and at its optimistic end), so a close call or one that flips across the calibration's
+range goes to the exact strategy, and repeated plans of a run on the same hosts choose alike.
 """
 from __future__ import annotations
 
@@ -17,12 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EXACT = ("data_parallel", "hybrid", "sharded")
-APPROXIMATE_MIN_SPEEDUP = 2.0  # train.approximate_min_speedup's default
+# train.approximate_min_speedup's default: no margin beyond CLOSE_CALL. It was 2.0 on the step time
+# alone; k (planner/steps_to_loss.py) now prices what an approximate strategy costs in steps.
+APPROXIMATE_MIN_SPEEDUP = 1.0
+# A choice whose predicted times (to loss, or per step among exact ones) differ by less than this is
+# a close call: it goes to the exact strategy, among exact ones to data parallel. The planner's step
+# predictions are off by 25 % and more on loaded hosts (issue 53): a smaller edge is noise.
+CLOSE_CALL = 0.15
 MIN_SAVING_S = 10.0  # an approximate strategy must save at least this much over the whole run
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
 # Islands keep K DiLoCo replicas where flat DiLoCo keeps W (data parallel inside each island): closer
 # to synchronous training at the same bytes across the slow links, so they are preferred among the
-# approximate candidates while their step is within this factor of the fastest one.
+# approximate candidates while their time to loss is within this factor of the shortest one.
 ISLANDS_WITHIN = 1.5
 
 
@@ -41,6 +49,13 @@ class Candidate:
     reason: str  # why infeasible, or what limits it
     compute_s: float = 0.0
     comm_s: float = 0.0
+    steps_factor: float = 1.0  # k: steps to data parallel's loss / data parallel's (planner/steps_to_loss.py)
+    steps_rule: str = ""  # how k was reached
+
+    @property
+    def to_loss_s(self) -> float:
+        """Predicted time to data parallel's loss per data-parallel step: k x step."""
+        return self.steps_factor * self.predicted_step_s
 
     @property
     def label(self) -> str:
@@ -65,6 +80,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     executor_links: tuple[tuple[str, str, float, float], ...] = ()  # measured, for placement (empty if emulated)
     hinge: str = ""  # what the exact/approximate decision hinged on when the calibration's ends disagreed
+    steps: int | None = None  # the run's data-parallel steps, when its rows are known (time to loss in s)
 
     def __post_init__(self) -> None:
         if not 0 <= self.chosen < len(self.candidates):
@@ -95,17 +111,22 @@ class Plan:
         budget = f", memory budget {_size(self.memory_budget)} per rank" if self.memory_budget else ""
         lines = [f"sparkdl plan: {self.world} workers, {network}{budget}",
                  f"chosen: {self.choice.label} - {self.choice.reason}", ""]
-        header = ("", "strategy", "step (ms)", "compute", "comm", "sent/step", "memory/rank", "feasible", "why")
+        header = ("", "strategy", "step (ms)", "compute", "comm", "k", to_loss_header(self.steps), "sent/step",
+                  "memory/rank", "feasible", "why")
         rows = [header]
         for index, c in enumerate(self.candidates):
             priced = math.isfinite(c.predicted_step_s)  # a candidate ruled out before pricing shows "-"
             rows.append(("*" if index == self.chosen else "", c.label,
                          f"{c.predicted_step_s * 1e3:.2f}" if priced else "-",
                          f"{c.compute_s * 1e3:.2f}" if priced else "-", f"{c.comm_s * 1e3:.2f}" if priced else "-",
+                         f"{c.steps_factor:.2f}", to_loss_cell(c, self.steps) if priced else "-",
                          _size(c.bytes_per_step), _size(c.memory_bytes), "yes" if c.feasible else "no", c.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for row in rows:
             lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        rules = sorted({f"k={c.steps_factor:.2f} for {c.label}: {c.steps_rule}" for c in self.candidates
+                        if c.steps_rule and c.feasible})
+        lines += [f"steps to data parallel's loss: {rule}" for rule in rules]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -118,7 +139,24 @@ class Plan:
                 "plan.predicted_memory_bytes": f"{c.memory_bytes:.0f}",
                 "plan.network": f"{self.bandwidth_Bps * 8 / 1e9:.4g} Gbit/s, {self.latency_s * 1e3:.4g} ms"
                                 + (" (emulated)" if self.emulated else ""),
+                "plan.steps_factor": f"{c.steps_factor:.3f}",
+                "plan.predicted_to_loss": to_loss_cell(c, self.steps),
                 "plan.candidates": str(len(self.candidates)), **({"plan.hinge": self.hinge} if self.hinge else {})}
+
+
+def to_loss_header(steps: int | None) -> str:
+    return "to loss (s)" if steps else "to loss (ms/DP step)"
+
+
+def to_loss_cell(c: Candidate, steps: int | None) -> str:
+    """Predicted time to data parallel's loss: seconds over the run's steps, else ms per DP step."""
+    return f"{c.to_loss_s * steps:.1f}" if steps else f"{c.to_loss_s * 1e3:.2f}"
+
+
+def needed_speedup(approximate_min_speedup: float) -> float:
+    """How many times sooner an approximate strategy must reach the loss: past the close-call band,
+    and at least what the user asks for (train.approximate_min_speedup)."""
+    return max(1.0 + CLOSE_CALL, approximate_min_speedup)
 
 
 def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXIMATE_MIN_SPEEDUP,
@@ -126,17 +164,17 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
     """Index of the chosen candidate and the reason, from one calibration; ValueError when none is
     feasible.
 
-    An approximate strategy (DiLoCo, IST) must be predicted at least `approximate_min_speedup` times
-    faster than the best feasible exact one: it changes the optimisation (typically a little accuracy
-    per step for far fewer bytes), which only a large speed-up pays for. With 1.0, the fastest wins.
-    When the run's `steps` are known and the approximate one would save less than MIN_SAVING_S over
-    the whole run, the exact one is kept whatever the speed-up: a few seconds do not pay for a
-    different optimisation (nor for the calibration job that priced it)."""
+    An approximate strategy (DiLoCo, islands, IST) is taken when its predicted time to data
+    parallel's loss (k x its step) is at least needed_speedup(...) times shorter than the best exact
+    one's: its steps may be cheaper, but it needs k times as many. A closer call keeps exact updates.
+    When the run's `steps` are known and it would save less than MIN_SAVING_S over the whole run, the
+    exact one is kept too: a few seconds do not pay for a different optimisation."""
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     if not feasible:
         raise NoFeasibleLayout("no candidate layout is feasible")
     approximate = [i for i in feasible if candidates[i].strategy not in EXACT]
     best_approx = best_approximate(candidates, approximate)
+    needed = needed_speedup(approximate_min_speedup)
     v = verdict(candidates, best_approx if best_approx is not None else feasible[0], approximate_min_speedup, steps)
     if v.cheap is not None:
         # IST may still predict a shorter step, but only by training a subnet: not worth it here.
@@ -145,41 +183,69 @@ def choose(candidates: list[Candidate], approximate_min_speedup: float = APPROXI
                          f"{CHEAP_COMM:.0%} of compute ({c.compute_s * 1e3:.2f} ms)")
     if v.exact is None:
         c = candidates[best_approx]  # type: ignore[index]
-        return best_approx, (f"fastest predicted step ({c.predicted_step_s * 1e3:.2f} ms); "  # type: ignore[return-value]
-                             "no exact strategy is feasible")
+        return best_approx, (f"shortest predicted time to loss ({c.predicted_step_s * 1e3:.2f} ms steps, "  # type: ignore[return-value]
+                             f"k={c.steps_factor:.2f}); no exact strategy is feasible")
     e = candidates[v.exact]
     if best_approx is not None:
         a = candidates[best_approx]
+        terms = _terms(a, candidates[v.fastest_exact])
         if v.passes and a.strategy == "islands":
-            fastest = min(candidates[i].predicted_step_s for i in approximate)
-            return best_approx, (f"data parallel inside islands, DiLoCo across: {a.predicted_step_s * 1e3:.2f} ms, "
-                                 f"{v.speedup:.1f}x the best exact strategy ({e.label}), within {ISLANDS_WITHIN:g}x "
-                                 f"of the fastest approximate step ({fastest * 1e3:.2f} ms) with fewer DiLoCo "
-                                 "replicas (closer to synchronous training)")
+            fastest = min(candidates[i].to_loss_s for i in approximate)
+            return best_approx, (f"data parallel inside islands, DiLoCo across: reaches the loss {v.speedup:.1f}x "
+                                 f"sooner than the best exact strategy ({terms}), within {ISLANDS_WITHIN:g}x of the "
+                                 f"shortest approximate time to loss ({fastest * 1e3:.2f} ms/DP step) with fewer "
+                                 "DiLoCo replicas (closer to synchronous training)")
         if v.passes:
-            return best_approx, (f"fastest predicted step ({a.predicted_step_s * 1e3:.2f} ms), {v.speedup:.1f}x the "
-                                 f"best exact strategy ({e.label}, {e.predicted_step_s * 1e3:.2f} ms), which is "
-                                 "communication-bound")
-        if v.speedup >= approximate_min_speedup:
-            return v.exact, (f"exact updates; {a.label} is {v.speedup:.1f}x faster per step but would save only "
+            return best_approx, (f"reaches data parallel's loss {v.speedup:.1f}x sooner than the best exact strategy "
+                                 f"({terms}), which is communication-bound")
+        if v.speedup >= needed:
+            return v.exact, (f"exact updates; {a.label} would reach the loss {v.speedup:.1f}x sooner but save only "
                              f"{v.saving_s:.1f} s over the run's {steps} steps: too short to pay off")
-        if v.speedup > 1:
-            return v.exact, (f"exact updates; {a.label} is predicted only {v.speedup:.2f}x faster "
-                             f"(approximate strategies need >= {approximate_min_speedup:g}x)")
-    return v.exact, f"fastest predicted step ({e.predicted_step_s * 1e3:.2f} ms), exact updates"
+        if a.predicted_step_s < candidates[v.fastest_exact].predicted_step_s:
+            return v.exact, (f"exact updates; {a.label} would reach the loss only {v.speedup:.2f}x sooner ({terms}); "
+                             f"an approximate strategy needs >= {needed:.2f}x (a closer call goes to exact)")
+    return v.exact, _exact_reason(candidates, v.exact, v.fastest_exact)
+
+
+def _terms(a: Candidate, e: Candidate) -> str:
+    """'6.0x cheaper steps, k=2.30x the steps' against exact candidate `e`."""
+    cheaper = e.predicted_step_s / a.predicted_step_s if a.predicted_step_s > 0 else math.inf
+    return (f"{cheaper:.2f}x cheaper steps than {e.label}'s {e.predicted_step_s * 1e3:.2f} ms, "
+            f"k={a.steps_factor:.2f}x the steps")
+
+
+def _exact_reason(candidates: list[Candidate], index: int, fastest: int) -> str:
+    c = candidates[index]
+    if index == fastest:
+        return f"fastest predicted step ({c.predicted_step_s * 1e3:.2f} ms), exact updates"
+    f = candidates[fastest]
+    return (f"exact updates; {c.predicted_step_s * 1e3:.2f} ms, within {CLOSE_CALL:.0%} of {f.label}'s "
+            f"{f.predicted_step_s * 1e3:.2f} ms: a close call goes to data parallel")
 
 
 def best_approximate(candidates: list[Candidate], approximate: list[int]) -> int | None:
-    """The fastest approximate candidate, or an islands one within ISLANDS_WITHIN of it."""
+    """The approximate candidate of shortest time to loss, or an islands one within ISLANDS_WITHIN of it."""
     if not approximate:
         return None
-    fastest = min(approximate, key=lambda i: candidates[i].predicted_step_s)
+    fastest = min(approximate, key=lambda i: candidates[i].to_loss_s)
     islands = [i for i in approximate if candidates[i].strategy == "islands"]
     if islands:
-        best = min(islands, key=lambda i: candidates[i].predicted_step_s)
-        if candidates[best].predicted_step_s <= ISLANDS_WITHIN * candidates[fastest].predicted_step_s:
+        best = min(islands, key=lambda i: candidates[i].to_loss_s)
+        if candidates[best].to_loss_s <= ISLANDS_WITHIN * candidates[fastest].to_loss_s:
             return best
     return fastest
+
+
+def best_exact(candidates: list[Candidate], exact: list[int]) -> tuple[int, int]:
+    """(the exact candidate to run, the fastest exact one): data parallel when its step is within
+    CLOSE_CALL of the fastest (the simplest layout, and the same on every plan of a run)."""
+    fastest = min(exact, key=lambda i: candidates[i].predicted_step_s)
+    dp = [i for i in exact if candidates[i].strategy == "data_parallel"]
+    if dp:
+        best_dp = min(dp, key=lambda i: candidates[i].predicted_step_s)
+        if candidates[best_dp].predicted_step_s <= (1 + CLOSE_CALL) * candidates[fastest].predicted_step_s:
+            return best_dp, fastest
+    return fastest, fastest
 
 
 @dataclass(frozen=True)
@@ -188,10 +254,11 @@ class Verdict:
 
     index: int
     passes: bool
-    speedup: float  # the best exact step over this one's
+    speedup: float  # the fastest exact candidate's time to loss over this one's
     saving_s: float  # over the run (inf: steps unknown)
-    exact: int | None  # the best feasible exact candidate
+    exact: int | None  # the exact candidate that would run (best_exact)
     cheap: int | None  # a data-parallel candidate whose communication is cheap (exact wins outright)
+    fastest_exact: int = -1  # the exact candidate of shortest step, compared against
 
     def why_not(self, candidates: list[Candidate], end: str, approximate_min_speedup: float) -> str:
         """Why it does not pay off at this end of the calibration (a clause for a reason)."""
@@ -199,15 +266,16 @@ class Verdict:
             c = candidates[self.cheap]
             return (f"at the {end} end data parallel's allreduce is cheap ({c.comm_s * 1e3:.2f} ms, at most "
                     f"{CHEAP_COMM:.0%} of its {c.compute_s * 1e3:.2f} ms compute)")
-        if self.speedup < approximate_min_speedup:
-            return f"only {self.speedup:.1f}x at the {end} end"
+        if self.speedup < needed_speedup(approximate_min_speedup):
+            return f"only {self.speedup:.1f}x sooner to the loss at the {end} end"
         return f"at the {end} end it would save only {self.saving_s:.1f} s over the run"
 
 
 def verdict(candidates: list[Candidate], index: int, approximate_min_speedup: float = APPROXIMATE_MIN_SPEEDUP,
             steps: int | None = None) -> Verdict:
-    """choose's rule for one approximate candidate: no cheap data parallel, >= approximate_min_speedup
-    times the best exact step, >= MIN_SAVING_S saved over the run (or no exact candidate at all)."""
+    """choose's rule for one approximate candidate: no cheap data parallel, its time to loss at least
+    needed_speedup(...) times shorter than the fastest exact one's, >= MIN_SAVING_S saved over the
+    run (or no exact candidate at all)."""
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     cheap = [i for i in feasible if candidates[i].strategy == "data_parallel"
              and candidates[i].comm_s <= CHEAP_COMM * candidates[i].compute_s]
@@ -215,12 +283,12 @@ def verdict(candidates: list[Candidate], index: int, approximate_min_speedup: fl
     best_cheap = min(cheap, key=lambda i: candidates[i].predicted_step_s) if cheap else None
     if not exact:
         return Verdict(index, True, math.inf, math.inf, None, best_cheap)
-    best = min(exact, key=lambda i: candidates[i].predicted_step_s)
-    e, a = candidates[best], candidates[index]
-    speedup = e.predicted_step_s / a.predicted_step_s if a.predicted_step_s > 0 else math.inf
-    saving_s = (e.predicted_step_s - a.predicted_step_s) * steps if steps else math.inf
-    passes = best_cheap is None and speedup >= approximate_min_speedup and saving_s >= MIN_SAVING_S
-    return Verdict(index, passes, speedup, saving_s, best, best_cheap)
+    chosen, fastest = best_exact(candidates, exact)
+    e, a = candidates[fastest], candidates[index]
+    speedup = e.to_loss_s / a.to_loss_s if a.to_loss_s > 0 else math.inf
+    saving_s = (e.to_loss_s - a.to_loss_s) * steps if steps else math.inf
+    passes = best_cheap is None and speedup >= needed_speedup(approximate_min_speedup) and saving_s >= MIN_SAVING_S
+    return Verdict(index, passes, speedup, saving_s, chosen, best_cheap, fastest)
 
 
 @dataclass(frozen=True)
@@ -236,7 +304,8 @@ def decide(measured: list[Candidate], optimistic: list[Candidate] | None = None,
     order) priced at the calibration's optimistic end (best times, fastest ranks). An approximate
     strategy is taken only when it passes choose's rule at both ends; otherwise the measured end's
     best exact one is kept and the reason says what the decision hinged on (the network or the
-    compute term: the one whose optimistic figure alone flips the verdict)."""
+    compute term: the one whose optimistic figure alone flips the verdict). Exact choices that
+    differ between the ends go to data parallel when one of them is data parallel."""
     index, reason = choose(measured, approximate_min_speedup, steps)
     if optimistic is None:
         return Decision(index, reason)
@@ -244,37 +313,50 @@ def decide(measured: list[Candidate], optimistic: list[Candidate] | None = None,
         raise ValueError("the two ends of the calibration must price the same candidates")
     o_index, _ = choose(optimistic, approximate_min_speedup, steps)
     m_exact, o_exact = measured[index].strategy in EXACT, optimistic[o_index].strategy in EXACT
+    if m_exact and o_exact and o_index != index and measured[index].strategy != "data_parallel" \
+            and optimistic[o_index].strategy == "data_parallel" and measured[o_index].feasible:
+        o = optimistic[o_index]
+        return Decision(o_index, f"exact updates; the calibration's ends disagree ({measured[index].label} as "
+                                 f"measured, {o.label} at the optimistic end): a close call goes to data parallel")
     if m_exact and (o_exact or not any(c.feasible and c.strategy in EXACT for c in optimistic)):
         return Decision(index, reason)
     if m_exact:  # only the optimistic end favours an approximate strategy: exact kept, as measured
-        o = verdict(optimistic, o_index, approximate_min_speedup, steps)
-        m = verdict(measured, o_index, approximate_min_speedup, steps)
-        a = optimistic[o_index]
-        hinge = (f"{a.label} is {o.speedup:.1f}x faster at the optimistic end but "
-                 f"{m.why_not(measured, 'measured', approximate_min_speedup)}; "
-                 f"{_term(measured, optimistic, o_index, approximate_min_speedup, steps)}")
-        return Decision(index, f"{reason}; {hinge}: kept exact", hinge)
+        return _kept_exact(measured, optimistic, index, o_index, reason, approximate_min_speedup, steps)
     m = verdict(measured, index, approximate_min_speedup, steps)
     if m.exact is None:
         return Decision(index, reason)  # nothing exact is feasible: no decision to hinge on
     exact = m.exact
-    both = [i for i, c in sorted(enumerate(measured), key=lambda ic: ic[1].predicted_step_s)
+    both = [i for i, c in sorted(enumerate(measured), key=lambda ic: ic[1].to_loss_s)
             if c.feasible and c.strategy not in EXACT and verdict(measured, i, approximate_min_speedup, steps).passes
             and verdict(optimistic, i, approximate_min_speedup, steps).passes]
     if both:
         i = index if index in both else both[0]  # the measured end's choice stands when it passes at both
         o = verdict(optimistic, i, approximate_min_speedup, steps)
         if i == index:
-            return Decision(i, f"{reason}; {o.speedup:.1f}x at the calibration's optimistic end too")
+            return Decision(i, f"{reason}; {o.speedup:.1f}x sooner at the calibration's optimistic end too")
         m_i = verdict(measured, i, approximate_min_speedup, steps)
-        return Decision(i, f"{m_i.speedup:.1f}x the best exact strategy at the measured end and {o.speedup:.1f}x at "
-                           f"the optimistic end ({measured[index].label} is faster only at the measured end)")
+        return Decision(i, f"reaches the loss {m_i.speedup:.1f}x sooner than the best exact strategy at the measured "
+                           f"end and {o.speedup:.1f}x at the optimistic end ({measured[index].label} is sooner only "
+                           "at the measured end)")
     o = verdict(optimistic, index, approximate_min_speedup, steps)
     a, e = measured[index], measured[exact]
-    hinge = (f"{a.label} is {m.speedup:.1f}x faster at the measured end but "
+    hinge = (f"{a.label} reaches the loss {m.speedup:.1f}x sooner at the measured end but "
              f"{o.why_not(optimistic, 'optimistic', approximate_min_speedup)}; "
              f"{_term(measured, optimistic, index, approximate_min_speedup, steps)}")
     return Decision(exact, f"exact updates ({e.predicted_step_s * 1e3:.2f} ms); {hinge}: kept exact", hinge)
+
+
+def _kept_exact(measured: list[Candidate], optimistic: list[Candidate], index: int, o_index: int, reason: str,
+                approximate_min_speedup: float, steps: int | None) -> Decision:
+    """Only the optimistic end favours approximate candidate `o_index`: the measured end's exact
+    choice `index` stands, and the reason says on what that hinged."""
+    o = verdict(optimistic, o_index, approximate_min_speedup, steps)
+    m = verdict(measured, o_index, approximate_min_speedup, steps)
+    a = optimistic[o_index]
+    hinge = (f"{a.label} reaches the loss {o.speedup:.1f}x sooner at the optimistic end but "
+             f"{m.why_not(measured, 'measured', approximate_min_speedup)}; "
+             f"{_term(measured, optimistic, o_index, approximate_min_speedup, steps)}")
+    return Decision(index, f"{reason}; {hinge}: kept exact", hinge)
 
 
 def _term(measured: list[Candidate], optimistic: list[Candidate], index: int, approximate_min_speedup: float,

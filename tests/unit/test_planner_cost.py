@@ -73,10 +73,11 @@ def test_ist_subnet_size_and_savings() -> None:
     assert ist.compute_s < dp.compute_s
 
 
-def candidate(strategy: str, step: float, feasible: bool = True, **options: object) -> Candidate:
+def candidate(strategy: str, step: float, feasible: bool = True, k: float = 1.0, **options: object) -> Candidate:
     return Candidate(strategy=strategy, options=tuple({"strategy": strategy, **options}.items()),
                      predicted_step_s=step, bytes_per_step=1.0, memory_bytes=1.0, feasible=feasible,
-                     reason="" if feasible else "over the memory budget", compute_s=step / 2, comm_s=step / 2)
+                     reason="" if feasible else "over the memory budget", compute_s=step / 2, comm_s=step / 2,
+                     steps_factor=k)
 
 
 def test_cheap_communication_keeps_data_parallel_even_if_ist_computes_less() -> None:
@@ -86,18 +87,21 @@ def test_cheap_communication_keeps_data_parallel_even_if_ist_computes_less() -> 
     assert index == 0 and "at most 20% of compute" in reason
 
 
-def test_choose_takes_an_approximate_strategy_only_for_a_large_speedup() -> None:
+def test_choose_takes_an_approximate_strategy_only_when_it_reaches_the_loss_sooner() -> None:
     index, reason = choose([candidate("data_parallel", 1.05), candidate("diloco", 1.0, sync_every=50)])
     assert index == 0 and "exact" in reason
-    # 1.9x faster is not enough at the default 2x; it is when the user asks for the fastest
-    index, reason = choose([candidate("data_parallel", 1.9), candidate("diloco", 1.0, sync_every=50)])
-    assert index == 0 and "only 1.90x faster" in reason
-    index, _ = choose([candidate("data_parallel", 1.9), candidate("diloco", 1.0, sync_every=50)],
-                      approximate_min_speedup=1.0)
+    # 1.9x cheaper steps but k=2.0 the steps: later to the loss, exact kept
+    index, reason = choose([candidate("data_parallel", 1.9), candidate("diloco", 1.0, k=2.0, sync_every=50)])
+    assert index == 0 and "only 0.95x sooner" in reason and "k=2.00x the steps" in reason
+    # a user's extra margin (approximate_min_speedup) on the time to loss
+    index, _ = choose([candidate("data_parallel", 5.0), candidate("diloco", 1.0, k=2.0, sync_every=50)])
     assert index == 1
+    index, reason = choose([candidate("data_parallel", 5.0), candidate("diloco", 1.0, k=2.0, sync_every=50)],
+                           approximate_min_speedup=3.0)
+    assert index == 0 and "needs >= 3.00x" in reason
     # the best exact one is compared, hybrid included
     index, _ = choose([candidate("data_parallel", 5.0), candidate("hybrid", 1.5, stages=2),
-                       candidate("diloco", 1.0, sync_every=50)])
+                       candidate("diloco", 1.0, k=2.0, sync_every=50)])
     assert index == 1
     # a run where the approximate one saves under 10 s keeps exact updates (200 steps x 0.04 s = 8 s)
     fast = [candidate("data_parallel", 0.05), candidate("diloco", 0.01, sync_every=50)]

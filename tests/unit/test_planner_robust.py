@@ -24,6 +24,10 @@ INF = float("inf")
 OPS = frozenset({"allreduce", "broadcast", "allgather", "send_recv", "barrier", "subgroup"})
 
 
+# k (planner/steps_to_loss.py) as the planner would set it for 2 ranks: IST 1.25; DiLoCo a round 2.0.
+STEPS_FACTOR = {"ist": 1.25, "diloco": 2.0}
+
+
 def candidate(label: str, compute_ms: float, comm_ms: float) -> Candidate:
     strategy, _, extra = label.partition(":")
     options: dict[str, Any] = {"strategy": strategy}
@@ -31,20 +35,23 @@ def candidate(label: str, compute_ms: float, comm_ms: float) -> Candidate:
         options["batch_balance"] = extra
     return Candidate(strategy=strategy, options=tuple(options.items()),
                      predicted_step_s=(compute_ms + comm_ms) / 1e3, bytes_per_step=1.0, memory_bytes=1.0,
-                     feasible=True, reason="", compute_s=compute_ms / 1e3, comm_s=comm_ms / 1e3)
+                     feasible=True, reason="", compute_s=compute_ms / 1e3, comm_s=comm_ms / 1e3,
+                     steps_factor=STEPS_FACTOR.get(strategy, 1.0))
 
 
 def test_the_issues_numbers_keep_exact_updates_when_only_the_measured_end_favours_ist() -> None:
     # measured: IST 7.9 ms, data_parallel(batch_balance=speed) 36.7 ms: 4.6x
     measured = [candidate("data_parallel", 13.3, 26.7), candidate("data_parallel:speed", 10.0, 26.7),
                 candidate("ist", 7.6, 0.3)]
-    # optimistic end: the allreduce takes 3.4 ms, not 26.7: IST is only 1.3x faster
+    # optimistic end: the allreduce takes 3.4 ms, not 26.7: IST's step is only 1.3x cheaper, and with
+    # k=1.25 the steps it reaches the loss about as soon as data parallel
     optimistic = [candidate("data_parallel", 5.0, 3.4), candidate("data_parallel:speed", 5.0, 3.4),
                   candidate("ist", 6.3, 0.16)]
     decision = decide(measured, optimistic)
     assert decision.index == 1 and measured[decision.index].strategy == "data_parallel"
-    assert "4.6x faster at the measured end but only 1.3x at the optimistic end" in decision.reason
-    assert "the network term decides" in decision.reason and "kept exact" in decision.reason
+    assert "reaches the loss 3.7x sooner at the measured end but only 1.0x sooner to the loss at the optimistic end" \
+        in decision.reason
+    assert "the network and compute terms decide together" in decision.reason and "kept exact" in decision.reason
     assert decision.hinge and decision.hinge in decision.reason
     # one calibration alone (today's rule) would have switched
     assert measured[decide(measured).index].strategy == "ist"
@@ -55,16 +62,17 @@ def test_both_ends_favouring_ist_switch() -> None:
     optimistic = [candidate("data_parallel", 5.0, 20.0), candidate("ist", 4.0, 0.2)]
     decision = decide(measured, optimistic)
     assert decision.index == 1 and not decision.hinge
-    assert "5.1x the best exact" in decision.reason
-    assert "6.0x at the calibration's optimistic end too" in decision.reason
+    assert "reaches data parallel's loss 4.1x sooner than the best exact strategy" in decision.reason
+    assert "5.06x cheaper steps than data_parallel's 40.00 ms, k=1.25x the steps" in decision.reason
+    assert "4.8x sooner at the calibration's optimistic end too" in decision.reason
 
 
 def test_another_approximate_candidate_that_wins_at_both_ends_is_taken() -> None:
     measured = [candidate("data_parallel", 10.0, 30.0), candidate("diloco", 10.0, 0.6), candidate("ist", 7.0, 0.3)]
     # at the optimistic end IST's subnet gains less than DiLoCo's skipped allreduce
-    optimistic = [candidate("data_parallel", 4.0, 12.0), candidate("diloco", 4.0, 0.3), candidate("ist", 8.0, 0.2)]
+    optimistic = [candidate("data_parallel", 4.0, 12.0), candidate("diloco", 4.0, 0.3), candidate("ist", 12.0, 0.2)]
     decision = decide(measured, optimistic)
-    assert decision.index == 1 and "faster only at the measured end" in decision.reason
+    assert decision.index == 1 and "sooner only at the measured end" in decision.reason
 
 
 def test_only_the_optimistic_end_favouring_an_approximate_strategy_keeps_exact() -> None:
@@ -72,7 +80,7 @@ def test_only_the_optimistic_end_favouring_an_approximate_strategy_keeps_exact()
     optimistic = [candidate("data_parallel", 9.0, 3.0), candidate("ist", 2.3, 0.1)]
     decision = decide(measured, optimistic)
     assert decision.index == 0 and "at most 20% of compute" in decision.reason
-    assert "faster at the optimistic end but at the measured end data parallel's allreduce is cheap" in decision.hinge
+    assert "sooner at the optimistic end but at the measured end data parallel's allreduce is cheap" in decision.hinge
     assert "the compute term decides" in decision.hinge
 
 
@@ -145,7 +153,7 @@ def test_a_noisy_calibration_keeps_exact_updates_and_explain_says_why() -> None:
     robust = plan(calibration(**NOISY))
     assert robust.strategy == "data_parallel", robust.explain()
     text = robust.explain()
-    assert "faster at the measured end but at the optimistic end data parallel's allreduce is cheap" in text
+    assert "sooner at the measured end but at the optimistic end data parallel's allreduce is cheap" in text
     assert "the network term decides" in text and "decision hinged on" in text and robust.hinge
     ist = next(c for c in robust.candidates if c.strategy == "ist")
     assert "does not hold at both ends" in ist.reason
