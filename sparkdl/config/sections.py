@@ -124,7 +124,9 @@ class TrainConfig:
     ist_scale: str = "scale"  # ist: train-narrow/test-wide fix, "scale" (x W on hidden activations) or "batchnorm"
     grad_clip: float = 0.0  # clip each step's gradient norm to this (0 = off); DiLoCo's paper uses 1.0
     nonfinite_loss: str = "raise"  # a NaN/inf loss: "raise" (TrainingError: step, rank, last finite loss) or "skip" (AMP's way)
-    approximate_min_speedup: float = 2.0  # auto: DiLoCo/IST only when predicted this many x faster than exact
+    # auto: an extra margin on time to data parallel's loss (k x steps x step, planner/steps_to_loss.py) an
+    # approximate strategy must win by, past the planner's 15% close-call band; 1.0 = none, inf = never approximate
+    approximate_min_speedup: float = 1.0
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
     # (once, at the start), or "dynamic" (also sharded): re-split every rebalance_every steps, rows moved, exact
     rebalance_every: int = 4  # batch_balance="dynamic": steps between agreements on the ranks' measured speeds
