@@ -122,6 +122,19 @@ def gradient_timeline(work: Workload, net: Network, overlapped: bool) -> Timelin
     return timeline(buckets, transfers, sum(backward), overlapped)
 
 
+
+def overlap_note(work: Workload, net: Network, overlap: float = 0.0) -> str:
+    """For explain(): how data parallel's gradient buckets meet backward, e.g. "2 gradient buckets,
+    1.06 s on the link, 1.05 s of it exposed (the last bucket: 0.62 s, ready as backward ends)"."""
+    line = gradient_timeline(work, net, overlap > 0)
+    if not line.buckets or work.world <= 1:
+        return ""
+    on_link = sum(e - s for s, e in zip(line.starts, line.ends))
+    how = "overlapped with backward" if overlap > 0 else "after backward"
+    return (f"{len(line.buckets)} gradient bucket{'s' if len(line.buckets) > 1 else ''} {how}, "
+            f"{on_link * 1e3:.2f} ms on the link, {line.exposed_s * 1e3:.2f} ms of it exposed "
+            f"(the last bucket alone {(line.ends[-1] - line.starts[-1]) * 1e3:.2f} ms)")
+
 def data_parallel(work: Workload, net: Network, overlap: float = 0.0) -> Estimate:
     """T = C(B/W) + exposed allreduce. `overlap` > 0 when gradient buckets are reduced during
     backward (train.overlap_grads on torch): each bucket's allreduce then starts once backward has

@@ -222,3 +222,11 @@ def test_the_overlap_model_against_a_real_overlapped_allreduce() -> None:
         tail = rank["backward_s"] - buckets[-1].ready_s
         transfers = [0.0] * (len(buckets) - 1) + [tail + 1e-3]
         assert overlap.exposed_s([b.ready_s for b in buckets], transfers, rank["backward_s"]) == pytest.approx(1e-3)
+
+
+def test_the_overlap_note_says_what_is_exposed() -> None:
+    net = cost.Network(latency_s=1e-3, bandwidth_Bps=20 * MBIT)
+    note = cost.overlap_note(issue_workload(10.1e9), net, 1.0)
+    whole = cost.allreduce_s(804 * 1024, 2, net) * 1e3
+    assert note.startswith("1 gradient bucket overlapped with backward")
+    assert f"{whole:.2f} ms on the link, {whole:.2f} ms of it exposed" in note
