@@ -323,6 +323,7 @@ def kept_plan(plan: ResolvedPlan | str | None, config: RunConfig) -> ResolvedPla
 def train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedPlan, run_id: str = "") -> Any:
     from sparkdl.data.epochs import check_shards
     from sparkdl.driver.job import new_run_id
+    from sparkdl.wire.replan import replan_figures
     from sparkdl.wire.spec import TrainSpec
 
     row_counts = prepared.training_shards(config.launch.num_workers)  # ranks stream epoch 1 on these counts
@@ -339,7 +340,8 @@ def train_spec(model: Any, config: RunConfig, prepared: Any, resolved: ResolvedP
                      train=replace(train, callbacks=()), launch=config.launch, tracking=config.tracking,
                      layout=layout, model=model,
                      strategy_layout=resolved.layout, driver_callbacks=asks, rows=rows,
-                     row_counts=row_counts, source=prepared.source, packed_rows=prepared.packed is not None)
+                     row_counts=row_counts, source=prepared.source, packed_rows=prepared.packed is not None,
+                     replan=replan_figures(resolved.auto, train))
     check_picklable(spec)
     return spec
 

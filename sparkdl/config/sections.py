@@ -39,6 +39,7 @@ SYNC_MODES = ("allreduce", "diloco")
 SYNC_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
 IST_SCALES = ("scale", "batchnorm")
 NONFINITE_LOSS_MODES = ("raise", "skip")  # train.nonfinite_loss (executor/loss_watch.py)
+REPLAN_MODES = ("auto", "off")  # train.replan (executor/replan.py)
 BATCH_BALANCES = ("equal", "speed", "dynamic")
 BACKENDS = ("torch", "horovod")
 TASKS = ("auto", "classification", "regression")
@@ -127,6 +128,9 @@ class TrainConfig:
     # auto: an extra margin on time to data parallel's loss (k x steps x step, planner/steps_to_loss.py) an
     # approximate strategy must win by, past the planner's 15% close-call band; 1.0 = none, inf = never approximate
     approximate_min_speedup: float = 1.0
+    # auto chose data parallel: "auto" switches to DiLoCo at an epoch boundary when measured steps show the link
+    # was the bound (and back when it is not); "off": the run keeps the planned layout (executor/replan.py)
+    replan: str = "auto"
     batch_balance: str = "equal"  # data_parallel: "equal" rows per rank, or "speed": rows by measured rank speed
     # (once, at the start), or "dynamic" (also sharded): re-split every rebalance_every steps, rows moved, exact
     rebalance_every: int = 4  # batch_balance="dynamic": steps between agreements on the ranks' measured speeds
@@ -207,6 +211,7 @@ class TrainConfig:
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 = off), got {self.grad_clip!r}")
         choice("train.nonfinite_loss", self.nonfinite_loss, NONFINITE_LOSS_MODES)
+        choice("train.replan", self.replan, REPLAN_MODES)
         boolean("train.activation_checkpointing", self.activation_checkpointing)
         if not isinstance(self.overlap_grads, bool):
             raise ConfigError(f"train.overlap_grads must be true or false, got {self.overlap_grads!r}")

@@ -39,6 +39,7 @@ class RunMonitor:
         self._named_slow: set[int] = set()  # ranks already named as holding the others back
         self._slow_streaks = Sustained()  # epochs in a row each slow rank cost the run (executor/pace.py)
         self._drift_said = False  # the measured speeds' drift from the start is said once
+        self._replans_said: set[int] = set()  # epochs after which a re-plan switched the sync, said once each
         self._wait_fraction: float | None = None  # the last epoch's share of step time spent waiting (progress bar)
         self._rendezvous_ports: dict[str, int] = {}  # stage attempt -> rank 0's port
 
@@ -92,10 +93,12 @@ class RunMonitor:
         point.update({k: record[k] for k in ("time_to_first_step_s", "spool_seconds") if k in record})
         point.update(memory_points(record))
         point.update(pace_points(record))
+        point.update(replan_points(record))
         self.worlds.threads(record)
         self._name_slow_ranks(record)
         self._say_drift(record)
         self._say_fallback(record)
+        self._say_replan(record)
         if "wait_fraction" in record:
             self._wait_fraction = float(record["wait_fraction"])
         self._show_epoch(record)
@@ -145,6 +148,18 @@ class RunMonitor:
         if report is not None:
             self._say(report.line, report.artifact)
             self.tracker.set_tags(report.tags)
+
+    def _say_replan(self, record: dict[str, Any]) -> None:
+        """A re-plan on drift (executor/replan.py): said once per switch, kept as a text artifact and
+        tagged with where the sync changed."""
+        switch = record.get("replanned")
+        if not switch or int(switch.get("after_epoch", -1)) in self._replans_said:
+            return
+        after = int(switch["after_epoch"])
+        self._replans_said.add(after)
+        self._say(str(switch.get("reason", "")), f"replan_after_epoch_{after}.txt")
+        self.tracker.set_tags({"sparkdl.replanned": "true", f"sparkdl.replan.after_epoch_{after}":
+                               f"{switch.get('from')} -> {switch.get('to')}"})
 
     def _say(self, line: str, artifact: str) -> None:
         if self._bar is not None:
@@ -236,6 +251,17 @@ def pace_points(record: dict[str, Any]) -> dict[str, float]:
     for name in ("rows_per_compute_s", "compute_seconds", "wait_seconds"):
         for rank, value in enumerate(record.get(f"{name}_by_rank", [])):
             points[f"{name}_rank_{rank}"] = float(value)
+    return points
+
+
+def replan_points(record: dict[str, Any]) -> dict[str, float]:
+    """Under a re-planning run: the epoch's measured and predicted step and its sync (1 = DiLoCo)."""
+    if "sync" not in record:
+        return {}
+    points = {"epoch_sync_diloco": 1.0 if record["sync"] == "diloco" else 0.0}
+    for name in ("step_measured_s", "step_predicted_s"):
+        if name in record:
+            points[f"epoch_{name[:-2]}_ms"] = 1e3 * float(record[name])
     return points
 
 

@@ -23,6 +23,7 @@ from sparkdl.executor.loss_watch import LossWatch
 from sparkdl.executor.memory import mark_model_start, reset_cuda_peak
 from sparkdl.comm.base import blocked_seconds
 from sparkdl.executor.rebalance import Rebalancer
+from sparkdl.executor.replan import Replanner
 from sparkdl.model.objectives import build_model, build_optimizer, enable_activation_checkpointing, loss_function
 from sparkdl.wire.stopping import REGROUP, REGROUP_KEY, EarlyStopping, Verdict, epoch_verdict
 from sparkdl.executor.validation import run_metrics, validate
@@ -74,6 +75,7 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
     metrics = run_metrics(ctx)
     _report_start(ctx)
     global_step = start.global_step
+    replanner = Replanner.of(spec, strategy)
     watch = LossWatch(spec.train.nonfinite_loss, ctx.rank, ctx.world.hosts[ctx.rank] if ctx.world.hosts else "",
                       ctx.comm.device)
     for epoch in range(start.epoch, spec.train.epochs):
@@ -96,6 +98,8 @@ def _train_epochs(ctx: WorkerContext, strategy: Strategy, loss_fn: Any, resume: 
         totals.skipped = watch.end_epoch(epoch, totals.step - (start.step if resuming else 0))
         record = epoch_record(ctx, strategy, epoch, totals, time.perf_counter() - started,
                               ctx.comm.bytes_sent - bytes_before)
+        if replanner is not None:  # auto's data parallel corrected by what the epoch measured (executor/replan.py)
+            replanner.after_epoch(record, epoch, last)
         if resuming:
             record["resumed_from_step"] = start.global_step
             record.update(resume.history_fields())  # a fall-back past damaged checkpoints, named

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from sparkdl.comm.base import ALLREDUCE, BROADCAST, Communicator, blocking
+from sparkdl.config import TrainConfig
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
-from sparkdl.strategies.diloco import build_outer_sync
+from sparkdl.strategies.diloco import SyncClock, build_outer_sync
 from sparkdl.strategies.diloco_uneven import UnevenOuterSync
 from sparkdl.strategies.grad_overlap import OverlappedAveraging
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
+from sparkdl.strategies.sync_switch import average_optimizer_state
 
 BUCKET_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20  # overlapped: the last layers' bucket goes out early (DDP's first bucket too)
@@ -114,22 +117,60 @@ class DataParallel(Strategy):
         self.steps.attach(self._optimizer)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._loss_fn = loss_fn
+        self._comm_wait_s = 0.0
+        self._step_weight: torch.Tensor | None = None  # this step's weight sum, reduced with the gradients
+        self._sync_clock = SyncClock()  # the outer syncs' exchanges, timed (executor/replan.py reads them)
+        self._overlap_hooks: OverlappedAveraging | None = None
+        self._switched: dict[str, Any] | None = None  # the last re-plan's sync options (kept in checkpoints)
+        self._use_sync(self.train)
+
+    def _use_sync(self, train: TrainConfig) -> None:
+        """The parts of `train.sync`: DiLoCo's outer sync (from the current weights), the group gradients
+        are averaged over every step, and the buckets overlapped with backward."""
+        self._diloco = train.sync == "diloco"
         # Whom gradients are averaged with every step: everyone; nobody (DiLoCo's ranks step alone);
         # or the rank's island (islands: data parallel inside, DiLoCo across).
         self._step_comm: Communicator | None = self.comm
-        self._comm_wait_s = 0.0
-        self._step_weight: torch.Tensor | None = None  # this step's weight sum, reduced with the gradients
         self._uneven = False
         if self._diloco:
-            self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, self.train)
+            self._outer_sync, self._step_comm = build_outer_sync(self.comm, self._model, self._params, train,
+                                                                 self._sync_clock)
             self._uneven = isinstance(self._outer_sync, UnevenOuterSync)  # DyLU, Delayed Nesterov, staleness
         # Buckets reduced during backward: where this strategy averages over several ranks itself and the
         # backend's allreduce runs in the background (a synchronous one gains nothing inside backward).
         group = self._step_comm
-        overlap = bool(self.train.overlap_grads) and self._weight_rides_along() and group is not None \
+        overlap = bool(train.overlap_grads) and self._weight_rides_along() and group is not None \
             and group.overlaps_allreduce
-        self._overlap = OverlappedAveraging(self._params, self.first_bucket_bytes, self.bucket_bytes) \
-            if overlap else None
+        if overlap and self._overlap_hooks is None:  # hooked once: a switch back reuses them
+            self._overlap_hooks = OverlappedAveraging(self._params, self.first_bucket_bytes, self.bucket_bytes)
+        self._overlap = self._overlap_hooks if overlap else None
+
+    @property
+    def sync_mode(self) -> str:
+        return "diloco" if self._diloco else "allreduce"
+
+    @property
+    def can_switch_sync(self) -> bool:
+        """Only this strategy's own averaging switches (a backend's distributed optimizer averages inside
+        step(); islands keep their groups)."""
+        return not self._backend_averages and not self.train.islands
+
+    def switch_sync(self, options: dict[str, Any]) -> None:
+        """A re-plan at an epoch boundary (executor/replan.py), on every rank after the same step:
+        `options` = sync ("allreduce" or "diloco") and DiLoCo's. Weights stay continuous: leaving DiLoCo
+        first finishes its outer sync (what is in flight lands, then one last sync of local progress),
+        so every replica holds the global model, which rank 0 then broadcasts (bitwise the same on
+        all), and the inner optimizers' moments are averaged; entering DiLoCo starts its global copy
+        from the current weights. The optimizer and its state are kept (DiLoCo's inner optimizer,
+        never reset); the lr schedule goes on."""
+        if self._diloco:
+            self._outer_sync.finish()
+            self._sync_clock.take()
+            average_optimizer_state(self.comm, self._optimizer)
+        broadcast_module(self.comm, self._model)
+        self.train = replace(self.train, **options)
+        self._switched = dict(options)
+        self._use_sync(self.train)
 
     def train_step(self, inputs: Any, labels: torch.Tensor, weights: torch.Tensor | None = None,
                    micro: Accumulation = SINGLE) -> torch.Tensor:
@@ -199,10 +240,22 @@ class DataParallel(Strategy):
             self.steps.scheduler = scheduler
 
     def epoch_record(self) -> dict[str, Any]:
+        """DiLoCo: every rank's seconds inside outer-sync exchanges this epoch and the fragment syncs
+        that ran (the link's time per sync, executor/replan.py), and on uneven workers every replica's
+        schedule; gathered so that the record is the same on all ranks."""
+        record = self._uneven_record() if self._uneven else super().epoch_record()
+        if self._diloco and self.comm.size > 1:
+            seconds, syncs = self._sync_clock.take()
+            every = self.comm.allgather_object((seconds, syncs))
+            schedule = getattr(self._outer_sync, "schedule", None)
+            record.update(outer_sync_seconds_by_rank=[float(s) for s, _ in every],
+                          outer_syncs=min(int(n) for _, n in every),
+                          outer_fragments=int(getattr(schedule, "fragments", 1)))
+        return record
+
+    def _uneven_record(self) -> dict[str, Any]:
         """DiLoCo on uneven workers: every replica's schedule this epoch (H_w and the bound s per round,
-        the staleness of each landed sync, inner steps), gathered so that the record is the same on all."""
-        if not self._uneven:
-            return super().epoch_record()
+        the staleness of each landed sync, inner steps)."""
         mine = self._outer_sync.take_schedule()
         every = self.comm.allgather_object(mine) if self.comm.size > 1 else [mine]
         landed = [[staleness for _, staleness in r["landings"]] for r in every]
@@ -291,11 +344,16 @@ class DataParallel(Strategy):
 
     def checkpoint_state(self) -> dict[str, Any]:
         state = super().checkpoint_state()
+        if self._switched is not None:  # a re-planned run resumes in the sync mode it had switched to
+            state["replanned_sync"] = dict(self._switched)
         if self._diloco:
             state.update(self._outer_sync.state())
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        switched = state.get("replanned_sync")
+        if switched is not None and switched.get("sync") != self.sync_mode:
+            self.switch_sync(switched)  # every rank loads the same checkpoint at the same point
         super().load_checkpoint_state(state)
         if self._diloco:
             self._outer_sync.load(state)

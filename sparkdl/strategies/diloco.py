@@ -232,12 +232,37 @@ class OuterSync:
                 local.copy_(shared)
 
 
-def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Parameter], train: Any
-                     ) -> tuple[OuterSync | UnevenOuterSync, Communicator | None]:
+class SyncClock:
+    """Seconds this rank spent inside its outer syncs' exchanges (on whichever thread ran them) and
+    how many fragment syncs ran: the link's time per sync, hidden or not, which executor/replan.py
+    prices data parallel with. Read and reset at epoch ends."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.syncs = 0
+
+    def timed(self, average: Average) -> Average:
+        def run(delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            started = time.perf_counter()
+            try:
+                return average(delta, residual)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.syncs += 1
+        return run
+
+    def take(self) -> tuple[float, int]:
+        taken = (self.seconds, self.syncs)
+        self.seconds, self.syncs = 0.0, 0
+        return taken
+
+
+def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Parameter], train: Any,
+                     clock: SyncClock | None = None) -> tuple[OuterSync | UnevenOuterSync, Communicator | None]:
     """DiLoCo's outer sync for this rank, and the communicator its gradients are averaged over every
-    step (its island's; None for flat DiLoCo, whose ranks step alone)."""
+    step (its island's; None for flat DiLoCo, whose ranks step alone). `clock`: times every exchange."""
     if uses_uneven_sync(train):
-        return _uneven_outer_sync(comm, params, train), None
+        return _uneven_outer_sync(comm, params, train, clock), None
     schedule = OuterSchedule(train.sync_every, train.fragments, train.fragment_sync_delay)
     background = schedule.delay > 0 and comm.size > 1
     if background and SUBGROUP not in comm.ops:
@@ -261,12 +286,14 @@ def build_outer_sync(comm: Communicator, model: nn.Module, params: list[nn.Param
 
         def average(delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
             return low_precision.average_with_feedback(wire_comm, delta, wire, residual)
-    outer = OuterSync(model, params, schedule, average, outer_lr=train.outer_lr, outer_momentum=train.outer_momentum,
+    outer = OuterSync(model, params, schedule, clock.timed(average) if clock else average, outer_lr=train.outer_lr,
+                      outer_momentum=train.outer_momentum,
                       alpha=train.fragment_update_alpha, background=background)
     return outer, stepping.island if stepping is not None else None
 
 
-def _uneven_outer_sync(comm: Communicator, params: list[nn.Parameter], train: Any) -> UnevenOuterSync:
+def _uneven_outer_sync(comm: Communicator, params: list[nn.Parameter], train: Any,
+                       clock: SyncClock | None = None) -> UnevenOuterSync:
     """Plain DiLoCo's sync with local_updates / outer_optimizer / max_staleness (strategies/diloco_uneven.py);
     a staleness bound overlaps whole rounds on a communication thread with a process group of its own."""
     if train.fragments > 1 or train.fragment_sync_delay or train.fragment_update_alpha or train.islands:
@@ -283,4 +310,4 @@ def _uneven_outer_sync(comm: Communicator, params: list[nn.Parameter], train: An
     def average(delta: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return low_precision.average_with_feedback(wire_comm, delta, wire, residual)
 
-    return UnevenOuterSync(params, wire_comm, average, train, bounds, background)
+    return UnevenOuterSync(params, wire_comm, clock.timed(average) if clock else average, train, bounds, background)

@@ -15,6 +15,7 @@ from sparkdl.model.layouts import StrategyLayout
 from sparkdl.wire.child import ChildCall
 from sparkdl.wire.frames import ChannelAddress
 from sparkdl.wire.model_transfer import ModelSink
+from sparkdl.wire.replan import ReplanFigures
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,9 @@ class TrainSpec:
     # sparkdl.compat: every rank runs this function or script in child processes (executor/child_rank.py)
     # instead of train_fn(ctx) or the built-in loop.
     child: ChildCall | None = None
+    # strategy="auto" chose data parallel: the predictions a rank compares its measured steps with, and
+    # the DiLoCo alternative it may switch to at an epoch boundary (executor/replan.py). None: no re-plan.
+    replan: ReplanFigures | None = None
 
     @property
     def world_size(self) -> int:
