@@ -118,10 +118,10 @@ test: venv check-java jvm
 	@start=$$(date +%s); status=0; bed_status=0; rm -f $(HOROVOD_STATUS) $(HOROVOD_STATUS).part; \
 	( rc=0; nice -n $(HOROVOD_NICE) env PYTHON=$(VPY) $(HOROVOD_BUILD) > $(HOROVOD_LOG) 2>&1 || rc=$$?; \
 	  echo "$$rc" > $(HOROVOD_STATUS).part; mv $(HOROVOD_STATUS).part $(HOROVOD_STATUS) ) & build=$$!; \
-	$(LANE_ENV) $(VPY) -m pytest tests/spark -m "$(BED_LANE)" -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS) \
+	$(LANE_ENV) $(VPY) -m pytest tests/spark -m "$(BED_LANE)" -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS) \
 	  > $(BED_LOG) 2>&1 & bed=$$!; \
 	trap 'kill $$bed $$build 2>/dev/null || true' INT TERM; \
-	$(LANE_ENV) $(VPY) -m pytest tests -m "not ($(BED_LANE))" -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS) \
+	$(LANE_ENV) $(VPY) -m pytest tests -m "not ($(BED_LANE))" -q -p no:cacheprovider --durations=60 $(PYTEST_ARGS) \
 	  || status=$$?; \
 	main_s=$$(( $$(date +%s) - start )); \
 	wait $$build || true; build_status=$$(cat $(HOROVOD_STATUS) 2>/dev/null || echo "none"); \
