@@ -11,7 +11,9 @@ and one torch thread each, gloo, no Spark), the same MLP (--width, --depth) on e
                        (the exposed allreduce plus what the background transfer slows compute by)
   predicted_hooks_ms   the model fed with the ready times post-accumulate hooks measured on a real
                        backward (profile.gradient_times) and transfers priced by allreduce_s on the
-                       link as measured here (a 4-byte and a 1 MiB allreduce give latency and bandwidth)
+                       link as measured here (a 4-byte and a 1 MiB allreduce give latency and bandwidth,
+                       the 1 MiB one beside matrix products how much a busy rank slows a transfer:
+                       busy_slowdown; predicted_hooks_unslowed_ms leaves that out)
   predicted_planner_ms cost.data_parallel on per-layer times from profile_sequential (FLOP shares
                        and measured backward shares), the same link
   old_formula_ms       the formula this replaced: max(0, T_AR(grad bytes) - T_bwd)
@@ -20,6 +22,7 @@ Medians over --repeats rounds of --steps steps (the slowest rank's). Prints JSON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -47,27 +50,37 @@ def build_model(width: int, depth: int) -> Any:
 
 
 def link(comm: Any, world: int) -> Any:
-    """The link as a collective sees it: latency per hop and bandwidth fitted to allreduce_s."""
+    """The link as a collective sees it: latency per hop and bandwidth fitted to allreduce_s, and
+    how much longer a 1 MiB allreduce takes while this rank computes (matrix products polled
+    against its completion: a bucket's transfer beside backward)."""
     import torch
+    import torch.distributed as dist
 
     from sparkdl.planner import cost
 
-    def median_s(numel: int) -> float:
-        tensor = torch.zeros(numel)
+    def median_s(numel: int, busy: bool = False) -> float:
+        tensor, a = torch.zeros(numel), torch.randn(256, 256)
         times = []
         for _ in range(5):
             comm.barrier()
             started = time.perf_counter()
-            comm.allreduce(tensor)
+            if busy:  # torch.distributed's own handle: the Communicator's has no completion test
+                pending = dist.all_reduce(tensor, async_op=True)
+                while not pending.is_completed():
+                    a @ a
+                pending.wait()
+            else:
+                comm.allreduce(tensor)
             times.append(time.perf_counter() - started)
         return max(comm.allgather_object(statistics.median(times)))
 
     small, big_bytes = median_s(1), 1 << 20
     big = median_s(big_bytes // 4)
+    busy = median_s(big_bytes // 4, busy=True)
     hops = 2 * (world - 1)
     latency = small / hops
     bandwidth = hops / world * big_bytes / max(big - small, 1e-9)
-    return cost.Network(latency_s=latency, bandwidth_Bps=bandwidth)
+    return cost.Network(latency_s=latency, bandwidth_Bps=bandwidth, busy_slowdown=max(1.0, busy / big))
 
 
 def predictions(args: argparse.Namespace, comm: Any, world: int) -> dict[str, float]:
@@ -81,7 +94,8 @@ def predictions(args: argparse.Namespace, comm: Any, world: int) -> dict[str, fl
     model = build_model(args.width, args.depth)
     times = gradient_times(model, x, lambda out: F.cross_entropy(out, y), repeats=5)
     buckets = overlap.measured_buckets(times.param_bytes, times.ready_s)
-    hooks = overlap.timeline(buckets, [cost.allreduce_s(b.nbytes, world, net) for b in buckets], times.backward_s)
+    hooks = overlap.timeline(buckets, [cost.allreduce_s(b.nbytes, world, net) for b in buckets], times.backward_s,
+                             busy_slowdown=net.busy_slowdown)
     profile = profile_sequential(model, 256, rows=args.batch, repeats=5)
     flops = 1e9  # any rate: per-layer seconds become FLOPs at it and back
     layers = tuple(cost.LayerCost(params=layer.params, flops=layer.seconds * flops / (3 * args.batch),
@@ -89,9 +103,12 @@ def predictions(args: argparse.Namespace, comm: Any, world: int) -> dict[str, fl
                                   backward_share=layer.backward_share) for layer in profile.layers)
     work = cost.Workload(layers=layers, world=world, rows=args.batch, flops_per_s=flops, optimizer_bytes_per_param=8)
     planner = cost.data_parallel(work, net, overlap=1.0)
+    quiet = dataclasses.replace(net, busy_slowdown=1.0)
+    unslowed = overlap.timeline(buckets, [cost.allreduce_s(b.nbytes, world, quiet) for b in buckets], times.backward_s)
     backward = sum(cost.backward_layers_s(work))
     old = max(0.0, cost.allreduce_s(work.params * 4, world, net) - backward)
     return {"predicted_hooks_ms": 1e3 * hooks.exposed_s, "predicted_planner_ms": 1e3 * planner.comm_s,
+            "predicted_hooks_unslowed_ms": 1e3 * unslowed.exposed_s, "busy_slowdown": net.busy_slowdown,
             "old_formula_ms": 1e3 * old, "hooks_backward_ms": 1e3 * times.backward_s,
             "planner_backward_ms": 1e3 * backward, "buckets": len(buckets),
             "last_bucket_transfer_ms": 1e3 * cost.allreduce_s(buckets[-1].nbytes, world, net),

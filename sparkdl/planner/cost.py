@@ -38,6 +38,9 @@ class Network:
     # allreduce pays for chunking, copies and the reduction on top of the links (0: the link's).
     collective_latency_s: float = 0.0
     collective_bandwidth_Bps: float = 0.0
+    # How much longer a collective takes while the rank computes beside it (measured: a background
+    # allreduce shares the host's CPU with backward; 1: not slowed). Prices overlap (planner/overlap.py).
+    busy_slowdown: float = 1.0
 
     @property
     def ring(self) -> tuple[float, float]:
@@ -119,7 +122,7 @@ def gradient_timeline(work: Workload, net: Network, overlapped: bool) -> Timelin
         buckets = [Bucket(size, sum(backward)) for size in
                    bucket_sizes(sum(grads), BUCKET_BYTES, BUCKET_BYTES)]
     transfers = [allreduce_s(bucket.nbytes, work.world, net) for bucket in buckets]
-    return timeline(buckets, transfers, sum(backward), overlapped)
+    return timeline(buckets, transfers, sum(backward), overlapped, net.busy_slowdown)
 
 
 

@@ -51,22 +51,35 @@ class Timeline:
         return sum(e - s for s, e in zip(self.starts, self.ends)) - self.exposed_s
 
 
-def simulate(ready_s: Sequence[float], transfer_s: Sequence[float], backward_s: float) -> tuple[list[float], list[float]]:
+def simulate(ready_s: Sequence[float], transfer_s: Sequence[float], backward_s: float,
+             busy_slowdown: float = 1.0) -> tuple[list[float], list[float]]:
     """(starts, ends) of transfers that wait for their bucket and for the link (one at a time, in
-    the order given: the buckets' fixed launch order, which is their ready order)."""
+    the order given: the buckets' fixed launch order, which is their ready order). `busy_slowdown`:
+    how much longer a transfer takes while backward computes beside it on the same host (gloo's
+    thread copies and reduces on the CPU backward is using; 1: not slowed)."""
     starts, ends = [], []
     link_free = 0.0
     for ready, transfer in zip(ready_s, transfer_s):
         start = max(ready, link_free, 0.0)
-        link_free = start + transfer
+        link_free = _finish(start, transfer, backward_s, max(busy_slowdown, 1.0))
         starts.append(start)
         ends.append(link_free)
     return starts, ends
 
 
-def exposed_s(ready_s: Sequence[float], transfer_s: Sequence[float], backward_s: float) -> float:
+def _finish(start: float, transfer: float, backward_s: float, slowdown: float) -> float:
+    """When a transfer of `transfer` idle seconds started at `start` ends: at 1/slowdown speed
+    until backward ends, at full speed after."""
+    busy = max(0.0, backward_s - start)
+    if transfer * slowdown <= busy:
+        return start + transfer * slowdown
+    return start + busy + (transfer - busy / slowdown)
+
+
+def exposed_s(ready_s: Sequence[float], transfer_s: Sequence[float], backward_s: float,
+              busy_slowdown: float = 1.0) -> float:
     """The simulated wait after backward (the module docstring's rule)."""
-    ends = simulate(ready_s, transfer_s, backward_s)[1]
+    ends = simulate(ready_s, transfer_s, backward_s, busy_slowdown)[1]
     return max(0.0, (ends[-1] if ends else 0.0) - backward_s)
 
 
@@ -108,10 +121,10 @@ def layer_buckets(layer_bytes: Sequence[float], layer_backward_s: Sequence[float
 
 
 def timeline(buckets: Sequence[Bucket], transfer_s: Sequence[float], backward_s: float,
-             overlapped: bool = True) -> Timeline:
+             overlapped: bool = True, busy_slowdown: float = 1.0) -> Timeline:
     """Simulate `buckets` (launch order); not overlapped: every one waits for backward's end."""
     ready = [b.ready_s if overlapped else backward_s for b in buckets]
-    starts, ends = simulate(ready, transfer_s, backward_s)
+    starts, ends = simulate(ready, transfer_s, backward_s, busy_slowdown)
     return Timeline(backward_s, tuple(buckets), tuple(starts), tuple(ends))
 
 

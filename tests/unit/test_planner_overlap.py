@@ -230,3 +230,17 @@ def test_the_overlap_note_says_what_is_exposed() -> None:
     whole = cost.allreduce_s(804 * 1024, 2, net) * 1e3
     assert note.startswith("1 gradient bucket overlapped with backward")
     assert f"{whole:.2f} ms on the link, {whole:.2f} ms of it exposed" in note
+
+
+def test_a_transfer_beside_backward_runs_slower_until_backward_ends() -> None:
+    # Ready at 1 s, 2 s of transfer, backward ends at 3 s: at half speed for 2 s (1 s of work done),
+    # the remaining 1 s after backward.
+    assert overlap.exposed_s([1.0], [2.0], 3.0, busy_slowdown=2.0) == pytest.approx(1.0)
+    assert overlap.exposed_s([1.0], [0.5], 3.0, busy_slowdown=2.0) == pytest.approx(0.0)  # done at 2 s
+    assert overlap.exposed_s([1.0], [2.0], 3.0) == pytest.approx(0.0)
+    # Through the cost model: the network's measured slowdown moves the first bucket past backward.
+    layers = tuple(cost.LayerCost(params=512 * 1024, flops=4e9, out_bytes=4.0, saved_bytes=4.0) for _ in range(8))
+    work = cost.Workload(layers=layers, world=2, rows=1, flops_per_s=1e11, optimizer_bytes_per_param=16)
+    quiet = cost.Network(latency_s=1e-3, bandwidth_Bps=100 * MBIT)  # the first bucket: 86 ms of 640 ms
+    busy = cost.Network(latency_s=1e-3, bandwidth_Bps=100 * MBIT, busy_slowdown=10.0)
+    assert cost.data_parallel(work, busy, 1.0).comm_s > cost.data_parallel(work, quiet, 1.0).comm_s
