@@ -15,7 +15,8 @@ the same verdict after the same step (a collective that one rank skips hangs the
   steps factor k (it needs k x the steps to reach data parallel's loss: planner/steps_to_loss.py).
 
 Data parallel -> DiLoCo when, in WINDOW epochs in a row (executor/pace.py's "sustained"), the step is
-more than TOLERANCE slower than predicted, the link explains at least LINK_EXPLAINS of the excess, and
+more than TOLERANCE slower than predicted, by at least pace.py's MIN_LOST_S (noise on sub-millisecond
+steps never passes it), the link explains at least LINK_EXPLAINS of the excess, and
 DiLoCo re-priced reaches the loss at least LEAVE_EXACT times sooner. DiLoCo -> data parallel when, in
 WINDOW epochs in a row with syncs, it is no longer BACK_TO_EXACT times sooner (a close call is exact).
 An epoch of DiLoCo without a sync says nothing of the link and leaves the streak as it is.
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sparkdl.executor.pace import WINDOW
+from sparkdl.executor.pace import MIN_LOST_S, WINDOW
 from sparkdl.wire.replan import ReplanFigures
 
 TOLERANCE = 0.25  # measured against predicted step beyond this is drift (the 25 %)
@@ -82,7 +83,9 @@ def judge(sync: str, pace: Pace, figures: ReplanFigures) -> Verdict:
         exact = pace.step_s
         diloco = pace.compute_s + pace.link_s * figures.wire_share / max(figures.sync_every, 1)
         win = exact / (k * diloco) if diloco > 0 else 0.0
-        explained = pace.link_s >= LINK_EXPLAINS * (pace.step_s - predicted)
+        excess = pace.step_s - predicted
+        # pace.py's absolute floor too: sub-millisecond steps (a loopback link, shared cores) are noise
+        explained = excess >= MIN_LOST_S and pace.link_s >= LINK_EXPLAINS * excess
         return Verdict(drift > TOLERANCE and explained and win >= LEAVE_EXACT, drift, exact, diloco, win)
     exact, diloco = pace.compute_s + pace.link_s, pace.step_s
     win = exact / (k * diloco) if diloco > 0 else 0.0

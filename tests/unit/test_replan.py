@@ -49,9 +49,15 @@ def test_within_tolerance_stays_even_where_diloco_would_win():
     assert not judge("allreduce", Pace(step_s=0.012, compute_s=0.002, link_s=0.010), FIGURES).switch
 
 
+def test_sub_millisecond_drift_is_noise():
+    tiny = ReplanFigures(0.0004, 0.0003, (("sync", "diloco"), ("sync_every", 10)))
+    assert not judge("allreduce", Pace(step_s=0.0020, compute_s=0.0002, link_s=0.0018), tiny).switch
+
+
 def test_close_call_stays_exact():
     # 25 % slower than predicted, link-bound, but DiLoCo with k=1.5 is not LEAVE_EXACT times sooner
-    verdict = judge("allreduce", Pace(step_s=0.0130, compute_s=0.0075, link_s=0.0055), FIGURES)
+    slower = ReplanFigures(0.100, 0.09, FIGURES.diloco_options, diloco_steps_factor=1.5)
+    verdict = judge("allreduce", Pace(step_s=0.130, compute_s=0.075, link_s=0.055), slower)
     assert verdict.drift > 0.25 and verdict.win < LEAVE_EXACT and not verdict.switch
 
 
