@@ -52,6 +52,10 @@ class Candidate:
     steps_factor: float = 1.0  # k: steps to data parallel's loss / data parallel's (planner/steps_to_loss.py)
     steps_rule: str = ""  # how k was reached
 
+    def __post_init__(self) -> None:
+        if not self.steps_factor >= 1.0:  # NaN too: a strategy never reaches the loss in fewer steps than DP
+            raise ValueError(f"{self.strategy}: steps_factor must be >= 1, got {self.steps_factor!r}")
+
     @property
     def to_loss_s(self) -> float:
         """Predicted time to data parallel's loss per data-parallel step: k x step."""
@@ -140,7 +144,7 @@ class Plan:
                 "plan.network": f"{self.bandwidth_Bps * 8 / 1e9:.4g} Gbit/s, {self.latency_s * 1e3:.4g} ms"
                                 + (" (emulated)" if self.emulated else ""),
                 "plan.steps_factor": f"{c.steps_factor:.3f}",
-                "plan.predicted_to_loss": to_loss_cell(c, self.steps),
+                "plan.predicted_to_loss": to_loss_cell(c, self.steps) + (" s" if self.steps else " ms/DP step"),
                 "plan.candidates": str(len(self.candidates)), **({"plan.hinge": self.hinge} if self.hinge else {})}
 
 

@@ -76,7 +76,7 @@ def test_six_times_cheaper_steps_at_k_2_3_are_chosen_and_explained() -> None:
     assert "to loss (s)" in text and " 2.30 " in text
     assert "60.0" in text and "23.0" in text  # 1000 steps x 60 ms; 2.3 x 1000 x 10 ms
     params = plan.as_params()
-    assert params["plan.steps_factor"] == "2.300" and params["plan.predicted_to_loss"] == "23.0"
+    assert params["plan.steps_factor"] == "2.300" and params["plan.predicted_to_loss"] == "23.0 s"
 
 
 def test_a_step_only_1_06x_cheaper_is_not_chosen() -> None:
@@ -200,3 +200,8 @@ def test_the_embedding_placement_is_stable_across_the_calibrations_range() -> No
     # Far from the crossover at both ends: the cheaper one, replicated here.
     slow = decide_embeddings([table], stats, 4, Network(50 * cross, bandwidth), optimistic=Network(20 * cross, bandwidth))
     assert not slow.sharded and "the default" not in slow.reason
+
+
+def test_a_candidate_cannot_reach_the_loss_in_fewer_steps_than_data_parallel() -> None:
+    with pytest.raises(ValueError, match="steps_factor must be >= 1"):
+        candidate("diloco", 1.0, 0.0, k=0.5)
