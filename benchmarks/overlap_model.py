@@ -6,7 +6,9 @@ data-parallel step, on the multi-host bed.
 Needs root (tests/support/multihost.py). W worker hosts (network namespaces, shaped links, one rank
 and one torch thread each, gloo, no Spark), the same MLP (--width, --depth) on each. Per network:
   measured_wait_ms     the step's time blocked in finish() waiting for the buckets (sparkdl
-                       DataParallel, train.overlap_grads=True): the exposed allreduce as it ran
+                       DataParallel, train.overlap_grads=True): the exposed allreduce as it ran, on
+                       the rank that ended backward last (the least-waiting rank of each step: the
+                       others also wait out the compute skew, max_rank_wait_ms)
   measured_excess_ms   the W-rank overlapped step minus the same step without any communication
                        (the exposed allreduce plus what the background transfer slows compute by)
   predicted_hooks_ms   the model fed with the ready times post-accumulate hooks measured on a real
@@ -17,7 +19,7 @@ and one torch thread each, gloo, no Spark), the same MLP (--width, --depth) on e
   predicted_planner_ms cost.data_parallel on per-layer times from profile_sequential (FLOP shares
                        and measured backward shares), the same link
   old_formula_ms       the formula this replaced: max(0, T_AR(grad bytes) - T_bwd)
-Medians over --repeats rounds of --steps steps (the slowest rank's). Prints JSON (--out writes it).
+Medians over --repeats rounds of --steps steps (step times: the slowest rank's). Prints JSON (--out writes it).
 """
 from __future__ import annotations
 
@@ -122,17 +124,19 @@ def batch(args: argparse.Namespace) -> tuple[Any, Any]:
     return torch.randn(args.batch, 256, generator=generator), torch.randint(0, 10, (args.batch,), generator=generator)
 
 
-def timed(step: Any, args: argparse.Namespace, comm: Any) -> tuple[float, float]:
-    """(seconds a step, seconds blocked in collectives a step) over --steps steps after --warmup."""
+def timed(step: Any, args: argparse.Namespace, comm: Any) -> tuple[float, list[float]]:
+    """(seconds a step, seconds blocked in collectives in each step) over --steps steps after --warmup."""
     from sparkdl.comm.base import blocked_seconds
 
     for _ in range(args.warmup):
         step()
     comm.barrier()
-    blocked, started = blocked_seconds(), time.perf_counter()
+    waits, started = [], time.perf_counter()
     for _ in range(args.steps):
+        blocked = blocked_seconds()
         step()
-    return (time.perf_counter() - started) / args.steps, (blocked_seconds() - blocked) / args.steps
+        waits.append(blocked_seconds() - blocked)
+    return (time.perf_counter() - started) / args.steps, waits
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -161,15 +165,21 @@ def worker(args: argparse.Namespace) -> None:
         F.cross_entropy(local(x), y).backward()
         local_optimizer.step()
 
-    rounds: list[dict[str, float]] = []
+    rounds: list[dict[str, Any]] = []
     for _ in range(args.repeats):
-        step_s, wait_s = timed(lambda: strategy.train_step(x, y), args, comm)
+        step_s, waits = timed(lambda: strategy.train_step(x, y), args, comm)
         local_s, _ = timed(local_step, args, comm)
-        rounds.append({"step": step_s, "wait": wait_s, "local": local_s})
+        rounds.append({"step": step_s, "waits": waits, "local": local_s})
     predicted = predictions(args, comm, len(hosts))
     everyone = comm.allgather_object(rounds)
     if args.rank == 0:
-        worst = [{k: max(r[i][k] for r in everyone) for k in ("step", "wait", "local")} for i in range(args.repeats)]
+        # A step's exposed allreduce is the wait of the rank that ended backward last: the others
+        # also wait for it (compute skew between loaded ranks), so per step the smallest wait.
+        worst = [{"step": max(r[i]["step"] for r in everyone), "local": max(r[i]["local"] for r in everyone),
+                  "wait": statistics.median(min(r[i]["waits"][k] for r in everyone) for k in range(args.steps)),
+                  "wait_slowest_rank": statistics.median(max(r[i]["waits"][k] for r in everyone)
+                                                         for k in range(args.steps))}
+                 for i in range(args.repeats)]
         Path(args.out).write_text(json.dumps({"rounds": worst, "predicted": predicted,
                                               "params": sum(p.numel() for p in local.parameters())}))
     comm.close()
@@ -185,7 +195,8 @@ def summarise(network: str, raw: dict[str, Any]) -> dict[str, Any]:
     excess = round(statistics.median(1e3 * (r["step"] - r["local"]) for r in rounds), 2)
     predicted = {k: round(v, 2) if isinstance(v, float) else v for k, v in raw["predicted"].items()}
     return {"network": network, "step_ms": median_ms("step"), "local_step_ms": median_ms("local"),
-            "measured_wait_ms": measured_wait, "measured_excess_ms": excess, **predicted,
+            "measured_wait_ms": measured_wait, "max_rank_wait_ms": median_ms("wait_slowest_rank"),
+            "measured_excess_ms": excess, **predicted,
             "hooks_over_wait": round(predicted["predicted_hooks_ms"] / measured_wait, 3) if measured_wait else None,
             "planner_over_wait": round(predicted["predicted_planner_ms"] / measured_wait, 3) if measured_wait else None}
 
@@ -194,7 +205,8 @@ def run_network(bed: Any, args: argparse.Namespace, index: int, network: str) ->
     for host in bed.workers:
         bed.shape(host, RATES[network])
     out = bed.shared / f"overlap-model-{network}.json"
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--hosts", ",".join(h.address for h in bed.workers),
+    hosts = ",".join(h.address for h in bed.workers)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--hosts", hosts,
             "--port", str(PORT + index), "--out", str(out)]
     for key in ("repeats", "steps", "warmup", "batch", "width", "depth"):
         argv += [f"--{key}", str(getattr(args, key))]

@@ -129,8 +129,8 @@ def fixed_model() -> Any:
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), *[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())],
-                         nn.Linear(256, 10))
+    hidden = [m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())]
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), *hidden, nn.Linear(256, 10))
 
 
 def batch() -> tuple[Any, Any]:
