@@ -170,7 +170,7 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
     profile = ensure_training_slots(spark, spec.world_size, spec.launch)
     with ExitStack() as cleanup:
         sink = open_sink(spark, spec, cleanup) if spec.train_fn is None else None
-        spec = replace(spec, model_sink=sink.sink if sink is not None else None)
+        spec = replace(spec, model_sink=sink.sink if sink is not None else None, executor_cores=_executor_cores(spark))
         job = df.mapInArrow(make_task(spec), RESULT_SCHEMA, barrier=True, profile=profile)
         group = f"sparkdl-{spec.run_id}", f"sparkdl training run {spec.run_id} ({spec.world_size} workers)"
         try:
@@ -190,6 +190,14 @@ def submit(spark: SparkSession, df: DataFrame, spec: TrainSpec) -> tuple[Any, li
         else:
             result = loads_result(parts) if sink is None else gather_parts(sink, parts)
         return result, history, output_lines(parts)
+
+
+def _executor_cores(spark: SparkSession) -> int | None:
+    """Each executor's cores as the driver's conf says: a rank's threads may use its share of them."""
+    from sparkdl.spark.session import executor_cores
+
+    session = facts(spark)
+    return executor_cores(session.master(), session.conf("spark.executor.cores"))
 
 
 _CAUSE = re.compile(r"^(Caused by: )?[\w.$]+(Error|Exception)\b")

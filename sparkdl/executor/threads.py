@@ -7,12 +7,16 @@ its ranks got), so the planner profiles compute with the threads training will u
 - launch.threads_per_worker set: that count, as given (the user knows their hosts).
 - "auto" (unset): the CPUs Spark gave the task, `TaskContext.cpus()`: spark.task.cpus, or the task
   CPUs of the stage's ResourceProfile. `resources()` does not hold CPUs (only custom resources such
-  as "gpu"), so cpus() is the one source. Spark's scheduler has already shared the executor's cores
-  among its tasks; deriving threads from the host's core count instead oversubscribes whenever
-  spark.task.cpus or the executor's cores differ from cores / ranks.
-- Never more than the process may run on: the CPUs of its affinity mask and its cgroup's CPU quota
-  (v2 cpu.max, v1 cpu.cfs_quota_us), shared by the job's ranks in the same executor (one JVM, one
-  cgroup). An executor that declares 1 core in a container capped at 0.2 cores runs 1 thread, not 2.
+  as "gpu"), so cpus() is the one source. Where the driver knows the executors' cores (local[N]: N;
+  local-cluster[n,c,m]: c; spark.executor.cores), a rank gets its share of its executor's cores when
+  that is more: the barrier job's ranks are the executor's only work, and a 4-core executor holding
+  one rank should not leave 3 cores idle because spark.task.cpus is 1. Deriving threads from the
+  host's core count instead oversubscribes whenever the executors' cores differ from cores / ranks.
+- Never more than the process may run on: its cgroup's CPU quota (v2 cpu.max, v1
+  cpu.cfs_quota_us; an executor's container) shared by the job's ranks in the same executor, and its
+  affinity mask (the host's CPUs) shared by the job's ranks on the host. An executor that declares 1
+  core in a container capped at 0.2 cores runs 1 thread, not 2; two executors of 2 cores on a 2-core
+  machine run 1 thread each.
 - Outside a Spark task (no cpus() figure): the usable CPUs shared by the ranks on the host.
 """
 from __future__ import annotations
@@ -37,6 +41,8 @@ class CpuFacts:
     usable_cpus: float | None  # cores this process may run on: min(affinity, cgroup quota); None: not known
     ranks_on_executor: int = 1  # ranks of this job in this rank's executor: they share its cgroup
     ranks_on_host: int = 1  # ranks of this job on this rank's host
+    executor_cores: int | None = None  # each executor's cores as the driver's conf says; None: not known
+    host_cpus: float | None = None  # the host's CPUs this process may run on (affinity); None: not known
 
 
 def rank_threads(option: Any, facts: CpuFacts) -> int:
@@ -47,8 +53,12 @@ def rank_threads(option: Any, facts: CpuFacts) -> int:
         return configured
     if facts.task_cpus is None or facts.task_cpus < 1:  # no Spark figure: the old even share of the host
         return _share(facts.usable_cpus, facts.ranks_on_host) or 1
-    cap = _share(facts.usable_cpus, facts.ranks_on_executor)
-    return max(1, min(facts.task_cpus, cap) if cap is not None else facts.task_cpus)
+    allotted = facts.task_cpus
+    if facts.executor_cores:
+        allotted = max(allotted, facts.executor_cores // max(facts.ranks_on_executor, 1))
+    caps = [cap for cap in (_share(facts.usable_cpus, facts.ranks_on_executor),
+                            _share(facts.host_cpus, facts.ranks_on_host)) if cap is not None]
+    return max(1, min([allotted, *caps]))
 
 
 def _share(cpus: float | None, ranks: int) -> int | None:
@@ -59,12 +69,15 @@ def _share(cpus: float | None, ranks: int) -> int | None:
     return max(1, int(cpus / max(ranks, 1)))
 
 
-def threads_for_rank(option: Any, context: Any, executors: tuple[str, ...], rank: int, ranks_on_host: int) -> int:
+def threads_for_rank(option: Any, context: Any, executors: tuple[str, ...], rank: int, ranks_on_host: int,
+                     executor_cores: int | None = None) -> int:
     """The rule applied to this task: `context` is its (Barrier)TaskContext, `executors` every rank's
-    executor address (WorldInfo.executors; empty when not known)."""
+    executor address (WorldInfo.executors; empty when not known), `executor_cores` the driver's
+    figure (TrainSpec.executor_cores)."""
     same_executor = executors.count(executors[rank]) if rank < len(executors) else ranks_on_host
     facts = CpuFacts(task_cpus=task_cpus(context), usable_cpus=usable_cpus(),
-                     ranks_on_executor=max(same_executor, 1), ranks_on_host=max(ranks_on_host, 1))
+                     ranks_on_executor=max(same_executor, 1), ranks_on_host=max(ranks_on_host, 1),
+                     executor_cores=executor_cores, host_cpus=_affinity())
     return rank_threads(option, facts)
 
 

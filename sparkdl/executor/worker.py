@@ -378,7 +378,8 @@ def _limit_threads(spec: TrainSpec, context: Any, world: WorldInfo, stack: ExitS
 
     from sparkdl.executor.threads import threads_for_rank
 
-    threads = threads_for_rank(spec.launch.threads_per_worker, context, world.executors, world.rank, world.local_size)
+    threads = threads_for_rank(spec.launch.threads_per_worker, context, world.executors, world.rank, world.local_size,
+                               spec.executor_cores)
     # Python workers are reused by later tasks (inference too): give them back what they had.
     stack.callback(torch.set_num_threads, torch.get_num_threads())
     torch.set_num_threads(threads)

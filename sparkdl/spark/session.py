@@ -82,6 +82,21 @@ def local_master_slots(master: str, task_cpus: int) -> int | None:
     return None
 
 
+def executor_cores(master: str, cores_conf: str | None) -> int | None:
+    """Each executor's cores from the master URL (local[N]: N, local[*]: the machine's;
+    local-cluster[n,c,m]: c) or spark.executor.cores; None when only the cluster knows (a standalone
+    worker's executor takes all the worker's cores when spark.executor.cores is unset)."""
+    if (match := _LOCAL.match(master)) is not None:
+        cores = match.group(1)
+        return (os.cpu_count() or 1) if cores == "*" else int(cores or 1)
+    if (match := _LOCAL_CLUSTER.match(master)) is not None:
+        return int(match.group(2))
+    try:
+        return int(cores_conf) if cores_conf else None
+    except ValueError:
+        return None
+
+
 def static_slots(master: str, task_cpus: str | None, instances: str | None, cores: str | None,
                  dynamic_allocation: str | None) -> int | None:
     """Slots the conf values alone tell: a local master's, or static allocation's instances x cores

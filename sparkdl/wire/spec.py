@@ -56,6 +56,9 @@ class TrainSpec:
     # strategy="auto" chose data parallel: the predictions a rank compares its measured steps with, and
     # the DiLoCo alternative it may switch to at an epoch boundary (executor/replan.py). None: no re-plan.
     replan: ReplanFigures | None = None
+    # Each executor's cores as the driver's conf says (spark/session.executor_cores; set at submission):
+    # a rank's share of them is its torch threads when more than spark.task.cpus (executor/threads.py).
+    executor_cores: int | None = None
 
     @property
     def world_size(self) -> int:

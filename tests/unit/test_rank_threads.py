@@ -83,12 +83,15 @@ def test_task_cpus_come_from_the_task_context() -> None:
 def test_threads_for_rank_counts_ranks_per_executor(monkeypatch: pytest.MonkeyPatch) -> None:
     from sparkdl.executor import threads
 
-    monkeypatch.setattr(threads, "usable_cpus", lambda: 4.0)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4.0)  # each executor's container: 4 cores
+    monkeypatch.setattr(threads, "_affinity", lambda: 16)  # on a 16-core host
     executors = ("10.0.0.1:1", "10.0.0.1:1", "10.0.0.1:2")
     assert threads_for_rank(None, Context(4), executors, rank=0, ranks_on_host=3) == 2  # shares its executor
     assert threads_for_rank(None, Context(4), executors, rank=2, ranks_on_host=3) == 4  # alone in its executor
     assert threads_for_rank(None, object(), (), rank=0, ranks_on_host=2) == 2  # no Spark figure: the host shared
     assert threads_for_rank(1, Context(4), executors, rank=2, ranks_on_host=3) == 1
+    monkeypatch.setattr(threads, "_affinity", lambda: 4)  # all three on 4 cores: Spark's 12 task CPUs shared
+    assert threads_for_rank(None, Context(4), executors, rank=2, ranks_on_host=3) == 1
 
 
 def test_cgroup_file_formats() -> None:
@@ -128,3 +131,38 @@ def test_this_machine_reads_without_error() -> None:
 
     cpus = usable_cpus()
     assert cpus is None or cpus > 0
+
+
+def test_a_rank_alone_on_an_executor_gets_its_cores_past_spark_task_cpus() -> None:
+    # 16-core node, 4 executors of 4 cores, spark.task.cpus=1, one rank per executor: 4 threads by rule
+    facts = CpuFacts(task_cpus=1, usable_cpus=16, ranks_on_executor=1, ranks_on_host=4, executor_cores=4, host_cpus=16)
+    assert rank_threads(None, facts) == 4
+    # spark.task.cpus=2 and two ranks in one 4-core executor: 2 each, not the host's 16 / 4
+    assert rank_threads(None, CpuFacts(task_cpus=2, usable_cpus=16, ranks_on_executor=2, ranks_on_host=2,
+                                       executor_cores=4, host_cpus=16)) == 2
+    # a task that asked for more than its share of the executor keeps what Spark gave it
+    assert rank_threads(None, CpuFacts(task_cpus=4, usable_cpus=16, ranks_on_executor=2, executor_cores=4)) == 4
+
+
+def test_local_masters_share_their_cores_and_one_machine_is_never_oversubscribed() -> None:
+    # local[8] with 2 ranks in the driver's one executor: 4 each (spark.task.cpus is 1 there)
+    assert rank_threads(None, CpuFacts(task_cpus=1, usable_cpus=8, ranks_on_executor=2, ranks_on_host=2,
+                                       executor_cores=8, host_cpus=8)) == 4
+    # local-cluster[2,2,1024] on a 2-core machine: two executors of 2 cores, one rank each, one host
+    assert rank_threads(None, CpuFacts(task_cpus=1, usable_cpus=2, ranks_on_executor=1, ranks_on_host=2,
+                                       executor_cores=2, host_cpus=2)) == 1
+    # a container capped at 0.2 cores in a 4-core executor: 1
+    assert rank_threads(None, CpuFacts(task_cpus=1, usable_cpus=0.2, executor_cores=4, host_cpus=16)) == 1
+
+
+def test_executor_cores_from_the_master_or_the_conf() -> None:
+    import os
+
+    from sparkdl.spark.session import executor_cores
+
+    assert executor_cores("local[3]", None) == 3
+    assert executor_cores("local", None) == 1
+    assert executor_cores("local[*]", None) == (os.cpu_count() or 1)
+    assert executor_cores("local-cluster[2,4,1024]", None) == 4
+    assert executor_cores("spark://h:7077", "6") == 6
+    assert executor_cores("yarn", None) is None and executor_cores("yarn", "x") is None
