@@ -4,7 +4,10 @@ prices a layout with, and hands it back as data (planner/cluster.py turns it int
 Every rank measures its matrix-product FLOP/s with the torch threads it trains with (and reports that
 thread count); every pair of ranks measures latency (8-byte ping-pong) and bandwidth (a ping-pong of a message
 sized from a first 256 KiB one: up to 16 MiB on fast links (a 1 Gbit/s link carries 4 MiB in 34 ms, too short to time on a busy host), ~0.1 s of transfer on slow ones);
-rank 0 times the backend's allreduce (sized the same way). Each measurement is kept at two ends: the median
+rank 0 times the backend's allreduce (sized the same way). Compute repeats and a pair's bandwidth round
+trips go on until their median's relative standard error is within SETTLED_RSE (or a cap and a time
+budget run out): a loaded host's spread takes more repeats, and the confidence reached is reported
+with the figures (explain() states it). Each measurement is kept at two ends: the median
 (what the cluster did during the probe) and the best (what it can do: on a shared host noise only
 slows a measurement down), so the planner can tell a decision that holds from one that hinges on
 noise. `run_probe` launches the job through the launch modules directly, as `sparkdl.run` does for a
@@ -14,12 +17,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from sparkdl.planner.speed import matmul_rates
 
 PING_ROUNDS = 20  # 8-byte round trips per pair
-BANDWIDTH_ROUNDS = 3  # round trips of the sized message per pair
+BANDWIDTH_ROUNDS = 3  # round trips of the sized message per pair, at least...
+MAX_BANDWIDTH_ROUNDS = 12  # ...and at most, until the median's confidence is stated (SETTLED_RSE)
+# A measurement is repeated until its median is known to within this relative standard error (a noisy
+# host's spread needs more repeats), up to a cap and a time budget: the figure the planner prices with
+# then comes with a stated confidence (explain() shows it).
+SETTLED_RSE = 0.05
+COMPUTE_BUDGET_S = 1.5  # extra matrix-product repeats per rank stop after this long
+MAX_COMPUTE_REPEATS = 30
+LINK_BUDGET_S = 2.0  # extra round trips per pair stop after this long
 ALLREDUCE_ROUNDS = (20, 5)  # timed allreduces of 8 bytes, of the sized message
 # Message sizes come from a first measurement, so that a slow link is measured in about a second,
 # not in the tens of seconds 4 MiB messages take at 20 Mbit/s: one transfer of the sized message
@@ -58,12 +69,16 @@ def probe(ctx: Any) -> dict[str, Any]:
     links = _links(ctx, small, sizing)
     collective = _collective(ctx, small, sizing)
     rates += matmul_rates()  # again after the messages: a burst of load shows as spread, not as speed
+    rates = settle(rates, lambda: matmul_rates(repeats=3), MAX_COMPUTE_REPEATS, COMPUTE_BUDGET_S)
     mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
-            **links}
+            "flops_rse": median_rse(rates), "flops_repeats": len(rates), **links}
     gathered = ctx.comm.allgather_object(mine)
     world = ctx.world_size
     # Only rank i fills the entries of pair (i, j); the others hold 0 / inf there.
-    result: dict[str, Any] = {key: [g[key] for g in gathered] for key in ("flops", "flops_best", "threads")}
+    result: dict[str, Any] = {key: [g[key] for g in gathered]
+                              for key in ("flops", "flops_best", "threads", "flops_rse", "flops_repeats")}
+    result["bandwidth_rse"] = max((g["bandwidth_rse"] for g in gathered), default=0.0)
+    result["bandwidth_rounds"] = max((g["bandwidth_rounds"] for g in gathered), default=0)
     for key in ("latency", "latency_best"):
         result[key] = [[max(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]
     for key in ("bandwidth", "bandwidth_best"):
@@ -81,14 +96,36 @@ def message_bytes(sample_bytes: int, sample_s: float, latency_s: float = 0.0) ->
     return wanted - wanted % 4
 
 
-def _links(ctx: Any, small: Any, sizing: Any) -> dict[str, list[list[float]]]:
+def median_rse(samples: list[float]) -> float:
+    """Relative standard error of the median of `samples` (1.2533 sigma / sqrt(n), over the median):
+    how well the repeats pin the figure down. 0 for fewer than 2 samples or a zero median."""
+    if len(samples) < 2:
+        return 0.0
+    middle = statistics.median(samples)
+    return 1.2533 * statistics.stdev(samples) / (len(samples) ** 0.5 * abs(middle)) if middle else 0.0
+
+
+def settle(samples: list[float], more: Callable[[], list[float]], cap: int, budget_s: float,
+           tolerance: float = SETTLED_RSE) -> list[float]:
+    """`samples` and further batches of `more()` until their median's relative standard error is
+    within `tolerance`, there are `cap` samples, or `budget_s` seconds went by."""
+    started = time.perf_counter()
+    samples = list(samples)
+    while median_rse(samples) > tolerance and len(samples) < cap and time.perf_counter() - started < budget_s:
+        samples += more()
+    return samples
+
+
+def _links(ctx: Any, small: Any, sizing: Any) -> dict[str, Any]:
     """Ping-pong every pair (i < j): one-way latency of 8 bytes, bandwidth of a message sized from a
-    first ping-pong of `sizing`, beyond the latency."""
+    first ping-pong of `sizing`, beyond the latency, its round trips repeated until settled. Also
+    this rank's worst bandwidth confidence ("bandwidth_rse") and most round trips of a pair."""
     import torch
 
     world, rank = ctx.world_size, ctx.rank
-    tables = {key: [[0.0 if key.startswith("latency") else float("inf")] * world for _ in range(world)]
-              for key in ("latency", "latency_best", "bandwidth", "bandwidth_best")}
+    tables: dict[str, Any] = {key: [[0.0 if key.startswith("latency") else float("inf")] * world for _ in range(world)]
+                              for key in ("latency", "latency_best", "bandwidth", "bandwidth_best")}
+    tables["bandwidth_rse"], tables["bandwidth_rounds"] = 0.0, 0
     for i in range(world):
         for j in range(i + 1, world):
             ctx.comm.barrier()
@@ -102,9 +139,11 @@ def _links(ctx: Any, small: Any, sizing: Any) -> dict[str, list[list[float]]]:
                 _ping_pong(ctx, sizing, 1, i, j)
                 ctx.comm.recv(sized, i, 33)
             large = torch.zeros(max(int(sized[0]) // 4, 1))
-            large_times = _ping_pong(ctx, large, BANDWIDTH_ROUNDS, i, j)
+            large_times = _settled_ping_pong(ctx, large, i, j)
             if rank != i:
                 continue
+            tables["bandwidth_rse"] = max(tables["bandwidth_rse"], median_rse(large_times))
+            tables["bandwidth_rounds"] = max(tables["bandwidth_rounds"], len(large_times))
             nbytes = large.numel() * large.element_size()
             typical, best = link_figures(small_times, large_times, nbytes)
             for suffix, (latency, bandwidth) in (("", typical), ("_best", best)):
@@ -122,6 +161,27 @@ def link_figures(small_times: list[float], large_times: list[float],
     typical = nbytes / max(statistics.median(large_times) - typical_latency, 1e-9)
     best = nbytes / max(min(large_times) - best_latency, 1e-9)
     return (typical_latency, typical), (best_latency, max(best, typical))
+
+
+def _settled_ping_pong(ctx: Any, buffer: Any, i: int, j: int) -> list[float]:
+    """BANDWIDTH_ROUNDS round trips of `buffer` between ranks i and j, then more one at a time while
+    rank i finds their median unsettled (it tells j each time: both ends run the same round trips)."""
+    import torch
+
+    if ctx.rank not in (i, j):
+        return []
+    times = _ping_pong(ctx, buffer, BANDWIDTH_ROUNDS, i, j)
+    started, again = time.perf_counter(), torch.zeros(1, dtype=torch.int64)
+    while True:
+        if ctx.rank == i:
+            again[0] = int(median_rse(times) > SETTLED_RSE and len(times) < MAX_BANDWIDTH_ROUNDS
+                           and time.perf_counter() - started < LINK_BUDGET_S)
+            ctx.comm.send(again, j, 34).wait()
+        else:
+            ctx.comm.recv(again, i, 34)
+        if not int(again[0]):
+            return times
+        times += _ping_pong(ctx, buffer, 1, i, j)
 
 
 def _ping_pong(ctx: Any, buffer: Any, rounds: int, i: int, j: int) -> list[float]:

@@ -68,7 +68,7 @@ def layer_costs(model: nn.Module, num_features: "ModelInput | int", rows: int, d
                                      saved_bytes=big.saved_bytes, kind=big.kind,
                                      in_features=getattr(target, "in_features", 0),
                                      out_features=getattr(target, "out_features", 0),
-                                     overhead_s=overhead * speed_ratio))
+                                     overhead_s=overhead * speed_ratio, backward_share=big.backward_share))
     return large_profile, tuple(layers)
 
 
@@ -157,8 +157,16 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
     return Plan(candidates=tuple(explained(priced[0], decision, train.approximate_min_speedup)),
                 chosen=decision.index, world=launch.num_workers, latency_s=measured.latency_s,
                 bandwidth_Bps=measured.bandwidth_Bps, emulated=bool(emulated), memory_budget=budget,
-                notes=tuple(plan_notes(data, launch, cluster, costs, ends, unequal, decision)),
+                notes=tuple(plan_notes(data, launch, cluster, costs, ends, unequal, decision))
+                + _overlap_notes(measured_work, ends[0].net, train, launch),
                 executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge, steps=steps)
+
+
+def _overlap_notes(work: cost.Workload, net: cost.Network, train: TrainConfig, launch: LaunchConfig
+                   ) -> tuple[str, ...]:
+    """explain()'s line on data parallel's gradient buckets against backward (planner/overlap.py)."""
+    line = cost.overlap_note(work, net, grad_overlap(train, launch))
+    return (f"data parallel's gradients: {line}",) if line else ()
 
 
 def run_steps(data: DataConfig, train: TrainConfig, launch: LaunchConfig, num_rows: int,

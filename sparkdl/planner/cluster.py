@@ -69,6 +69,13 @@ class ClusterInfo:
     best_collective_latency_s: float = 0.0
     best_collective_bandwidth_Bps: float = 0.0
     probes: int = 1  # calibrations merged into this one (a re-measurement makes 2)
+    # How well the repeats pinned the medians down (driver/probe.py repeats until SETTLED_RSE or its
+    # budget): the worst rank's relative standard error of its FLOP/s median and the worst pair's of
+    # its bandwidth round trips, with the most repeats any needed. 0: not measured (an older cache).
+    flops_rse: float = 0.0
+    bandwidth_rse: float = 0.0
+    flops_repeats: int = 0
+    bandwidth_rounds: int = 0
 
     @property
     def slowest_flops(self) -> float:
@@ -134,7 +141,11 @@ def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: floa
         best_latency_s=_matrix(probe.get("latency_best", ())),
         best_bandwidth_Bps=_matrix(probe.get("bandwidth_best", ())),
         best_collective_latency_s=float(probe.get("collective_latency_best", 0.0)),
-        best_collective_bandwidth_Bps=float(probe.get("collective_bandwidth_best", 0.0)))
+        best_collective_bandwidth_Bps=float(probe.get("collective_bandwidth_best", 0.0)),
+        flops_rse=max((float(v) for v in probe.get("flops_rse", ())), default=0.0),
+        bandwidth_rse=float(probe.get("bandwidth_rse", 0.0)),
+        flops_repeats=max((int(v) for v in probe.get("flops_repeats", ())), default=0),
+        bandwidth_rounds=int(probe.get("bandwidth_rounds", 0)))
 
 
 def merge(first: ClusterInfo, second: ClusterInfo) -> ClusterInfo:

@@ -64,6 +64,11 @@ def plan_notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, cos
                      + ("; the ranks are equal there (a short probe may fit in a throttled host's CPU quota: "
                         "the measured speeds decide balancing)"
                         if unequal and max(best.speeds) <= HETEROGENEOUS * min(best.speeds) else ""))
+    if cluster.flops_repeats or cluster.bandwidth_rounds:
+        notes.append(f"calibration confidence: compute median within {100 * cluster.flops_rse:.1f}% (relative "
+                     f"standard error, up to {cluster.flops_repeats} repeats a rank), link bandwidth within "
+                     f"{100 * cluster.bandwidth_rse:.1f}% (up to {cluster.bandwidth_rounds} round trips a pair); "
+                     "repeated until within 5% or the probe's budget ran out")
     if cluster.probes > 1:
         notes.append(f"calibration: best of {cluster.probes} probes (the first one's ends disagreed)")
     if costs.transformer_note:

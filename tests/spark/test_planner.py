@@ -118,6 +118,9 @@ def test_cluster_info_records_spark_resources(spark) -> None:  # type: ignore[no
     assert all(b >= m for b, m in zip(info.best_flops_per_s, info.flops_per_s))
     best_latency, best_bandwidth = info.optimistic().worst_link()
     assert 0 < best_latency <= latency and best_bandwidth >= bandwidth
+    # repeated until settled (or the budget ran out): the confidence reached is part of the figures
+    assert info.flops_repeats >= 10 and 3 <= info.bandwidth_rounds <= 12
+    assert 0 <= info.flops_rse < 1 and 0 <= info.bandwidth_rse < 1
     assert calibrate(spark, 2).measured_at == info.measured_at  # cached
 
 

@@ -141,7 +141,7 @@ WORKER_SIDE = _modules("comm/*.py", "strategies/*.py", "data/batches.py", "data/
                        "executor/worker.py", "executor/rendezvous.py", "executor/context.py", "executor/loop.py",
                        "wire/codec.py", "executor/checkpoint.py", "executor/memory.py")
 STRATEGIES = _modules("strategies/*.py")
-PURE_PLANNER = _modules("planner/cost.py", "planner/plan.py", "planner/overlap.py")
+PURE_PLANNER = _modules("planner/cost.py", "planner/plan.py", "planner/overlap.py", "planner/steps_to_loss.py")
 
 
 # Standard library only (imports under TYPE_CHECKING aside), with the few stdlib-only sparkdl modules

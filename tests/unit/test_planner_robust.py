@@ -210,3 +210,18 @@ def test_sharded_is_priced_and_the_executors_python_memory_bounds_every_candidat
     chosen = bounded.candidates[bounded.chosen]
     assert chosen.feasible and chosen.memory_bytes <= rank_memory_budget(config.launch, limited)
     assert rank_memory_budget(config.launch, replace(cluster, pyspark_memory="512")) == 512 * 2**20  # Spark's MiB
+
+
+def test_explain_states_the_calibrations_confidence_and_the_exposed_gradient_buckets() -> None:
+    from dataclasses import replace
+
+    settled = replace(calibration((2e10, 2e10), 1e-4, 2.5e6), flops_rse=0.012, flops_repeats=16, bandwidth_rse=0.034,
+                      bandwidth_rounds=7)
+    text = plan(settled, overlap_grads=True).explain()
+    assert "calibration confidence: compute median within 1.2%" in text and "up to 16 repeats" in text
+    assert "link bandwidth within 3.4% (up to 7 round trips a pair)" in text
+    # 20 Mbit/s: the gradient buckets' allreduce cannot hide behind backward (the last bucket never does)
+    line = next(n for n in text.splitlines() if "data parallel's gradients:" in n)
+    assert "overlapped with backward" in line and "exposed" in line
+    unmeasured = plan(calibration((2e10, 2e10), 1e-4, 2.5e6)).explain()
+    assert "calibration confidence" not in unmeasured  # a calibration cached before repeats were counted
