@@ -1,7 +1,8 @@
 """Gradient averaging overlapped with backward, as DistributedDataParallel's reducer does it.
 
 Parameters are put in buckets once, at setup, in reverse parameter order (roughly the order in which
-backward finishes their gradients; the first bucket small, so communication starts early). A
+backward finishes their gradients; the first bucket small, so communication starts early), as DDP's
+reducer has them after its first step. A
 post-accumulate-grad hook per parameter counts the bucket's gradients as they become final; bucket i
 starts its asynchronous allreduce once it and every bucket before it are complete, so every rank
 starts the same buffers in the same order whatever order its hooks fired in (a branch unused on
@@ -21,24 +22,27 @@ from sparkdl.comm.base import Communicator, PendingReduce
 
 
 def plan_buckets(params: list[nn.Parameter], first_bucket_bytes: int, bucket_bytes: int) -> list[list[int]]:
-    """Indices into `params`, bucket by bucket in launch order: reverse parameter order, one dtype a
-    bucket, the first closed at `first_bucket_bytes`, the others at `bucket_bytes`. The same on every
-    rank (it depends on the parameters' shapes and dtypes only)."""
-    buckets: list[list[int]] = []
-    open_bucket: dict[torch.dtype, tuple[int, int]] = {}  # dtype -> (bucket index, bytes so far)
+    """Indices into `params`, bucket by bucket in launch order, as DDP's reducer rebuilds its buckets
+    after its first step (torch's compute_bucket_assignment_by_size on the gradients' ready order):
+    reverse parameter order, one dtype a bucket, each dtype's first bucket closed at
+    `first_bucket_bytes`, its later ones at `bucket_bytes`; buckets in the order they close, those
+    never filled after them. The same on every rank (it depends on the parameters' shapes and dtypes
+    only). Launch order is by closing, not opening: buckets go out strictly in order, and a bucket of a
+    rare dtype opened early but filled only by the first layers would hold back every full one."""
+    closed: list[list[int]] = []
+    filling: dict[torch.dtype, list[int]] = {}  # dtype -> its open bucket (dicts keep opening order)
+    size: dict[torch.dtype, int] = {}
+    closed_of: dict[torch.dtype, int] = {}
     for index in reversed(range(len(params))):
         param = params[index]
-        if param.dtype not in open_bucket:
-            buckets.append([])
-            open_bucket[param.dtype] = (len(buckets) - 1, 0)
-        number, size = open_bucket[param.dtype]
-        buckets[number].append(index)
-        size += param.numel() * param.element_size()
-        if size >= (first_bucket_bytes if number == 0 else bucket_bytes):
-            del open_bucket[param.dtype]
-        else:
-            open_bucket[param.dtype] = (number, size)
-    return buckets
+        dtype = param.dtype
+        filling.setdefault(dtype, []).append(index)
+        size[dtype] = size.get(dtype, 0) + param.numel() * param.element_size()
+        if size[dtype] >= (first_bucket_bytes if not closed_of.get(dtype) else bucket_bytes):
+            closed.append(filling.pop(dtype))
+            size[dtype] = 0
+            closed_of[dtype] = closed_of.get(dtype, 0) + 1
+    return closed + list(filling.values())
 
 
 class OverlappedAveraging:
