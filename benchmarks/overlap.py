@@ -46,6 +46,34 @@ def build_model(width: int, depth: int) -> Any:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
+def build_gpt(d_model: int, layers: int, seq_len: int) -> Any:
+    """The small GPT of examples/language_model.py (d=64, 2 blocks: 137,216 parameters, 549 KB of
+    fp32 gradients: the issue-53 20 Mbit/s case), seeded like build_model."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from language_model import gpt
+
+    torch.manual_seed(0)
+    return gpt(d_model, layers, 4, seq_len)
+
+
+def make_workload(args: argparse.Namespace) -> tuple[Any, list[tuple[Any, Any, Any]]]:
+    """(model factory, per-rank batches of (inputs, labels, weights)). The GPT's batches carry
+    weights of ones, as a fit's token batches do (executor/loop.py _triples): the weighted path, its
+    weight total riding in the first bucket."""
+    import torch
+
+    generator = torch.Generator().manual_seed(100 + args.rank)
+    if args.model == "gpt":
+        tokens = [torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator) for _ in range(4)]
+        return (lambda: build_gpt(args.d_model, args.layers, args.seq_len),
+                [(t[:, :-1].contiguous(), t[:, 1:].contiguous(), torch.ones(args.batch)) for t in tokens])
+    return (lambda: build_model(args.width, args.depth),
+            [(torch.randn(args.batch, 256, generator=generator),
+              torch.randint(0, 10, (args.batch,), generator=generator), None) for _ in range(4)])
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
@@ -62,22 +90,19 @@ def worker(args: argparse.Namespace) -> None:
     world = WorldInfo(rank=args.rank, size=len(hosts), local_rank=0, local_size=1, hosts=hosts,
                       master_addr=hosts[0], master_port=args.port)
     comm = TorchDistCommunicator(world, 600)
-    generator = torch.Generator().manual_seed(100 + args.rank)
-    batches = [(torch.randn(args.batch, 256, generator=generator), torch.randint(0, 10, (args.batch,),
-                                                                                 generator=generator))
-               for _ in range(4)]
+    factory, batches = make_workload(args)
     rows: dict[str, Any] = {}
     for name in ROWS[:2]:
         strategy = DataParallel(comm, None, TrainConfig(overlap_grads=name == "sparkdl_overlap"))
-        strategy.setup(build_model(args.width, args.depth), lambda p: torch.optim.SGD(p, lr=0.01),
-                       LOSSES["cross_entropy"])
-        rows[name] = (lambda s: lambda x, y: s.train_step(x, y))(strategy)
-    ddp = DistributedDataParallel(build_model(args.width, args.depth))
+        strategy.setup(factory(), lambda p: torch.optim.SGD(p, lr=0.01), LOSSES["cross_entropy"])
+        rows[name] = (lambda s: lambda x, y, w: s.train_step(x, y, w))(strategy)
+    ddp = DistributedDataParallel(factory())
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
-    def ddp_step(x: Any, y: Any) -> None:
+    def ddp_step(x: Any, y: Any, w: Any) -> None:
         ddp_optimizer.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
+        out = ddp(x)
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
         ddp_optimizer.step()
 
     rows["ddp"] = ddp_step
@@ -127,6 +152,12 @@ def summarise(network: str, raw: dict[str, Any]) -> dict[str, Any]:
             "bytes_per_step_rank0": raw["bytes_per_step_rank0"]}
 
 
+def describe_model(args: argparse.Namespace) -> str:
+    if args.model == "gpt":
+        return f"GPT of examples/language_model.py (d={args.d_model}, {args.layers} blocks, {args.seq_len} tokens)"
+    return f"MLP 256-{args.width}x{args.depth}-10"
+
+
 def controller(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     import multihost
@@ -149,8 +180,9 @@ def controller(args: argparse.Namespace) -> None:
                 out = bed.shared / f"overlap-{network}.json"
                 argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--hosts", hosts,
                         "--port", str(PORT + index), "--out", str(out)]
-                for key in ("repeats", "steps", "warmup", "batch", "width", "depth"):
-                    argv += [f"--{key}", str(getattr(args, key))]
+                for key in ("repeats", "steps", "warmup", "batch", "width", "depth", "model", "d_model", "layers",
+                            "seq_len"):
+                    argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
                 procs = [bed.start_on(host, argv + ["--rank", str(rank)], f"overlap-{network}",
                                       env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
                          for rank, host in enumerate(bed.workers)]
@@ -169,7 +201,7 @@ def controller(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
     result = {"benchmark": "overlap", "hosts": f"{args.workers} worker hosts (network namespaces on one machine, "
               f"{os.cpu_count()} cores), one rank and one torch thread each, gloo",
-              "model": f"MLP 256-{args.width}x{args.depth}-10", "params": raw_params and raw_params[0],
+              "model": describe_model(args), "params": raw_params and raw_params[0],
               "grad_mb": raw_params and raw_params[1], "batch_per_rank": args.batch, "repeats": args.repeats,
               "steps": args.steps, "warmup": args.warmup, "networks": networks,
               "seconds": round(time.time() - started, 1), "loadavg_start": [round(x, 2) for x in load_before],
@@ -183,13 +215,17 @@ def controller(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--networks", default="100mbit,1gbit")
+    parser.add_argument("--networks", "--link", default="100mbit,1gbit", help="comma-separated: 20mbit, 100mbit, 1gbit")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="")
     # worker side (started by the controller on each bed host)
