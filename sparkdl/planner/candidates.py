@@ -38,7 +38,7 @@ from sparkdl.planner.plan import Candidate, Plan, decide
 from sparkdl.planner.plan_notes import explained, plan_notes
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
-from sparkdl.planner.steps_to_loss import with_steps_factors
+from sparkdl.planner.steps_to_loss import rounds_factor, with_steps_factors
 from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds
 
@@ -145,7 +145,8 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
     steps = run_steps(data, train, launch, num_rows) if num_rows else None
     every = (diloco_rounds(cost.data_parallel(measured_work, ends[0].net).compute_s * measured_work.accumulate,
                            cost.outer_sync_s(measured_work.params, measured_work.world, ends[0].net,
-                                             user_wire(train))[0], train.fragments, steps),
+                                             user_wire(train))[0], train.fragments, steps,
+                           rounds_factor(measured_work.params, measured_work.world, train.sync_dtype)),
              streamed_rounds(measured_work, ends[0].net, train, len(layer_groups(model)), "subgroup" in backend_ops,
                              steps))
     priced = [with_steps_factors(_price_end(model, data, train, launch, costs, end, budget, backend_ops, unequal,

@@ -50,6 +50,7 @@ def streamed_rounds(work: cost.Workload, net: cost.Network, train: TrainConfig, 
                     run_steps: int | None = None) -> int:
     """The streamed variant's H by planner/uneven.py's rule: its fragments' exposed sync time (each
     overlapped with tau inner steps) against one inner step's compute."""
+    from sparkdl.planner.steps_to_loss import rounds_factor
     from sparkdl.planner.uneven import diloco_rounds
 
     options = streaming_options(train, layers, overlap)
@@ -60,7 +61,8 @@ def streamed_rounds(work: cost.Workload, net: cost.Network, train: TrainConfig, 
     compute = cost.data_parallel(work, net).compute_s
     fragment_s = cost.outer_sync_s(work.params / fragments, work.world, net, wire)[0]
     exposed = max(0.0, fragment_s - delay * compute * work.accumulate)
-    return diloco_rounds(compute * work.accumulate, fragments * exposed, fragments, run_steps)
+    return diloco_rounds(compute * work.accumulate, fragments * exposed, fragments, run_steps,
+                         rounds_factor(work.params, work.world, options["sync_dtype"]))
 
 
 def streaming_candidate(work: cost.Workload, net: cost.Network, options: dict[str, Any]

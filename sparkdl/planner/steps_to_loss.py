@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 K_FIT = 2.3  # measured: steps to data parallel's final loss / data parallel's steps
 N_FIT = 0.46e6  # parameters of the measured GPT
@@ -53,6 +53,13 @@ def diloco_steps_factor(params: float, replicas: int, every: int, bits: float = 
     if bits < 8:
         excess *= LOW_BITS_FACTOR
     return 1.0 + excess
+
+
+def rounds_factor(params: float, replicas: int, wire: str = "fp32") -> Callable[[int], float]:
+    """k as a function of H for a DiLoCo candidate whose H is still to choose (planner/uneven.py
+    diloco_rounds): the same rule, the outer gradient travelling as `wire`."""
+    bits = WIRE_BITS.get(wire, 32)
+    return lambda every: diloco_steps_factor(params, replicas, every, bits)
 
 
 def ist_steps_factor(world: int) -> float:

@@ -12,13 +12,14 @@ DiLoCo's rounds: sync_every is chosen from the measured compute and sync times, 
 list: the smallest H at which the outer sync costs at most (1 - UTILISATION) of the round's time
 (the scaling-law papers' rule: larger H only loses quality; INTELLECT-1 ran at 83-90% compute
 utilisation), clamped to [H_MIN, H_MAX] and to at most 1/MIN_ROUNDS of the run's steps (a run of few
-rounds is barely DiLoCo: "tens for small tasks"). Standard library only.
+rounds is barely DiLoCo: "tens for small tasks"); the planner then takes the H up to that one with the
+least predicted time to data parallel's loss (k(H) steps of compute + sync / H). Standard library only.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sparkdl.planner import cost
 
@@ -28,14 +29,28 @@ MIN_ROUNDS = 20  # outer rounds a run should have at least
 DRIFT_BOUND = 2.0  # measured speed ratios this far from the calibration's: the plan no longer fits
 
 
-def diloco_rounds(compute_s: float, sync_s: float, multiple: int = 1, run_steps: int | None = None) -> int:
+def diloco_rounds(compute_s: float, sync_s: float, multiple: int = 1, run_steps: int | None = None,
+                  steps_factor: Callable[[int], float] | None = None) -> int:
     """The smallest H with sync_s / H <= (1 - UTILISATION) / UTILISATION x compute_s (one inner
-    step's compute), rounded up to a multiple of `multiple` (the fragments) and of 5 above 10."""
+    step's compute), rounded up to a multiple of `multiple` (the fragments) and of 5 above 10.
+    With `steps_factor` (k(H), planner/steps_to_loss.py): the H up to that one with the least time to
+    data parallel's loss, k(H) x (compute_s + sync_s / H): k rises with H, so on a slow link a
+    smaller H whose syncs cost more per step can still reach the loss sooner."""
     if compute_s <= 0 or sync_s <= 0:
         return H_MIN * max(multiple, 1) if multiple > H_MIN else H_MIN
     needed = sync_s * UTILISATION / ((1.0 - UTILISATION) * compute_s)
     ceiling = H_MAX if not run_steps else min(H_MAX, max(H_MIN, run_steps // MIN_ROUNDS))
     every = min(max(math.ceil(needed - 1e-9), H_MIN), ceiling)  # 90.00000000000003 is 90
+    utilised = _rounded(every, multiple)
+    if steps_factor is None:
+        return utilised
+    shorter = sorted({_rounded(h, multiple) for h in range(H_MIN, utilised + 1)})
+    return min((h for h in shorter if h <= utilised), key=lambda h: (steps_factor(h) * (compute_s + sync_s / h), h),
+               default=utilised)
+
+
+def _rounded(every: int, multiple: int) -> int:
+    """`every` rounded up to a multiple of `multiple` (the fragments) and of 5 above H_MIN."""
     step = math.lcm(max(multiple, 1), 5 if every > H_MIN else 1)
     return math.ceil(every / step) * step
 

@@ -205,3 +205,18 @@ def test_the_embedding_placement_is_stable_across_the_calibrations_range() -> No
 def test_a_candidate_cannot_reach_the_loss_in_fewer_steps_than_data_parallel() -> None:
     with pytest.raises(ValueError, match="steps_factor must be >= 1"):
         candidate("diloco", 1.0, 0.0, k=0.5)
+
+
+def test_diloco_takes_the_h_with_the_least_time_to_loss_not_the_most_compute() -> None:
+    from sparkdl.planner.steps_to_loss import rounds_factor
+    from sparkdl.planner.uneven import H_MIN, diloco_rounds
+
+    k = rounds_factor(137e3, 2)
+    utilised = diloco_rounds(0.1, 3.0)  # 90% compute: H=270
+    chosen = diloco_rounds(0.1, 3.0, steps_factor=k)
+    assert utilised == 270 and H_MIN <= chosen < utilised
+    to_loss = {h: k(h) * (0.1 + 3.0 / h) for h in (chosen, utilised)}
+    assert to_loss[chosen] < to_loss[utilised]  # fewer steps to the loss outweigh the costlier syncs
+    assert diloco_rounds(0.1, 3.0, multiple=4, steps_factor=k) % 4 == 0  # whole fragments still
+    # a sync far dearer than a step: the longest round is still the one that reaches the loss soonest
+    assert diloco_rounds(0.01, 10.0, steps_factor=k) == diloco_rounds(0.01, 10.0) == 500
