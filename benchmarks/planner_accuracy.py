@@ -16,6 +16,8 @@ Reported per cell: the choice, the measured fastest, whether the choice is withi
 >= 90 % of cells; median relative error <= 25 %.
 
 Prints one JSON object as the last line of stdout. Nothing here asserts anything.
+On real (shaped) links between hosts, with a CPU hog per host, and time to data parallel's loss:
+benchmarks/planner_accuracy_bed.py (issue 53).
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ master and the driver on hosts of their own) x every worker link at 20 Mbit/s, 1
 namespace and CPU cgroup, stopped by PID). The cells run in benchmarks/planner_accuracy_bed_driver.py
 on the driver host; see it for what one cell measures.
 
+"Data parallel's loss" is its final val loss within 2 % (--loss-tolerance): exact runs of the same rows
+land on one of two data orders whose final losses differ by ~1 %.
 Per cell: the chosen candidate's and data parallel's predicted step time against the measured one
 (|error|); each feasible candidate's time to data parallel's final val loss = steps x step time,
 measured for data parallel and the choice (steps from their val loss curves, step times from their
@@ -22,8 +24,8 @@ the best; the choices of the repeated plans.
 Summary: the share of cells whose two predictions are both within 25 % (target >= 90 %), of cells with
 auto within 10 % of the best (>= 90 %), of cells whose repeated plans agree (target: all).
 
---quick: MLP + gpt_small, 2 hosts, 20 Mbit/s and 1 Gbit/s, quiet + hog, 2 plans a cell, 3 epochs (~15-20 min on
-a loaded 2-core machine). The full matrix takes hours. Writes benchmarks/results/planner_accuracy_bed.json
+--quick: MLP + gpt_small, 2 hosts, 20 Mbit/s and 1 Gbit/s, quiet + hog, 2 plans a cell, data parallel
+3 epochs, the others at most 6, 2 rivals measured (~30 min on a loaded 2-core machine). The full matrix takes hours. Writes benchmarks/results/planner_accuracy_bed.json
 and prints a markdown table on stderr and the JSON summary as the last line of stdout.
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ from multihost import Bed, Started, kill_group  # noqa: E402
 DRIVER = HERE / "planner_accuracy_bed_driver.py"
 HOG = "while True: pass"
 QUICK = {"models": "mlp,gpt_small", "hosts": "2", "links": "20,1000", "loads": "quiet,hog", "repeats": 2}
+QUICK_DRIVER = {"--epochs": "3", "--cap-epochs": "2", "--verify": "2"}  # the driver's options under --quick
 
 
 class HogController(Controller):
@@ -236,7 +239,8 @@ def main() -> None:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-        passed = passed if "--epochs" in passed else ["--epochs", "3", *passed]
+        for option, value in QUICK_DRIVER.items():
+            passed = passed if option in passed else [option, value, *passed]
     why = multihost.why_not()
     if why:
         raise SystemExit(f"planner_accuracy_bed needs the multi-host bed: {why}")
@@ -245,6 +249,8 @@ def main() -> None:
     root = Path("/var/tmp") / f"sparkdl-planner-bed-{os.getpid()}"
     log = Path("/var/tmp") / f"sparkdl-planner-bed-{os.getpid()}-driver.log"
     started, load_before = time.time(), os.getloadavg()
+    commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # the planner measured (others change it meanwhile)
     raw_cells: list[dict[str, Any]] = []
     rcs = {}
     try:
@@ -257,7 +263,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         sys.stderr.write(log.read_text(errors="replace")[-6000:] if log.exists() else "")
     cells = [summarise_cell(c) for c in raw_cells]
-    result = {"benchmark": "planner_accuracy_bed", "quick": args.quick,
+    result = {"benchmark": "planner_accuracy_bed", "quick": args.quick, "commit": commit,
               "bed": "worker hosts of 1 Spark core, 1 rank and --host-cpus CPU capacity each (network namespaces, tc tbf links) + master + driver "
                      "hosts, on one shared 2-core machine",
               "matrix": {k: getattr(args, k) for k in ("models", "hosts", "links", "loads", "repeats", "host_cpus")},

@@ -56,13 +56,14 @@ def factory(name: str) -> Callable[[], Any]:
 
 
 def mlp_frames(spark: Any, train_rows: int, eval_rows: int, workers: int) -> tuple[Any, Any]:
-    """Rows labelled by a fixed random teacher (a tanh layer), so the loss keeps falling for a while."""
+    """Rows labelled by a fixed random teacher (a tanh layer, no label noise): the loss keeps falling
+    over the few hundred steps a cell trains instead of the val loss turning up on repeated rows."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(train_rows + eval_rows, FEATURES)).astype("float32")
     teacher = np.tanh(x @ rng.normal(size=(FEATURES, 32))) @ rng.normal(size=(32, CLASSES))
-    y = np.argmax(teacher + 0.5 * rng.normal(size=teacher.shape), axis=1)
+    y = np.argmax(teacher, axis=1)
     rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
     columns = FEATURE_COLS + ["label"]
     train = spark.createDataFrame(rows[:train_rows], columns).repartition(workers).cache()
@@ -209,7 +210,9 @@ def measure_cell(name: str, frames: tuple[Any, Any], args: argparse.Namespace, c
     dp = fit(model, train, evaluation, {**options, "strategy": "data_parallel"}, args.epochs)
     dp["step"] = step_time(dp.pop("history"), approximate=False)
     say(f"{cell}: data_parallel {dp['steps']} steps, {dp['train_s']} s, curve {dp['curve']}")
-    target = dp["curve"][-1][1]
+    # Exact runs of the same rows land on one of two data orders (which rank reads which partition),
+    # their final val losses ~1 % apart: "data parallel's loss" is reached within --loss-tolerance.
+    target = dp["curve"][-1][1] * (1 + args.loss_tolerance)
     by_label = {c["label"]: c for c in first["candidates"]}
     runs: dict[str, Any] = {"data_parallel": dp}
     if first["chosen"] not in runs:
@@ -224,7 +227,8 @@ def measure_cell(name: str, frames: tuple[Any, Any], args: argparse.Namespace, c
             break
         runs[rival["label"]] = measure_run(model, frames, options, args, target, rival, None)
         say(f"{cell}: rival {rival['label']} {json.dumps(runs[rival['label']])[:300]}")
-    return {"cell": cell, "model": name, "target_val_loss": target, "dp_steps": dp["steps"], "runs": runs,
+    return {"cell": cell, "model": name, "target_val_loss": round(target, 5), "dp_final_val_loss": dp["curve"][-1][1],
+            "dp_steps": dp["steps"], "runs": runs,
             "plans": [{k: v for k, v in p.items() if k != "resolved"} for p in plans]}
 
 
@@ -246,6 +250,7 @@ def main() -> None:
     parser.add_argument("--gpt-batch", type=int, default=8)
     parser.add_argument("--verify", type=int, default=2,
                         help="at most this many rivals measured whose estimates would beat the choice by > 10 %%")
+    parser.add_argument("--loss-tolerance", type=float, default=0.02, help="the target: DP's final val loss x (1 + this)")
     parser.add_argument("--eval-rows", type=int, default=256)
     args = parser.parse_args()
     bed_driver.ASK["dir"] = args.ask
