@@ -2,10 +2,12 @@
 after backward and against DistributedDataParallel, on the multi-host bed (issue 43 item 5).
 
     .venv/bin/python benchmarks/overlap.py [--workers 2] [--networks 1gbit,100mbit] [--repeats 5] [--steps 5]
+    .venv/bin/python benchmarks/overlap.py --model gpt --batch 16 --link 20mbit,100mbit,1gbit  (issue 53 part 6)
 
 Needs root (tests/support/multihost.py). W worker hosts (network namespaces with their own
 addresses and shaped links; no Spark: one Python process per host, one rank, one torch thread), the
-same MLP (--width, --depth: 2.4M parameters, 9.6 MB of fp32 gradients by default) and the same
+same MLP (--width, --depth: 2.4M parameters, 9.6 MB of fp32 gradients by default; --model gpt: the GPT of
+examples/language_model.py, 137k parameters, with a fit's weighted token batches) and the same
 per-rank batches for three rows, run in the same processes one after the other in every round
 (the order rotated each round), so their ratios are side by side:
   sparkdl_overlap    DataParallel, train.overlap_grads=True (buckets reduced during backward)
