@@ -224,7 +224,10 @@ def interrupted(*_: Any) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Other options go to the driver (planner_accuracy_bed_driver.py): --epochs, "
+                                            "--steps-per-epoch, --cap-epochs, --verify, --loss-tolerance, --mlp-batch, "
+                                            "--gpt-batch, --eval-rows.")
     parser.add_argument("--quick", action="store_true", help="; ".join(f"{k}={v}" for k, v in QUICK.items()))
     parser.add_argument("--models", default="mlp,gpt_small,gpt_large")
     parser.add_argument("--hosts", default="2,4")
