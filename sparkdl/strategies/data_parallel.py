@@ -21,7 +21,7 @@ from sparkdl.config import TrainConfig
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.diloco import SyncClock, build_outer_sync
 from sparkdl.strategies.diloco_uneven import UnevenOuterSync
-from sparkdl.strategies.grad_overlap import OverlappedAveraging
+from sparkdl.strategies.grad_overlap import OverlappedAveraging, rides_exactly, summed_weight
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 from sparkdl.strategies.sync_switch import average_optimizer_state
@@ -70,9 +70,11 @@ def _reduce_bucket(comm: Communicator, bucket: list[nn.Parameter], weight: torch
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for param in bucket:
         by_dtype.setdefault(param.grad.dtype, []).append(param)
-    for params in by_dtype.values():
+    for dtype, params in by_dtype.items():
         grads = [p.grad for p in params]
         pieces = [g.reshape(-1) for g in grads]
+        if weight is not None and not total and not rides_exactly(dtype):
+            total.append(summed_weight(comm, weight))  # a low-precision bucket would round it
         carries = weight is not None and not total
         if carries:
             pieces.append(weight.detach().reshape(1).to(pieces[0].dtype))

@@ -54,12 +54,17 @@ class OverlappedAveraging:
             for index in indices:
                 self._bucket_of[index] = number
         self._group: Communicator | None = None
-        self._weight: torch.Tensor | None = None
+        self._weight: torch.Tensor | None = None  # this rank's weight total, riding in the carrier bucket
+        self._total: torch.Tensor | None = None  # the group's total, summed apart (a low-precision first bucket)
+        self._weighted = False
         self._missing: list[int] = []
         self._seen: list[bool] = []
         self._next = 0
         self._pending: list[PendingReduce] = []
         self.started_in_backward = 0  # buckets of the last armed step whose allreduce started during backward
+        # The first bucket whose dtype holds the weight total exactly carries it (None: all low precision)
+        self._carrier = next((number for number, indices in enumerate(self.buckets)
+                              if rides_exactly(params[indices[0]].dtype)), None)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
                        for index, p in enumerate(params)]
 
@@ -69,9 +74,13 @@ class OverlappedAveraging:
 
     def arm(self, group: Communicator, weight: torch.Tensor | None = None) -> None:
         """Average over `group` during the next backward. `weight`: this rank's weight total (its
-        gradients are those of sum(w * l)); it rides in the first bucket, the gradients are summed and
-        divided by the group's total instead of averaged."""
-        self._group, self._weight = group, weight
+        gradients are those of sum(w * l)); it rides in the first bucket when that bucket's dtype holds
+        it exactly (else it is summed in fp32 now), the gradients are summed and divided by the group's
+        total instead of averaged."""
+        self._group, self._weight, self._total = group, weight, None
+        self._weighted = weight is not None
+        if weight is not None and self._carrier is None:
+            self._total, self._weight = summed_weight(group, weight), None
         self._missing = [len(indices) for indices in self.buckets]
         self._seen = [False] * len(self._params)
         self._next = 0
@@ -80,7 +89,7 @@ class OverlappedAveraging:
 
     def disarm(self) -> None:
         """Forget this step (a backward that failed); whatever was started is left to finish."""
-        self._group, self._weight, self._pending = None, None, []
+        self._group, self._weight, self._total, self._weighted, self._pending = None, None, None, False, []
 
     def _ready(self, index: int, param: torch.Tensor) -> None:
         if self._group is None or self._seen[index]:
@@ -103,10 +112,10 @@ class OverlappedAveraging:
                     # Every rank must contribute the same buffer layout, even for a branch unused this step.
                     param.grad = torch.zeros_like(param)
                 pieces.append(param.grad.reshape(-1))
-            if number == 0 and self._weight is not None:
+            if number == self._carrier and self._weight is not None:
                 pieces.append(self._weight.detach().reshape(1).to(pieces[0].dtype))
             flat = torch.cat(pieces)
-        self._pending.append(self._group.allreduce_async(flat, op="sum" if self._weight is not None else "avg"))
+        self._pending.append(self._group.allreduce_async(flat, op="sum" if self._weighted else "avg"))
 
     def finish(self) -> None:
         """Start the buckets backward left (in their fixed order), wait for all, write the averages
@@ -115,17 +124,17 @@ class OverlappedAveraging:
             return
         while self._next < len(self.buckets):
             self._launch(self._next)
-        weighted = self._weight is not None
+        weighted = self._weighted
         pending, self._pending = self._pending, []
-        self._group, self._weight = None, None
-        total: torch.Tensor | None = None
+        total = self._total
+        self._group, self._weight, self._total, self._weighted = None, None, None, False
+        flats = [work.wait() for work in pending]
         with torch.no_grad():
-            for number, work in enumerate(pending):
-                flat = work.wait()
+            if weighted and total is None:
+                total = flats[self._carrier][-1].clone().to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny)
+            for number, flat in enumerate(flats):
                 indices = self.buckets[number]
                 if weighted:
-                    if total is None:
-                        total = flat[-1].clone().to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny)
                     flat.div_(total.to(flat.dtype))
                 offset = 0
                 for index in indices:
@@ -143,3 +152,19 @@ class OverlappedAveraging:
         return {"buckets": len(self.buckets),
                 "bucket_bytes": [sum(self._params[i].numel() * self._params[i].element_size() for i in b)
                                  for b in self.buckets]}
+
+
+EXACT_TOTAL_DTYPES = (torch.float32, torch.float64)  # hold a weight or token total exactly (to 2**24)
+
+
+def rides_exactly(dtype: torch.dtype) -> bool:
+    """Whether a bucket of `dtype` may carry the weight total: bf16 rounds counts above 256 and fp16
+    above 2048, which would skew the loss normalisation of a low-precision model."""
+    return dtype in EXACT_TOTAL_DTYPES
+
+
+def summed_weight(group: Communicator, weight: torch.Tensor) -> torch.Tensor:
+    """The group's weight total in fp32, in a collective of its own (only where no bucket holds it
+    exactly: one more round of latency a step)."""
+    total = group.allreduce(weight.detach().reshape(1).to(torch.float32).clone(), op="sum")
+    return total[0].clamp_min(torch.finfo(torch.float32).tiny)

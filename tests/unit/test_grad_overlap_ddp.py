@@ -93,3 +93,36 @@ def test_an_overlapped_step_runs_only_its_buckets_allreduces(first: int, rest: i
         expected["allreduce_async"] = rank["buckets"]
         assert rank["buckets"] == len(ddp_buckets(list(gpt().parameters()), first, rest))
         assert rank["per_step"] == [expected] * 3
+
+
+def _weighted_mixed(comm: Any, overlapped: bool) -> dict[str, Any]:
+    """A bf16 layer that backward reaches first and an fp32 one: the weight totals 1 + 513 = 514,
+    which bf16 holds as 512. Returns the fp32 gradient after averaging and the collectives run."""
+    from sparkdl.strategies.data_parallel import average_gradients
+    from sparkdl.strategies.grad_overlap import OverlappedAveraging
+
+    low = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    high = nn.Parameter(torch.ones(4, dtype=torch.float32))
+    params = [high, low]  # backward order is reversed: the bf16 bucket is ready (and launched) first
+    weight = torch.tensor(1.0 if comm.rank == 0 else 513.0)
+    counts = _count_collectives(comm)
+    overlap = OverlappedAveraging(params, 1 << 20, 25 << 20) if overlapped else None
+    if overlap is not None:
+        overlap.arm(comm, weight)
+    loss = (high * 514.0).sum() + (low.float() * 514.0).sum()
+    loss.backward()
+    if overlap is not None:
+        overlap.finish()
+        overlap.remove()
+    else:
+        average_gradients(comm, [low, high], weight=weight)
+    return {"high": high.grad.tolist(), "low": low.grad.float().tolist(), "counts": dict(counts)}
+
+
+@pytest.mark.parametrize("overlapped", [True, False], ids=["overlapped", "after_backward"])
+def test_the_weight_total_never_travels_in_a_low_precision_bucket(overlapped: bool) -> None:
+    for rank in run_world(2, _weighted_mixed, overlapped, timeout=120):
+        # each rank's fp32 gradient is 514 a value: summed 1028, over the exact total 514 = 2.0
+        # (over bf16's 512 it would be 2.0078)
+        assert rank["high"] == [2.0] * 4
+        assert rank["low"] == [2.0] * 4
