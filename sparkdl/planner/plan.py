@@ -26,6 +26,7 @@ APPROXIMATE_MIN_SPEEDUP = 1.0
 # a close call: it goes to the exact strategy, among exact ones to data parallel. The planner's step
 # predictions are off by 25 % and more on loaded hosts (issue 53): a smaller edge is noise.
 CLOSE_CALL = 0.15
+LAYOUT_TIE = 0.05  # exact layouts this close in predicted step are a tie: the first listed runs
 MIN_SAVING_S = 10.0  # an approximate strategy must save at least this much over the whole run
 CHEAP_COMM = 0.20  # ALGORITHMS.md: data parallel when the exposed allreduce is <= 0.2 x compute
 # Islands keep K DiLoCo replicas where flat DiLoCo keeps W (data parallel inside each island): closer
@@ -249,7 +250,10 @@ def best_exact(candidates: list[Candidate], exact: list[int]) -> tuple[int, int]
         best_dp = min(dp, key=lambda i: candidates[i].predicted_step_s)
         if candidates[best_dp].predicted_step_s <= (1 + CLOSE_CALL) * candidates[fastest].predicted_step_s:
             return best_dp, fastest
-    return fastest, fastest
+    # Near-ties between other exact layouts (a pipeline's microbatch counts 2.5 % apart) go to the one
+    # listed first, not to whichever noise made faster: repeated plans of a run then agree.
+    tied = [i for i in exact if candidates[i].predicted_step_s <= (1 + LAYOUT_TIE) * candidates[fastest].predicted_step_s]
+    return min(tied), fastest
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ The rule, stated once here and shown by `explain()`:
 - DiLoCo and its forms (streamed fragments, quantized outer gradients, islands), M replicas syncing
   every H inner steps, N trainable parameters:
 
-      k = 1 + (K_FIT - 1) x log2(M) / log2(M_FIT) x sqrt(H / H_FIT) x (N_FIT / N) ** N_EXPONENT
+      k = 1 + (K_FIT - 1) x log2(M) / log2(M_FIT) x sqrt(max(H, H_FIT) / H_FIT) x (N_FIT / N) ** N_EXPONENT
             x (LOW_BITS_FACTOR when the outer gradient travels in fewer than 8 bits)
 
   Source: this project's own measurement (benchmarks/slow_links.py): a 0.46M-parameter GPT with M=4
@@ -19,10 +19,13 @@ The rule, stated once here and shown by `explain()`:
   their islands as replicas (data parallel inside each). Streaming (fragments, overlap tau) costs
   under 0.2 % of loss up to tau 10 and 16/8-bit transport nothing in every published run
   (ALGORITHMS.md, Streaming DiLoCo): no factor; below 8 bits (error feedback, more noise) the excess
-  is raised by LOW_BITS_FACTOR.
+  is raised by LOW_BITS_FACTOR. A shorter H than the fit's does not lower k: on the multi-host bed
+  (benchmarks/planner_accuracy_bed.py, issue 53) M=2 replicas at H=10 needed k = 1.67-2.0 (a small
+  GPT; an MLP had not reached the loss at k = 2), where sqrt(H / H_FIT) would have priced 1.2-1.3.
 - IST over W ranks: k = 1 + IST_PER_RANK x (W - 1). docs/benchmarks.md ("IST and DiLoCo") measured
-  IST at W=2, R=30 matching data parallel's accuracy in the same steps (+0.52 points), so k=1.25
-  there is conservative; each rank trains 1/W of every hidden layer per round, so k grows with W.
+  IST at W=2, R=30 matching data parallel's accuracy after whole epochs, but the bed's 48-step runs
+  needed twice data parallel's steps to its loss (k = 2 at W = 2): the conservative figure is kept;
+  each rank trains 1/W of every hidden layer per round, so k grows with W.
 
 k is a prior, not a measurement of this run: re-estimating it from the run's validation curve is
 planner work still to do (ALGORITHMS.md).
@@ -39,7 +42,7 @@ M_FIT = 4  # its replicas
 H_FIT = 104  # the measured H range's lower end (104-192): k is at least the measured one above it
 N_EXPONENT = 0.2  # the gap shrinks slowly with model size (conservative: the paper's shrinks faster)
 LOW_BITS_FACTOR = 1.25  # outer gradients below 8 bits: error feedback, more noise
-IST_PER_RANK = 0.25  # IST: k = 1 + this x (W - 1)
+IST_PER_RANK = 1.0  # IST: k = 1 + this x (W - 1) (the bed measured k = 2 at W = 2, R = 30)
 APPROXIMATE = ("diloco", "islands", "ist")
 WIRE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
 
@@ -49,7 +52,7 @@ def diloco_steps_factor(params: float, replicas: int, every: int, bits: float = 
     if replicas <= 1 or every <= 1:
         return 1.0  # one replica, or a sync every step: synchronous training
     size = (N_FIT / params) ** N_EXPONENT if params > 0 else 1.0
-    excess = (K_FIT - 1) * math.log2(replicas) / math.log2(M_FIT) * math.sqrt(every / H_FIT) * size
+    excess = (K_FIT - 1) * math.log2(replicas) / math.log2(M_FIT) * math.sqrt(max(every, H_FIT) / H_FIT) * size
     if bits < 8:
         excess *= LOW_BITS_FACTOR
     return 1.0 + excess
