@@ -101,6 +101,9 @@ class DataParallel(Strategy):
     requires = frozenset({ALLREDUCE, BROADCAST})
     bucket_bytes = BUCKET_BYTES
     first_bucket_bytes = FIRST_BUCKET_BYTES
+    # the last re-plan's sync options, kept in checkpoints; a class default for subclasses whose setup
+    # is their own (Sharded), which never switch
+    _switched: dict[str, Any] | None = None
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         self._model = model.to(self.comm.device)
@@ -123,7 +126,7 @@ class DataParallel(Strategy):
         self._step_weight: torch.Tensor | None = None  # this step's weight sum, reduced with the gradients
         self._sync_clock = SyncClock()  # the outer syncs' exchanges, timed (executor/replan.py reads them)
         self._overlap_hooks: OverlappedAveraging | None = None
-        self._switched: dict[str, Any] | None = None  # the last re-plan's sync options (kept in checkpoints)
+        self._switched = None
         self._use_sync(self.train)
 
     def _use_sync(self, train: TrainConfig) -> None:
