@@ -60,7 +60,7 @@ def uneven_run(bed: multihost.Bed) -> dict[str, Any]:
     before = bed.cpu_throttled(slow)
     try:
         done = bed.run_on(bed.driver, [sys.executable, str(DRIVER), bed.master_url, str(out),
-                                       "--workers", str(len(bed.workers))], timeout=300)
+                                       "--workers", str(len(bed.workers))], timeout=600)
     finally:
         stop.set()
         watcher.join(5)
