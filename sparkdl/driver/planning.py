@@ -370,7 +370,15 @@ def session_facts(spark: Any, workers: int) -> Any:
                         executor_memory=session.conf("spark.executor.memory", "1g") or "1g",
                         pyspark_memory=session.conf("spark.executor.pyspark.memory", "") or "",
                         gpus_per_executor=float(session.conf("spark.executor.resource.gpu.amount", "0") or 0),
-                        gpus_per_task=float(session.conf("spark.task.resource.gpu.amount", "0") or 0))
+                        gpus_per_task=float(session.conf("spark.task.resource.gpu.amount", "0") or 0),
+                        task_cpus=_task_cpus(session.conf("spark.task.cpus", "1")))
+
+
+def _task_cpus(value: str | None) -> int:
+    try:
+        return max(int(value or 1), 1)
+    except ValueError:
+        return 1
 
 
 def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False) -> Any:

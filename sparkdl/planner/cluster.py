@@ -33,10 +33,12 @@ class ClusterFacts:
     gpus_per_executor: float = 0.0  # spark.executor.resource.gpu.amount
     gpus_per_task: float = 0.0  # spark.task.resource.gpu.amount
     pyspark_memory: str = ""  # spark.executor.pyspark.memory: the Python workers' limit per executor, if set
+    task_cpus: int = 1  # spark.task.cpus: the ranks' threads follow it (executor/threads.py), so does FLOP/s
 
     @property
     def cache_key(self) -> str:
-        return f"{self.master}|{self.workers}|{','.join(self.executors)}"
+        cpus = f"|cpus={self.task_cpus}" if self.task_cpus != 1 else ""  # unchanged keys for the default
+        return f"{self.master}|{self.workers}|{','.join(self.executors)}{cpus}"
 
 
 @dataclass(frozen=True)

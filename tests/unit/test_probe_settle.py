@@ -45,3 +45,11 @@ def test_the_confidence_reached_reaches_the_cluster_info() -> None:
     old = cluster_from_probe(facts, {k: v for k, v in probe.items() if "rse" not in k and "rep" not in k
                                      and "rounds" not in k}, probe_s=1.0)
     assert old.flops_rse == 0.0 and old.bandwidth_rounds == 0  # an older probe's result: not measured
+
+
+def test_a_calibration_is_cached_per_spark_task_cpus() -> None:
+    # the ranks' threads follow spark.task.cpus, and the measured FLOP/s with them
+    one = ClusterFacts(master="spark://m:7077", workers=2, executors=("e1:1", "e2:1"), slots=4)
+    two = ClusterFacts(master="spark://m:7077", workers=2, executors=("e1:1", "e2:1"), slots=2, task_cpus=2)
+    assert one.cache_key == "spark://m:7077|2|e1:1,e2:1"  # the default's key is unchanged
+    assert two.cache_key != one.cache_key and two.cache_key.endswith("|cpus=2")
