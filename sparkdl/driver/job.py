@@ -19,7 +19,7 @@ from sparkdl.errors import ConfigError, InsufficientSlotsError, TrainingError
 from sparkdl.wire.spec import TrainSpec
 from sparkdl.wire.codec import RESULT_SCHEMA, collect_parts, loads_history, loads_result, output_lines, parse_failure
 from sparkdl.executor.worker import make_task
-from sparkdl.spark.session import facts, is_local_master
+from sparkdl.spark.session import facts, is_local_master, task_cpus
 
 
 log = logging.getLogger("sparkdl")
@@ -152,7 +152,7 @@ def gpu_task_profile(spark: SparkSession, gpus_per_task: float) -> Any:
     """A task ResourceProfile with `gpus_per_task` GPUs (a fraction lets 1/amount tasks share one)."""
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
-    cpus = int(facts(spark).conf("spark.task.cpus", "1") or 1)
+    cpus = task_cpus(facts(spark).conf("spark.task.cpus", "1"))
     requests = TaskResourceRequests().cpus(cpus).resource("gpu", float(gpus_per_task))
     return ResourceProfileBuilder().require(requests).build
 

@@ -362,7 +362,7 @@ def session_facts(spark: Any, workers: int) -> Any:
     """Spark's facts about the cluster a run of `workers` ranks would use, as planner data
     (planner.cluster.ClusterFacts): master, executors, task slots, executor memory, GPU amounts."""
     from sparkdl.planner.cluster import ClusterFacts
-    from sparkdl.spark.session import facts
+    from sparkdl.spark.session import facts, task_cpus
 
     session = facts(spark)
     return ClusterFacts(master=session.master(), workers=workers, executors=session.executors(),
@@ -371,14 +371,7 @@ def session_facts(spark: Any, workers: int) -> Any:
                         pyspark_memory=session.conf("spark.executor.pyspark.memory", "") or "",
                         gpus_per_executor=float(session.conf("spark.executor.resource.gpu.amount", "0") or 0),
                         gpus_per_task=float(session.conf("spark.task.resource.gpu.amount", "0") or 0),
-                        task_cpus=_task_cpus(session.conf("spark.task.cpus", "1")))
-
-
-def _task_cpus(value: str | None) -> int:
-    try:
-        return max(int(value or 1), 1)
-    except ValueError:
-        return 1
+                        task_cpus=task_cpus(session.conf("spark.task.cpus", "1")))
 
 
 def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False) -> Any:

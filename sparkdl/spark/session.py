@@ -82,6 +82,14 @@ def local_master_slots(master: str, task_cpus: int) -> int | None:
     return None
 
 
+def task_cpus(value: str | None) -> int:
+    """spark.task.cpus as a whole number >= 1 (1 when unset or unreadable, Spark's default)."""
+    try:
+        return max(int(value or 1), 1)
+    except ValueError:
+        return 1
+
+
 def executor_cores(master: str, cores_conf: str | None) -> int | None:
     """Each executor's cores from the master URL (local[N]: N, local[*]: the machine's;
     local-cluster[n,c,m]: c) or spark.executor.cores; None when only the cluster knows (a standalone

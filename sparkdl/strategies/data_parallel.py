@@ -21,14 +21,10 @@ from sparkdl.config import TrainConfig
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy
 from sparkdl.strategies.diloco import SyncClock, build_outer_sync
 from sparkdl.strategies.diloco_uneven import UnevenOuterSync
-from sparkdl.strategies.grad_overlap import OverlappedAveraging, rides_exactly, summed_weight
+from sparkdl.strategies.grad_overlap import BUCKET_BYTES, FIRST_BUCKET_BYTES, OverlappedAveraging, average_gradients
 from sparkdl.strategies.inputs import call_model, global_share, loss_and_weight_sum
 from sparkdl.strategies.stepping import SINGLE, Accumulation, float_output
 from sparkdl.strategies.sync_switch import average_optimizer_state
-
-BUCKET_BYTES = 25 << 20
-FIRST_BUCKET_BYTES = 1 << 20  # overlapped: the last layers' bucket goes out early (DDP's first bucket too)
-
 
 def broadcast_module(comm: Communicator, module: nn.Module, src: int = 0) -> None:
     """Every rank ends with src's trainable parameters and buffers. Frozen ones (a PEFT adapter's
@@ -41,53 +37,6 @@ def broadcast_module(comm: Communicator, module: nn.Module, src: int = 0) -> Non
             comm.broadcast(tensor.data, src=src)
     if comm.size > 1 and any(not p.requires_grad for p in module.parameters()):
         check_same_frozen(comm.allgather_object(module_frozen_digest(module)))
-
-
-def average_gradients(comm: Communicator, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES,
-                      weight: torch.Tensor | None = None) -> None:
-    """Gradients averaged over the ranks; with `weight` (this rank's sum of row weights, its
-    gradients those of sum(w * l)), summed and divided by the ranks' total weight instead: the
-    gradient of the global weighted mean, with the total riding in the first bucket's allreduce
-    rather than in a collective of its own (each costs a round of latency on slow or busy hosts)."""
-    bucket: list[nn.Parameter] = []
-    size = 0
-    total: list[torch.Tensor] = []
-    for param in params:
-        if param.grad is None:
-            # Every rank must contribute the same buffer layout, even for a branch unused this step.
-            param.grad = torch.zeros_like(param)
-        bucket.append(param)
-        size += param.grad.numel() * param.grad.element_size()
-        if size >= bucket_bytes:
-            _reduce_bucket(comm, bucket, weight, total)
-            bucket, size = [], 0
-    if bucket:
-        _reduce_bucket(comm, bucket, weight, total)
-
-
-def _reduce_bucket(comm: Communicator, bucket: list[nn.Parameter], weight: torch.Tensor | None,
-                   total: list[torch.Tensor]) -> None:
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for param in bucket:
-        by_dtype.setdefault(param.grad.dtype, []).append(param)
-    for dtype, params in by_dtype.items():
-        grads = [p.grad for p in params]
-        pieces = [g.reshape(-1) for g in grads]
-        if weight is not None and not total and not rides_exactly(dtype):
-            total.append(summed_weight(comm, weight))  # a low-precision bucket would round it
-        carries = weight is not None and not total
-        if carries:
-            pieces.append(weight.detach().reshape(1).to(pieces[0].dtype))
-        flat = torch.cat(pieces)
-        comm.allreduce(flat, op="sum" if weight is not None else "avg")
-        if carries:
-            total.append(flat[-1].clone().to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny))
-        if weight is not None:
-            flat.div_(total[0].to(flat.dtype))
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
 
 
 class DataParallel(Strategy):

@@ -9,6 +9,8 @@ starts the same buffers in the same order whatever order its hooks fired in (a b
 one rank only delays the buckets from that one on; their allreduces start at the end of backward,
 its gradients as zeros). `finish()` starts what is left, waits, divides and copies the averages
 back before the optimizer step. The hooks act only while armed (the last micro-batch of a window).
+`average_gradients` is the same averaging after backward (overlap off, hybrid's stage groups); both
+carry the weight total by one rule (`rides_exactly`, `summed_weight`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import torch
 from torch import nn
 
 from sparkdl.comm.base import Communicator, PendingReduce
+
+BUCKET_BYTES = 25 << 20
+FIRST_BUCKET_BYTES = 1 << 20  # overlapped: the last layers' bucket goes out early (DDP's first bucket too)
 
 
 def plan_buckets(params: list[nn.Parameter], first_bucket_bytes: int, bucket_bytes: int) -> list[list[int]]:
@@ -168,3 +173,50 @@ def summed_weight(group: Communicator, weight: torch.Tensor) -> torch.Tensor:
     exactly: one more round of latency a step)."""
     total = group.allreduce(weight.detach().reshape(1).to(torch.float32).clone(), op="sum")
     return total[0].clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def average_gradients(comm: Communicator, params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES,
+                      weight: torch.Tensor | None = None) -> None:
+    """Gradients averaged over the ranks; with `weight` (this rank's sum of row weights, its
+    gradients those of sum(w * l)), summed and divided by the ranks' total weight instead: the
+    gradient of the global weighted mean, with the total riding in the first bucket's allreduce
+    rather than in a collective of its own (each costs a round of latency on slow or busy hosts)."""
+    bucket: list[nn.Parameter] = []
+    size = 0
+    total: list[torch.Tensor] = []
+    for param in params:
+        if param.grad is None:
+            # Every rank must contribute the same buffer layout, even for a branch unused this step.
+            param.grad = torch.zeros_like(param)
+        bucket.append(param)
+        size += param.grad.numel() * param.grad.element_size()
+        if size >= bucket_bytes:
+            _reduce_bucket(comm, bucket, weight, total)
+            bucket, size = [], 0
+    if bucket:
+        _reduce_bucket(comm, bucket, weight, total)
+
+
+def _reduce_bucket(comm: Communicator, bucket: list[nn.Parameter], weight: torch.Tensor | None,
+                   total: list[torch.Tensor]) -> None:
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in bucket:
+        by_dtype.setdefault(param.grad.dtype, []).append(param)
+    for dtype, params in by_dtype.items():
+        grads = [p.grad for p in params]
+        pieces = [g.reshape(-1) for g in grads]
+        if weight is not None and not total and not rides_exactly(dtype):
+            total.append(summed_weight(comm, weight))  # a low-precision bucket would round it
+        carries = weight is not None and not total
+        if carries:
+            pieces.append(weight.detach().reshape(1).to(pieces[0].dtype))
+        flat = torch.cat(pieces)
+        comm.allreduce(flat, op="sum" if weight is not None else "avg")
+        if carries:
+            total.append(flat[-1].clone().to(torch.float32).clamp_min(torch.finfo(torch.float32).tiny))
+        if weight is not None:
+            flat.div_(total[0].to(flat.dtype))
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

@@ -28,7 +28,7 @@ from sparkdl.model.calling import scored_labels
 from sparkdl.strategies.base import LossFn, OptimizerFactory, Strategy, as_triple, evaluation_sums
 from sparkdl.strategies.inputs import (InputSpec, call_model, flat_inputs, input_spec, rebuilt_inputs, to_device,
                                        weight_total, weighted_terms)
-from sparkdl.strategies.data_parallel import average_gradients
+from sparkdl.strategies.grad_overlap import average_gradients
 from sparkdl.strategies.micro_batches import (ActivationMeter, concatenated_inputs, micro_inputs, microbatch_sizes,
                                               torch_dtype)
 from sparkdl.strategies.pipeline_stages import TiedGradients, stage_module, stage_step

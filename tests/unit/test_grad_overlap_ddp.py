@@ -98,7 +98,7 @@ def test_an_overlapped_step_runs_only_its_buckets_allreduces(first: int, rest: i
 def _weighted_mixed(comm: Any, overlapped: bool) -> dict[str, Any]:
     """A bf16 layer that backward reaches first and an fp32 one: the weight totals 1 + 513 = 514,
     which bf16 holds as 512. Returns the fp32 gradient after averaging and the collectives run."""
-    from sparkdl.strategies.data_parallel import average_gradients
+    from sparkdl.strategies.grad_overlap import average_gradients
     from sparkdl.strategies.grad_overlap import OverlappedAveraging
 
     low = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
