@@ -54,13 +54,13 @@ def test_a_killed_executor_jvm_is_replaced_and_the_fit_resumes_exactly(spark, cl
     assert marker.exists(), "the executor was never killed"
     output = done.stdout + done.stderr
     assert "Lost executor" in output and "attempt 1 of 4 failed" in output
-    # The rank's Python worker outlives its JVM for a few steps (it notices on its next write to
-    # Spark; longer on a loaded machine), so the last complete checkpoint is one of steps 6, 9, the
-    # epoch's end (10) or 12 of the 20 (every 3 steps and at each epoch's end).
+    # The kill waits until a checkpoint is loadable and takes the rank's Python worker too
+    # (standalone_fit), so the resume falls inside the 20 steps (saves every 3 and at epoch ends).
     resumed_at = int(re.search(r"resumed from the checkpoint of step (\d+)", output).group(1))  # type: ignore[union-attr]
-    assert resumed_at in (6, 9, 10, 12)
+    assert 3 <= resumed_at < 20, output[-3000:]
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
-    assert resumed["history"][0]["resumed_from_step"] == resumed_at
+    # A resume inside epoch 1 keeps epoch 0's record as saved: the resumed epoch's record names the step.
+    assert [h["resumed_from_step"] for h in resumed["history"] if "resumed_from_step" in h] == [resumed_at]
     # The uninterrupted reference: the same fit (two fixed partitions, same seed) on this process's
     # local-cluster session; the ranks' arithmetic does not depend on the cluster manager.
     reference = {"state": standalone_fit.reference_fit(spark)}

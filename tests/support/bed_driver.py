@@ -227,15 +227,15 @@ def kill(spark: Any, shared: Path) -> dict[str, Any]:
 
     cloudpickle.register_pickle_by_value(standalone_fit)  # the executors cannot import it: its loss goes by value
     retried = said("attempt 1 of")
-    standalone_fit.MARKER["path"] = str(shared / "killed")
+    standalone_fit.MARKER.update(path=str(shared / "killed"), checkpoints=str(shared / "kill-ckpt"))
     try:
         model = standalone_fit.estimator(checkpoint_dir=str(shared / "kill-ckpt"), checkpoint_every=3,
                                          slot_wait_s=60).fit(standalone_fit.rows_df(spark))
     finally:
-        standalone_fit.MARKER["path"] = ""
+        standalone_fit.MARKER.update(path="", checkpoints="")
     torch.save({"state": model.torch_module().state_dict(), "history": model.history}, shared / "killed.pt")
     return {"killed": (shared / "killed").exists(), "retried": [line for _, line in retried()],
-            "resumed_from": model.history[0].get("resumed_from_step"), "weights": str(shared / "killed.pt")}
+            "resumed_from": [h["resumed_from_step"] for h in model.history if "resumed_from_step" in h], "weights": str(shared / "killed.pt")}
 
 
 def save_and_load(df: Any, model: Any) -> dict[str, Any]:

@@ -1,7 +1,14 @@
 """Driver script of the standalone tests: one data-parallel fit on a spark:// master, its weights and
 history written to OUT (torch.save). With --kill-marker, the rank-1 executor's whole JVM
-(CoarseGrainedExecutorBackend, not only the Python worker) is killed with SIGKILL at rank 1's 8th
-step, once per marker file; with --checkpoint-dir the fit resumes from its checkpoints.
+(CoarseGrainedExecutorBackend), and then rank 1's Python worker, are killed with SIGKILL at rank 1's
+first step from the 8th on at which a checkpoint is loadable (the manifest lists a step), once per
+marker file; with --checkpoint-dir the fit resumes from its checkpoints.
+
+Why both, and why wait for the manifest: a Python worker outlives its killed JVM until a peer's
+failure reaches it (many steps on a loaded machine: it could save the run's last checkpoint, and
+the retry would resume from the end), and a step is loadable one save after it was taken
+(executor/checkpoint_async.py). Killing the executor's whole process tree at a step where the
+manifest is known durable makes the resumed step fall inside the run.
 
     python standalone_fit.py MASTER OUT [--checkpoint-dir DIR] [--kill-marker PATH] [--slot-wait S]
 """
@@ -17,7 +24,7 @@ import torch
 from torch import nn
 
 FEATURES = [f"f{i}" for i in range(6)]
-MARKER = {"path": ""}
+MARKER = {"path": "", "checkpoints": ""}
 CALLS = {"n": 0}
 
 
@@ -39,13 +46,20 @@ def executor_jvm(pid: int) -> int | None:
     return None
 
 
+def loadable() -> bool:
+    """Whether the run's checkpoint manifest (written by rank 0 once a step is complete) exists."""
+    return not MARKER["checkpoints"] or any(Path(MARKER["checkpoints"]).glob("*/manifest.json"))
+
+
 def killing_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     CALLS["n"] += 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 1 and CALLS["n"] == 8 and MARKER["path"] and not os.path.exists(MARKER["path"]):
+    if rank == 1 and CALLS["n"] >= 8 and MARKER["path"] and not os.path.exists(MARKER["path"]) and loadable():
         Path(MARKER["path"]).touch()
         jvm = executor_jvm(os.getpid())
-        os.kill(jvm if jvm is not None else os.getpid(), signal.SIGKILL)
+        if jvm is not None:
+            os.kill(jvm, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     return nn.functional.cross_entropy(output, labels)
 
 
@@ -67,7 +81,7 @@ def estimator(**options):  # type: ignore[no-untyped-def]
 
 def reference_fit(spark):  # type: ignore[no-untyped-def]
     """The uninterrupted run's weights, on any session (the tests' local-cluster one)."""
-    MARKER["path"] = ""
+    MARKER["path"], MARKER["checkpoints"] = "", ""
     return estimator().fit(rows_df(spark)).torch_module().state_dict()
 
 
@@ -84,7 +98,7 @@ def main() -> None:
     spark = (SparkSession.builder.master(args.master).appName("sparkdl-standalone-test")
              .config("spark.ui.enabled", "false").config("spark.executor.memory", "768m")
              .config("spark.task.maxFailures", "4").getOrCreate())
-    MARKER["path"] = args.kill_marker
+    MARKER["path"], MARKER["checkpoints"] = args.kill_marker, args.checkpoint_dir or ""
     options = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=3) if args.checkpoint_dir else {}
     model = estimator(slot_wait_s=args.slot_wait, **options).fit(rows_df(spark))
     torch.save({"state": model.torch_module().state_dict(), "history": model.history}, args.out)
