@@ -9,10 +9,17 @@ examples/language_model.py (d=64, 2 blocks: 137,216 parameters) on the byte toke
 benchmarks/slow_links_driver.py, AdamW, the same rows, batch, lr schedule and epochs for both:
   sparkdl_dp   TorchEstimator(strategy="data_parallel", threads_per_worker=1) (overlap_grads on)
   sparkdl_dp_2threads, sparkdl_dp_dynamic   two torch threads a rank; batch_balance="dynamic" (row_options)
+  sparkdl_auto strategy="auto" (threads_per_worker=1), planning included, for --auto-epochs epochs
+               (an approximate strategy needs more steps to reach the same loss)
   ddp          slow_links_driver.ddp_train under TorchDistributor (plain DDP over gloo)
+--load hog: one busy loop on every worker host (inside its namespace) for the whole run, as a
+neighbour would be.
 Figures: training seconds per step (epoch seconds / steps: validation not included, as DDP's), and
 for sparkdl its epoch records' split of a step (compute, blocked in collectives, waiting for data) per
-rank. Prints JSON (and writes it to --out).
+rank; with sparkdl_auto and ddp, each one's wall seconds to DDP's final eval loss (issue 53's
+acceptance: auto >= 5x sooner, planning included). Prints JSON (and writes it to --out).
+
+    .venv/bin/python benchmarks/dp_fit_bed.py --rows sparkdl_auto,ddp --epochs 6 --auto-epochs 12 --load hog
 """
 from __future__ import annotations
 
@@ -38,6 +45,37 @@ def row_options(name: str) -> dict[str, Any]:
     strategy="auto" sets for data parallel, driver/planning.py)."""
     threads = next((int(part[:-len("threads")]) for part in name.split("_") if part.endswith("threads")), 1)
     return {"threads_per_worker": threads, "batch_balance": "dynamic" if name.endswith("_dynamic") else "equal"}
+
+
+def auto_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """strategy="auto" for --auto-epochs: what it chose, its eval loss after each epoch, and the wall
+    seconds from fit() to the end of each epoch (planning, start and earlier validations included)."""
+    import slow_links_driver as sld
+    from sparkdl import TorchEstimator
+
+    started = time.perf_counter()
+    fitted = TorchEstimator(
+        model=sld._model_factory, validation_df=evaluation, input_cols=["tokens"], label_col="targets",
+        loss="cross_entropy", optimizer="adamw", lr=sld.LR, lr_schedule="cosine", warmup_steps=sld.WARMUP,
+        min_lr=sld.MIN_LR, batch_size=args.batch, epochs=args.auto_epochs, num_workers=args.workers, seed=0,
+        progress=False, tracking=False, strategy="auto", threads_per_worker=1).fit(train)
+    wall = time.perf_counter() - started
+    history = fitted.history
+    # Wall time at each epoch's end: the fit's wall less the epochs after it (their training; their
+    # validations stay counted, so these are upper bounds).
+    later = [sum(float(r["seconds"]) for r in history[i + 1:]) for i in range(len(history))]
+    plan = fitted.plan
+    return {"fit_wall_s": round(wall, 1), "chosen": plan.choice.label if plan.choice is not None else plan.strategy,
+            "explain": plan.explain(),
+            "curve": [[round(wall - later[i], 2), sum(int(h["steps"]) for h in history[:i + 1]), float(r["val_loss"])]
+                      for i, r in enumerate(history)],
+            "step_ms": [round(1e3 * r["seconds"] / int(r["steps"]), 1) for r in history],
+            "val_loss": float(history[-1]["val_loss"])}
+
+
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """The first [seconds, step, loss] point at or below `target`: its seconds (None: never)."""
+    return next((point[0] for point in curve if point[2] <= target), None)
 
 
 def sparkdl_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace, options: dict[str, Any]
@@ -76,7 +114,7 @@ def ddp_row(spark: Any, shared: Path, args: argparse.Namespace, steps_per_epoch:
         1e9, sld.SHAPE["d_model"], sld.SHAPE["layers"])
     curve = out["curve"]
     seconds = [c[0] - (curve[i - 1][0] if i else 0.0) for i, c in enumerate(curve)]
-    return {"fit_wall_s": round(time.perf_counter() - started, 1),
+    return {"fit_wall_s": round(time.perf_counter() - started, 1), "curve": curve,
             "step_ms": [round(1e3 * s / steps_per_epoch, 1) for s in seconds], "val_loss": curve[-1][2]}
 
 
@@ -115,8 +153,12 @@ def driver(args: argparse.Namespace) -> None:
         steps_per_epoch = args.train_rows // args.workers // args.batch
         result["steps_per_epoch"] = steps_per_epoch
         for name in args.rows.split(","):
-            result[name] = ddp_row(spark, shared, args, steps_per_epoch) if name == "ddp" \
-                else sparkdl_row(spark, train, evaluation, args, row_options(name))
+            if name == "ddp":
+                result[name] = ddp_row(spark, shared, args, steps_per_epoch)
+            elif name == "sparkdl_auto":
+                result[name] = auto_row(spark, train, evaluation, args)
+            else:
+                result[name] = sparkdl_row(spark, train, evaluation, args, row_options(name))
             print(f"[dp_fit_bed] {name}: {json.dumps(result[name])}", file=sys.stderr, flush=True)
             Path(args.out).write_text(json.dumps(result))  # what finished survives a timeout
     finally:
@@ -142,14 +184,23 @@ def controller(args: argparse.Namespace) -> None:
                     "--shared", str(bed.shared)]
             for key in ("workers", "train_rows", "batch", "epochs", "d_model", "layers", "rows"):
                 argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            done = bed.run_on(bed.driver, argv + (["--no-overlap"] if args.no_overlap else []), timeout=args.timeout)
+            argv += ["--auto-epochs", str(args.auto_epochs)]
+            # A neighbour on every worker host: a busy loop inside its namespace, for the whole run.
+            hogs = [bed.start_on(host, [sys.executable, "-c", "while True: pass"], "hog")
+                    for host in bed.workers] if args.load == "hog" else []
+            try:
+                done = bed.run_on(bed.driver, argv + (["--no-overlap"] if args.no_overlap else []),
+                                  timeout=args.timeout)
+            finally:
+                for hog in hogs:
+                    multihost.kill_group(hog.process)  # by its PID (its own session), nothing else
             sys.stderr.write(done.stderr[-4000:])
             if not out.exists():
                 raise SystemExit(f"the driver wrote nothing (rc {done.returncode})")
             raw = json.loads(out.read_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    summary: dict[str, Any] = {"benchmark": "dp_fit_bed", "link": args.link, "workers": args.workers,
+    summary: dict[str, Any] = {"benchmark": "dp_fit_bed", "link": args.link, "load": args.load, "workers": args.workers,
                                "model": f"GPT d={args.d_model} {args.layers} blocks", "batch_per_rank": args.batch,
                                "overlap_grads": not args.no_overlap, **raw}
     if "ddp" in raw and "sparkdl_dp" in raw:
@@ -157,6 +208,14 @@ def controller(args: argparse.Namespace) -> None:
         ours, theirs = raw["sparkdl_dp"]["step_ms"][1:], raw["ddp"]["step_ms"][1:]
         summary["ratio_steady"] = round(statistics.median(ours) / statistics.median(theirs), 3) if ours else None
         summary["ratio_epoch1"] = round(raw["sparkdl_dp"]["step_ms"][0] / raw["ddp"]["step_ms"][0], 3)
+    if "ddp" in raw and "sparkdl_auto" in raw:
+        # DDP reaches its own final loss at the end of its run (TorchDistributor's start included);
+        # auto at the end of its first epoch at or below it (planning and start included).
+        target, ddp_s = raw["ddp"]["val_loss"], raw["ddp"]["fit_wall_s"]
+        auto_s = time_to(raw["sparkdl_auto"]["curve"], target)
+        summary["to_ddp_loss"] = {"target_val_loss": target, "ddp_s": ddp_s, "auto_s": auto_s,
+                                  "auto_sooner": round(ddp_s / auto_s, 2) if auto_s else None,
+                                  "auto_chose": raw["sparkdl_auto"]["chosen"], "target_sooner": 5.0}
     summary.update(seconds=round(time.time() - started, 1), loadavg_start=[round(x, 2) for x in load_before],
                    loadavg_end=[round(x, 2) for x in os.getloadavg()])
     if args.out:
@@ -175,11 +234,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rows", default="sparkdl_dp,ddp")
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--auto-epochs", type=int, default=0, help="sparkdl_auto's epochs (default: 2 x --epochs)")
+    parser.add_argument("--load", choices=("quiet", "hog"), default="quiet")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default="")
     parser.add_argument("--driver", default="", help="(internal) run as the bed's driver against this master")
     parser.add_argument("--shared", default="")
     args = parser.parse_args()
+    args.auto_epochs = args.auto_epochs or 2 * args.epochs
     if args.driver:
         args.master = args.driver
         driver(args)
