@@ -66,7 +66,8 @@ def auto_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace) 
     later = [sum(float(r["seconds"]) for r in history[i + 1:]) for i in range(len(history))]
     plan = fitted.plan
     return {"fit_wall_s": round(wall, 1), "chosen": plan.choice.label if plan.choice is not None else plan.strategy,
-            "explain": plan.explain(),
+            "explain": plan.explain(), "fit_seconds": dict(fitted.fit_seconds),  # where the wall went before training
+            "time_to_first_step_s": history[0].get("time_to_first_step_s"),
             "curve": [[round(wall - later[i], 2), sum(int(h["steps"]) for h in history[:i + 1]), float(r["val_loss"])]
                       for i, r in enumerate(history)],
             "step_ms": [round(1e3 * r["seconds"] / int(r["steps"]), 1) for r in history],
