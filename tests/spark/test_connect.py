@@ -15,9 +15,6 @@ from typing import Any
 import pytest
 from connect_server import ConnectServer
 
-# Mostly waits on a Connect server and client processes of its own: `make test` runs it in the bed's lane (setup.cfg's bed_lane marker).
-pytestmark = pytest.mark.bed_lane
-
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
 

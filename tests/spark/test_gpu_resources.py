@@ -15,9 +15,6 @@ from typing import Any
 
 import pytest
 
-# Mostly waits on applications of its own in subprocesses: `make test` runs it in the bed's lane (setup.cfg's bed_lane marker).
-pytestmark = pytest.mark.bed_lane
-
 SCRIPT = '''
 import json, os, sys
 os.environ["PYSPARK_PYTHON"] = sys.executable

@@ -16,9 +16,6 @@ import pytest
 from connect_server import ConnectServer
 from shipping_libs import pip_install_target
 
-# Mostly waits on a Connect server and client process of its own: `make test` runs it in the bed's lane (setup.cfg's bed_lane marker).
-pytestmark = pytest.mark.bed_lane
-
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
 SHARED, CLIENT = "sparkdl_connect_lib_shared", "sparkdl_connect_lib_client"

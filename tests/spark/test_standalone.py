@@ -21,9 +21,6 @@ import multihost
 import standalone_fit
 from standalone import StandaloneCluster, environment
 
-# Mostly waits on standalone clusters and driver processes of its own: `make test` runs it in the bed's lane (setup.cfg's bed_lane marker).
-pytestmark = pytest.mark.bed_lane
-
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 REPO = Path(__file__).resolve().parents[2]
 
