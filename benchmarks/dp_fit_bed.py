@@ -47,18 +47,23 @@ def row_options(name: str) -> dict[str, Any]:
     return {"threads_per_worker": threads, "batch_balance": "dynamic" if name.endswith("_dynamic") else "equal"}
 
 
-def auto_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """strategy="auto" for --auto-epochs: what it chose, its eval loss after each epoch, and the wall
-    seconds from fit() to the end of each epoch (planning, start and earlier validations included)."""
+def estimator(evaluation: Any, args: argparse.Namespace, epochs: int, **options: Any) -> Any:
+    """The TorchEstimator every sparkdl row trains with (DDP's model, rows, batch and schedule), plus `options`."""
     import slow_links_driver as sld
     from sparkdl import TorchEstimator
 
-    started = time.perf_counter()
-    fitted = TorchEstimator(
+    return TorchEstimator(
         model=sld._model_factory, validation_df=evaluation, input_cols=["tokens"], label_col="targets",
         loss="cross_entropy", optimizer="adamw", lr=sld.LR, lr_schedule="cosine", warmup_steps=sld.WARMUP,
-        min_lr=sld.MIN_LR, batch_size=args.batch, epochs=args.auto_epochs, num_workers=args.workers, seed=0,
-        progress=False, tracking=False, strategy="auto", threads_per_worker=1).fit(train)
+        min_lr=sld.MIN_LR, batch_size=args.batch, epochs=epochs, num_workers=args.workers, seed=0,
+        progress=False, tracking=False, **options)
+
+
+def auto_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """strategy="auto" for --auto-epochs: what it chose, its eval loss after each epoch, and the wall
+    seconds from fit() to the end of each epoch (planning, start and earlier validations included)."""
+    started = time.perf_counter()
+    fitted = estimator(evaluation, args, args.auto_epochs, strategy="auto", threads_per_worker=1).fit(train)
     wall = time.perf_counter() - started
     history = fitted.history
     # Wall time at each epoch's end: the fit's wall less the epochs after it (their training; their
@@ -81,16 +86,9 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 def sparkdl_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace, options: dict[str, Any]
                 ) -> dict[str, Any]:
-    import slow_links_driver as sld
-    from sparkdl import TorchEstimator
-
     started = time.perf_counter()
-    fitted = TorchEstimator(
-        model=sld._model_factory, validation_df=evaluation, input_cols=["tokens"], label_col="targets",
-        loss="cross_entropy", optimizer="adamw", lr=sld.LR, lr_schedule="cosine", warmup_steps=sld.WARMUP,
-        min_lr=sld.MIN_LR, batch_size=args.batch, epochs=args.epochs, num_workers=args.workers, seed=0,
-        progress=False, tracking=False, strategy="data_parallel", **options,
-        overlap_grads=not args.no_overlap).fit(train)
+    fitted = estimator(evaluation, args, args.epochs, strategy="data_parallel", **options,
+                       overlap_grads=not args.no_overlap).fit(train)
     history = fitted.history
     per_epoch = []
     for r in history:
