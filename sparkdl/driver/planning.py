@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig, merged_section, train_with
+from sparkdl.driver.calibration import calibrate, remeasure, session_facts
 
 if TYPE_CHECKING:
     from sparkdl.config.embeddings import EmbeddingConfig
@@ -83,10 +84,13 @@ def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchC
 
     from sparkdl.comm import backend_class
     from sparkdl.errors import ModelError, ResourceError, SparkdlError
-    from sparkdl.planner.candidates import price_plan, profile_model
+    from sparkdl.planner.candidates import price_plan, profile_model, step_trial
+    from sparkdl.planner.cluster import for_model
     from sparkdl.planner.plan import NoFeasibleLayout
 
-    cluster = calibrate(spark, launch.num_workers, launch.threads_per_worker)
+    trial = step_trial(module, data, train, launch, num_features)
+    cluster = for_model(calibrate(spark, launch.num_workers, launch.threads_per_worker, trial=trial),
+                        trial.key if trial is not None else "")
     ops = backend_class(launch.backend).ops
     try:
         threads = worker_threads(launch, cluster)
@@ -108,7 +112,7 @@ def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchC
         logging.getLogger("sparkdl").warning(message)
         return None
     if result.hinge and cluster.probes == 1:
-        result = _decide_again(spark, module, data, train, launch, costs, cluster, ops, num_rows, result)
+        result = _decide_again(spark, module, data, train, launch, costs, cluster, ops, num_rows, result, trial)
     logging.getLogger("sparkdl").info("%s", result.explain())
     if tracking.progress:
         print(result.explain(), flush=True)
@@ -117,7 +121,7 @@ def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchC
 
 def _decide_again(spark: Any, module: Any, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: Any,
                   cluster: Any, ops: frozenset[str],
-                  num_rows: int | None, first: Any) -> Any:
+                  num_rows: int | None, first: Any, trial: Any = None) -> Any:
     """The calibration's ends disagreed: measure once more and decide on the best of both. The
     first plan stands (exact, with its hinge explained) when the second probe fails: a second
     opinion is an improvement, not a new way to fail."""
@@ -126,7 +130,7 @@ def _decide_again(spark: Any, module: Any, data: DataConfig, train: TrainConfig,
     from sparkdl.planner.candidates import price_plan
 
     try:
-        cluster = remeasure(spark, cluster, launch.threads_per_worker)
+        cluster = remeasure(spark, cluster, launch.threads_per_worker, trial)
         return price_plan(module, data, train, launch, costs, cluster, ops, num_rows)
     except Exception as exc:  # noqa: BLE001 - any failure of the second probe keeps the first plan
         logging.getLogger("sparkdl").warning("sparkdl: measuring the cluster again failed (%s: %s); keeping the "
@@ -356,52 +360,3 @@ def plan_ist(module: Any, train: TrainConfig, launch: LaunchConfig) -> tuple[Any
         use_batch_statistics(module)  # the driver's copy must match the trained state's keys
     return layout, {"ist.hidden_widths": str(list(layout.widths)), "ist.linear_layers": str(list(layout.linears)),
                     "ist.neurons_per_worker": str([w // layout.world for w in layout.widths])}
-
-
-def session_facts(spark: Any, workers: int) -> Any:
-    """Spark's facts about the cluster a run of `workers` ranks would use, as planner data
-    (planner.cluster.ClusterFacts): master, executors, task slots, executor memory, GPU amounts."""
-    from sparkdl.planner.cluster import ClusterFacts
-    from sparkdl.spark.session import facts, task_cpus
-
-    session = facts(spark)
-    return ClusterFacts(master=session.master(), workers=workers, executors=session.executors(),
-                        slots=session.slots(wanted=workers),
-                        executor_memory=session.conf("spark.executor.memory", "1g") or "1g",
-                        pyspark_memory=session.conf("spark.executor.pyspark.memory", "") or "",
-                        gpus_per_executor=float(session.conf("spark.executor.resource.gpu.amount", "0") or 0),
-                        gpus_per_task=float(session.conf("spark.task.resource.gpu.amount", "0") or 0),
-                        task_cpus=task_cpus(session.conf("spark.task.cpus", "1")))
-
-
-def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, refresh: bool = False) -> Any:
-    """The planner's ClusterInfo for `workers` ranks: cached when fresh and measured under the same
-    launch.threads_per_worker, else measured by the calibration probe (driver/probe.py) and cached."""
-    import time
-
-    from sparkdl.driver.probe import run_probe
-    from sparkdl.planner.cluster import cached, cluster_from_probe, remember
-
-    facts = session_facts(spark, workers)
-    info = None if refresh else cached(facts)
-    if info is not None and info.threads_option == (threads_per_worker or 0):
-        return info
-    started = time.perf_counter()
-    probe = run_probe(spark, workers, threads_per_worker)
-    info = cluster_from_probe(facts, probe, time.perf_counter() - started, threads_per_worker)
-    remember(info, facts)
-    return info
-
-
-def remeasure(spark: Any, cluster: Any, threads_per_worker: int | None = None) -> Any:
-    """`cluster` merged with a fresh calibration (best of both, planner.cluster.merge), cached: for a
-    decision the first calibration's ends disagreed on."""
-    import logging
-
-    from sparkdl.planner.cluster import merge, remember
-
-    logging.getLogger("sparkdl").info("sparkdl: the calibration's two ends disagree on exact vs approximate "
-                                      "updates; measuring the cluster once more")
-    merged = merge(cluster, calibrate(spark, cluster.workers, threads_per_worker, refresh=True))
-    remember(merged, session_facts(spark, cluster.workers))
-    return merged

@@ -40,9 +40,13 @@ TRANSFER_S = 0.1
 MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 64 << 10, 16 << 20
 
 
-def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[str, Any]:
+def run_probe(spark: Any, workers: int, threads_per_worker: int | None, trial: Any = None,
+              cluster: bool = True) -> dict[str, Any]:
     """Run `probe` on `workers` ranks (a barrier job over `workers` one-row partitions) and return
-    rank 0's result, the dict `probe` documents."""
+    rank 0's result, the dict `probe` documents. `trial` (planner/step_trial.StepTrial): the run's
+    model step, timed on every rank too; `cluster=False`: only that (the cluster's figures cached)."""
+    import functools
+
     from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig
     from sparkdl.driver.attempts import tracked_submit
     from sparkdl.driver.job import new_run_id
@@ -51,17 +55,23 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None) -> dict[
     launch = LaunchConfig(num_workers=workers, backend="torch", threads_per_worker=threads_per_worker or None)
     launch.validate()  # no DataFrame: the data section does not apply
     spec = TrainSpec(run_id=new_run_id(), data=DataConfig(), train=TrainConfig(), launch=launch,
-                     tracking=TrackingConfig(progress=False), layout=None, train_fn=probe)
+                     tracking=TrackingConfig(progress=False), layout=None,
+                     train_fn=functools.partial(probe, trial=trial, cluster=cluster) if trial is not None else probe)
     # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
     result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec)
     return result
 
 
-def probe(ctx: Any) -> dict[str, Any]:
+def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
     """Runs on every rank. Returns (on every rank) per-rank lists "flops", "flops_best" and "threads",
     rank-pair tables "latency", "latency_best", "bandwidth", "bandwidth_best" ([i][j], seconds and
     bytes/s), the ring parameters "collective_latency", "collective_bandwidth" and their "_best"
-    counterparts, and "executors" (each rank's executor address)."""
+    counterparts, and "executors" (each rank's executor address). With a `trial`, also each rank's
+    timed model step: "step", "step_best" (seconds; 0 where the step failed), "step_rse",
+    "step_repeats" and "step_key"; with `cluster=False`, only those and "executors"."""
+    if not cluster:
+        gathered = ctx.comm.allgather_object(model_step(trial))
+        return {**_step_lists(gathered, trial), "executors": list(ctx.world.executors)}
     import torch
 
     rates = matmul_rates()  # with the threads the worker set for this rank, as training runs
@@ -71,7 +81,7 @@ def probe(ctx: Any) -> dict[str, Any]:
     rates += matmul_rates()  # again after the messages: a burst of load shows as spread, not as speed
     rates = settle(rates, lambda: matmul_rates(repeats=3), MAX_COMPUTE_REPEATS, COMPUTE_BUDGET_S)
     mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
-            "flops_rse": median_rse(rates), "flops_repeats": len(rates), **links}
+            "flops_rse": median_rse(rates), "flops_repeats": len(rates), **links, **model_step(trial)}
     gathered = ctx.comm.allgather_object(mine)
     world = ctx.world_size
     # Only rank i fills the entries of pair (i, j); the others hold 0 / inf there.
@@ -84,8 +94,40 @@ def probe(ctx: Any) -> dict[str, Any]:
     for key in ("bandwidth", "bandwidth_best"):
         result[key] = [[min(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]
     result.update(collective)
+    result.update(_step_lists(gathered, trial))
     result["executors"] = list(ctx.world.executors)
     return result
+
+
+def model_step(trial: Any) -> dict[str, Any]:
+    """This rank's timed training steps of `trial` (planner/step_trial.py) with the threads it trains
+    with: after a warm-up, repeated until their median is settled (SETTLED_RSE), STEP_BUDGET_S ran
+    out or MAX_STEP_REPEATS; a step longer than the budget is timed once. A step that raises reports
+    0 (the planner keeps the driver's profile): a trial is an improvement, not a new way to fail."""
+    if trial is None:
+        return {}
+    from sparkdl.planner.step_trial import MAX_STEP_REPEATS, STEP_BUDGET_S, step_timer
+
+    try:
+        one = step_timer(trial.model, trial.train, trial.inputs, trial.target)
+        if one() > STEP_BUDGET_S:  # the warm-up: a long step is timed once more, not repeated
+            times = [one()]
+        else:
+            times = settle([one(), one(), one()], lambda: [one()], MAX_STEP_REPEATS, STEP_BUDGET_S)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's model raises off the driver
+        return {"step": 0.0, "step_best": 0.0, "step_rse": 0.0, "step_repeats": 0,
+                "step_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+    return {"step": statistics.median(times), "step_best": min(times), "step_rse": median_rse(times),
+            "step_repeats": len(times)}
+
+
+def _step_lists(gathered: list[dict[str, Any]], trial: Any) -> dict[str, Any]:
+    """The ranks' model-step figures as per-rank lists (none without a trial)."""
+    if trial is None:
+        return {}
+    return {"step": [g["step"] for g in gathered], "step_best": [g["step_best"] for g in gathered],
+            "step_rse": max(g["step_rse"] for g in gathered), "step_repeats": max(g["step_repeats"] for g in gathered),
+            "step_key": trial.key, "step_error": next((g["step_error"] for g in gathered if "step_error" in g), "")}
 
 
 def message_bytes(sample_bytes: int, sample_s: float, latency_s: float = 0.0) -> int:

@@ -38,6 +38,7 @@ from sparkdl.planner.plan import Candidate, Plan, decide
 from sparkdl.planner.plan_notes import explained, plan_notes
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
+from sparkdl.planner.step_trial import lock_step_s, scale_to_trial
 from sparkdl.planner.steps_to_loss import rounds_factor, with_steps_factors
 from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds
@@ -159,8 +160,40 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                 chosen=decision.index, world=launch.num_workers, latency_s=measured.latency_s,
                 bandwidth_Bps=measured.bandwidth_Bps, emulated=bool(emulated), memory_budget=budget,
                 notes=tuple(plan_notes(data, launch, cluster, costs, ends, unequal, decision))
-                + _overlap_notes(measured_work, ends[0].net, train, launch),
+                + _overlap_notes(measured_work, ends[0].net, train, launch) + _trial_notes(data, costs, cluster, ends[0]),
                 executor_links=() if emulated else cluster.executor_links(), hinge=decision.hinge, steps=steps)
+
+
+def _trial_notes(data: DataConfig, costs: ModelCosts, cluster: ClusterInfo, end: CalibrationEnd) -> tuple[str, ...]:
+    """explain()'s line on the model step timed on the ranks against the driver's profile."""
+    slowest = min(end.speeds)
+    ratio = costs.driver_flops / slowest
+    profiled = cost.layers_compute_s(tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio)
+                                           for layer in costs.layers), data.batch_size, slowest) \
+        + costs.step_overhead_s * ratio
+    if end.step_s <= 0:
+        return ()
+    factor = scale_to_trial(profiled, end.step_s)
+    used = f"every layer's cost scaled by {factor:.2f} to match it" if factor != 1.0 else \
+        "too far from the profile to trust: the profile's costs stand"
+    best = lock_step_s(cluster.best_step_s)
+    return (f"compute: the model's training step timed on the ranks: {end.step_s * 1e3:.2f} ms at batch "
+            f"{data.batch_size} (slowest rank's median of up to {cluster.step_repeats} steps, within "
+            f"{cluster.step_rse:.1%}; best {best * 1e3:.2f} ms); the driver's profile alone predicted "
+            f"{profiled * 1e3:.2f} ms: {used}",)
+
+
+def step_trial(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+               num_features: "ModelInput | int") -> Any:
+    """The run's model step for the calibration probe to time on the ranks (planner/step_trial.py),
+    or None where it does not apply or its batch cannot be built (the profile then stands alone)."""
+    from sparkdl.planner.step_trial import trial_for
+
+    try:
+        inputs, target = step_batch(model, train, num_features, data.batch_size)
+    except Exception:  # noqa: BLE001 - a model the planner cannot feed is priced by its profile alone
+        return None
+    return trial_for(model, train, launch, inputs, target)
 
 
 def _overlap_notes(work: cost.Workload, net: cost.Network, train: TrainConfig, launch: LaunchConfig
@@ -193,18 +226,30 @@ def grad_overlap(train: TrainConfig, launch: LaunchConfig) -> float:
 def _workload(data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts, end: CalibrationEnd
               ) -> tuple[cost.Workload, tuple[cost.LayerCost, ...] | None]:
     """One rank's step as this end prices it, at the slowest rank's speed (lock-step), and IST's
-    subnet layers alike."""
+    subnet layers alike; every cost scaled to the model step timed on the ranks where there is one
+    (planner/step_trial.py: the profile splits the step among layers, the trial says how long it is)."""
     slowest = min(end.speeds)
     ratio = costs.driver_flops / slowest  # fixed costs run slower on a slower rank, alike
     layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
     subnet = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.subnet) \
         if costs.subnet else None
+    overhead = costs.step_overhead_s * ratio
+    factor = scale_to_trial(cost.layers_compute_s(layers, data.batch_size, slowest) + overhead, end.step_s)
+    if factor != 1.0:
+        layers, subnet, overhead = _scaled(layers, factor), _scaled(subnet, factor) if subnet else None, \
+            overhead * factor
     per_param = optimizer_bytes_per_param(dataclasses.replace(train, sync="allreduce"))
     work = cost.Workload(layers=layers, world=launch.num_workers, rows=data.batch_size,
                          flops_per_s=slowest, optimizer_bytes_per_param=per_param,
                          input_bytes_per_row=costs.input_bytes or 4.0 * costs.num_features,
-                         step_overhead_s=costs.step_overhead_s * ratio, accumulate=train.accumulate_steps)
+                         step_overhead_s=overhead, accumulate=train.accumulate_steps)
     return work, subnet
+
+
+def _scaled(layers: tuple[cost.LayerCost, ...], factor: float) -> tuple[cost.LayerCost, ...]:
+    """Layers whose work and fixed cost take `factor` times as long."""
+    return tuple(dataclasses.replace(layer, flops=layer.flops * factor, overhead_s=layer.overhead_s * factor)
+                 for layer in layers)
 
 
 def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
@@ -228,36 +273,36 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
     return candidates
 
 
-def _full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int,
-                 repeats: int = 3) -> float:
-    """One local training step on a copy (zero_grad, forward, loss, backward, optimizer update)."""
-    import copy
-    import statistics
-    import time
-
-    from sparkdl.model.objectives import build_optimizer, loss_function
-
-    local = copy.deepcopy(model)
-    optimizer = build_optimizer(train, local.parameters())
-    loss_fn = loss_function(train)
-    from sparkdl.model.calling import call_model, loss_input, output_of
+def step_batch(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int) -> tuple[Any, Any]:
+    """One batch of `rows` rows as a step sees it, with its target: the run's sample rows and labels
+    tiled (input_cols runs), else random feature rows; a target of the loss's shape where the
+    sample has no labels."""
+    from sparkdl.model.calling import output_of
 
     model_input = ModelInput.of(num_features)
     x = model_input.rows(rows)
     target = model_input.labels(rows)
     if target is None:
-        out_shape = output_of(local, x).shape[1:]
+        with torch.no_grad():
+            out_shape = output_of(model, x).shape[1:]
         target = torch.zeros(rows, dtype=torch.long) if train.loss in ("cross_entropy", "causal_lm") else \
             torch.zeros(rows, *out_shape)
-    times = []
-    for attempt in range(repeats + 1):
-        started = time.perf_counter()
-        optimizer.zero_grad()
-        loss_fn(loss_input(loss_fn, call_model(local, x)), target).backward()
-        optimizer.step()
-        if attempt:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return x, target
+
+
+def _full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int,
+                 repeats: int = 3) -> float:
+    """One local training step on a copy (planner/step_trial.py's rule): the median of `repeats`
+    after a warm-up."""
+    import copy
+    import statistics
+
+    from sparkdl.planner.step_trial import step_timer
+
+    x, target = step_batch(model, train, num_features, rows)
+    one = step_timer(copy.deepcopy(model), train, x, target)
+    one()  # warm-up
+    return statistics.median(one() for _ in range(repeats))
 
 
 def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput | int", rows: int,

@@ -78,6 +78,13 @@ class ClusterInfo:
     bandwidth_rse: float = 0.0
     flops_repeats: int = 0
     bandwidth_rounds: int = 0
+    # The run's model step timed on each rank (planner/step_trial.py): median and best seconds per
+    # rank, for the model named by step_key (the last one planned here); () when none was timed.
+    step_key: str = ""
+    step_s: tuple[float, ...] = ()
+    best_step_s: tuple[float, ...] = ()
+    step_rse: float = 0.0
+    step_repeats: int = 0
 
     @property
     def slowest_flops(self) -> float:
@@ -94,7 +101,8 @@ class ClusterInfo:
             return self
         return replace(self, flops_per_s=self.best_flops_per_s, latency_s=self.best_latency_s,
                        bandwidth_Bps=self.best_bandwidth_Bps, collective_latency_s=self.best_collective_latency_s,
-                       collective_bandwidth_Bps=self.best_collective_bandwidth_Bps)
+                       collective_bandwidth_Bps=self.best_collective_bandwidth_Bps,
+                       step_s=self.best_step_s if len(self.best_step_s) == len(self.step_s) else self.step_s)
 
     def worst_link(self) -> tuple[float, float]:
         """(largest latency, smallest bandwidth) over all pairs: a ring runs at its slowest link."""
@@ -147,7 +155,35 @@ def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: floa
         flops_rse=max((float(v) for v in probe.get("flops_rse", ())), default=0.0),
         bandwidth_rse=float(probe.get("bandwidth_rse", 0.0)),
         flops_repeats=max((int(v) for v in probe.get("flops_repeats", ())), default=0),
-        bandwidth_rounds=int(probe.get("bandwidth_rounds", 0)))
+        bandwidth_rounds=int(probe.get("bandwidth_rounds", 0)), **_step_fields(probe))
+
+
+def _step_fields(probe: dict[str, Any]) -> dict[str, Any]:
+    """ClusterInfo's model-step fields from a probe's result (none: the probe timed no model)."""
+    if not probe.get("step_key"):
+        return {}
+    return {"step_key": str(probe["step_key"]), "step_s": tuple(float(v) for v in probe.get("step", ())),
+            "best_step_s": tuple(float(v) for v in probe.get("step_best", ())),
+            "step_rse": float(probe.get("step_rse", 0.0)), "step_repeats": int(probe.get("step_repeats", 0))}
+
+
+def for_model(info: ClusterInfo, key: str) -> ClusterInfo:
+    """`info` with its model step only when it timed the model of `key` (another model's step, or
+    none, leaves the planner on the driver's profile)."""
+    if key and info.step_key == key:
+        return info
+    return replace(info, step_key="", step_s=(), best_step_s=(), step_rse=0.0, step_repeats=0)
+
+
+def with_step(info: ClusterInfo, probe: dict[str, Any]) -> ClusterInfo:
+    """`info` with the model step a model-only probe timed (driver/probe.py `cluster=False`), its
+    ranks matched to `info`'s by executor address; the step left out when they cannot be matched."""
+    fields_ = _step_fields(probe)
+    order = _rank_order(info.rank_executors, tuple(probe.get("executors", ())))
+    if not fields_ or order is None:
+        return info
+    return replace(info, **{**fields_, "step_s": tuple(fields_["step_s"][r] for r in order),
+                            "best_step_s": tuple(fields_["best_step_s"][r] for r in order)})
 
 
 def merge(first: ClusterInfo, second: ClusterInfo) -> ClusterInfo:
@@ -182,7 +218,17 @@ def merge(first: ClusterInfo, second: ClusterInfo) -> ClusterInfo:
         best_collective_latency_s=ring(first.best_collective_latency_s, again.best_collective_latency_s, min),
         best_collective_bandwidth_Bps=ring(first.best_collective_bandwidth_Bps, again.best_collective_bandwidth_Bps,
                                            max),
-        probe_s=first.probe_s + second.probe_s, probes=first.probes + second.probes)
+        probe_s=first.probe_s + second.probe_s, probes=first.probes + second.probes,
+        **_merged_steps(first, again))
+
+
+def _merged_steps(first: ClusterInfo, second: ClusterInfo) -> dict[str, Any]:
+    """The faster of two timings of one model's step, rank by rank; the newer model's otherwise."""
+    if first.step_key != second.step_key or len(first.step_s) != len(second.step_s) or not second.step_s:
+        return {}
+    return {"step_s": tuple(min(a, b) if a > 0 and b > 0 else max(a, b) for a, b in zip(first.step_s, second.step_s)),
+            "best_step_s": tuple(min(a, b) if a > 0 and b > 0 else max(a, b)
+                                 for a, b in zip(first.best_step_s, second.best_step_s))}
 
 
 def _rank_order(first: Sequence[str], second: Sequence[str]) -> list[int] | None:
@@ -205,6 +251,7 @@ def _reordered(info: ClusterInfo, order: list[int]) -> ClusterInfo:
 
     return replace(info, flops_per_s=ranks(info.flops_per_s), best_flops_per_s=ranks(info.best_flops_per_s),
                    threads_per_rank=ranks(info.threads_per_rank), rank_executors=ranks(info.rank_executors),
+                   step_s=ranks(info.step_s), best_step_s=ranks(info.best_step_s),
                    latency_s=pairs(info.latency_s), bandwidth_Bps=pairs(info.bandwidth_Bps),
                    best_latency_s=pairs(info.best_latency_s), best_bandwidth_Bps=pairs(info.best_bandwidth_Bps))
 
@@ -271,6 +318,7 @@ def _from_entry(entry: dict[str, Any]) -> ClusterInfo:
     values = {k: v for k, v in entry.items() if k in known}  # a newer sparkdl's extra keys are ignored
     for key in ("latency_s", "bandwidth_Bps", "best_latency_s", "best_bandwidth_Bps"):
         values[key] = _matrix(values.get(key, ()))
-    for key in ("executors", "flops_per_s", "rank_executors", "threads_per_rank", "best_flops_per_s"):
+    for key in ("executors", "flops_per_s", "rank_executors", "threads_per_rank", "best_flops_per_s", "step_s",
+                "best_step_s"):
         values[key] = tuple(values.get(key, ()))
     return ClusterInfo(**values)

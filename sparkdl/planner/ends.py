@@ -11,6 +11,7 @@ from sparkdl.config import LaunchConfig
 from sparkdl.planner import cost
 from sparkdl.planner.cluster import ClusterInfo
 from sparkdl.planner.islands import IslandLinks, find_islands, host_of, island_links
+from sparkdl.planner.step_trial import lock_step_s
 
 HETEROGENEOUS = 1.5  # fastest / slowest rank speed (at both calibration ends) above which shares by speed are priced
 
@@ -25,6 +26,7 @@ class CalibrationEnd:
     bandwidth_Bps: float
     net: cost.Network
     islands: IslandLinks | None = None  # islands found in the measured links, with this end's figures
+    step_s: float = 0.0  # the run's model step timed on the ranks, lock-step (planner/step_trial.py); 0: none
 
 
 def island_groups(cluster: ClusterInfo, declared: int | tuple[tuple[str, ...], ...], launch: LaunchConfig,
@@ -52,7 +54,8 @@ def calibration_ends(cluster: ClusterInfo, launch: LaunchConfig, islands: tuple[
         optimistic = _end("optimistic", cluster.optimistic(), launch, islands)
         speeds = optimistic.speeds
         if not launch.emulate_speed and max(speeds) <= HETEROGENEOUS * min(speeds):
-            optimistic = dataclasses.replace(optimistic, speeds=(max(speeds),) * len(speeds))
+            optimistic = dataclasses.replace(optimistic, speeds=(max(speeds),) * len(speeds),
+                                             step_s=lock_step_s(cluster.best_step_s, equal=True))
         ends.append(optimistic)
     return ends
 
@@ -72,7 +75,8 @@ def _end(name: str, cluster: ClusterInfo, launch: LaunchConfig, islands: tuple[t
                        collective_bandwidth_Bps=cluster.collective_bandwidth_Bps)
     links = island_links(islands, [host_of(e) for e in cluster.rank_executors], cluster.latency_s,
                          cluster.bandwidth_Bps) if islands and len(cluster.rank_executors) == cluster.workers else None
-    return CalibrationEnd(name, tuple(rank_speeds(cluster, launch)), latency, bandwidth, net, links)
+    return CalibrationEnd(name, tuple(rank_speeds(cluster, launch)), latency, bandwidth, net, links,
+                          0.0 if launch.emulate_speed else lock_step_s(cluster.step_s))
 
 
 def rank_speeds(cluster: ClusterInfo, launch: LaunchConfig) -> list[float]:

@@ -139,21 +139,24 @@ def test_worker_threads_come_from_the_calibration() -> None:
 def test_planning_measures_once_more_when_the_ends_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch import nn
 
-    from sparkdl.driver import planning
+    from sparkdl.driver import calibration, planning
     from sparkdl.driver import probe as probe_module
 
     calls: list[tuple[int, int | None]] = []
 
-    def fake_probe(spark: Any, workers: int, threads: int | None) -> dict[str, Any]:
+    def fake_probe(spark: Any, workers: int, threads: int | None, trial: Any = None, cluster: bool = True
+                   ) -> dict[str, Any]:
         calls.append((workers, threads))
         # a jittery network: 5 ms and 80 Mbit/s as measured, 1 us and 8 Tbit/s at best
         result = probe(flops=(2e10, 2e10), latency=5e-3, bandwidth=1e7, executors=("h:1", "h:2"))
         best = [[0.0, 1e-6], [1e-6, 0.0]], [[INF, 1e12], [1e12, INF]]
+        # the model's step "timed" as failed on both ranks (0 s): the driver's profile prices it
+        step = {"step": [0.0, 0.0], "step_best": [0.0, 0.0], "step_key": trial.key} if trial is not None else {}
         return {**result, "latency_best": best[0], "bandwidth_best": best[1], "collective_latency_best": 1e-6,
-                "collective_bandwidth_best": 1e12, "threads": [1, 1]}
+                "collective_bandwidth_best": 1e12, "threads": [1, 1], **step}
 
     monkeypatch.setattr(probe_module, "run_probe", fake_probe)
-    monkeypatch.setattr(planning, "session_facts", lambda spark, workers: ClusterFacts("local-cluster", workers,
+    monkeypatch.setattr(calibration, "session_facts", lambda spark, workers: ClusterFacts("local-cluster", workers,
                                                                                        ("h:1", "h:2"), slots=4))
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     cfg = RunConfig.from_kwargs(feature_cols=[f"x{i}" for i in range(64)], label_col="label", batch_size=64,

@@ -1,0 +1,133 @@
+"""A training step of the run's own model, timed where it will run: the planner's compute anchor.
+
+The driver's profile (planner/profile.py) times each layer on the driver and converts it to FLOPs
+at the driver's matrix-product rate; a rank's time is then those FLOPs at the rank's rate. On a
+shared machine that conversion swung the same model's predicted step from 12 ms to 51 ms between
+two fits (the driver busy with JVMs starting beside it) while the ranks measured 26-34 ms both
+times: the driver's load and small kernels running below the matrix-product rate do not carry
+over. So when the model is small enough to ship, the calibration probe (driver/probe.py) also runs
+a few real training steps of it (forward, loss, backward, optimizer update, on the run's own sample
+rows at the run's batch) on every rank with the rank's training threads, and the planner scales
+every layer's cost so that data parallel's compute equals that measured step (planner/candidates.py
+`_workload`). The profile still decides how the cost splits among layers (pipeline cuts); the trial
+decides how much it is.
+
+`step_timer` is also the driver profile's full-step rule (planner/candidates.py `_full_step_s`):
+one definition of "a training step" for both.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sparkdl.config import LaunchConfig, TrainConfig
+
+# A model is timed on the executors only when shipping it and its batch is cheap beside the probe
+# itself, and a step is short enough to repeat a few times within the probe's budget.
+MAX_TRIAL_BYTES = 64 << 20  # parameters + one batch of inputs and labels
+STEP_BUDGET_S = 2.0  # extra timed steps per rank stop after this long
+MAX_STEP_REPEATS = 15
+SCALE_LIMITS = (1 / 8, 8.0)  # a trial further off the profile than this is distrusted (fallback: the profile)
+
+
+@dataclass(frozen=True)
+class StepTrial:
+    """What the ranks time: the model, one batch of the run's rows and labels, the run's train
+    section (loss, optimizer), and a key naming what was measured (cached with the calibration)."""
+
+    model: nn.Module
+    inputs: Any
+    target: Any
+    train: TrainConfig
+    key: str
+
+
+def trial_key(model: nn.Module, train: TrainConfig, rows: int, inputs: Any) -> str:
+    """The model's parameter shapes and trainability, the batch's shapes, loss, optimizer and
+    precision: two trials with one key time the same work."""
+    params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(inputs)]
+    text = repr((type(model).__qualname__, params, shapes, rows, str(train.loss), str(train.optimizer),
+                 train.precision))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def trial_for(model: nn.Module, train: TrainConfig, launch: LaunchConfig, batch: Any, target: Any
+              ) -> StepTrial | None:
+    """The trial of this run, or None where the driver's profile stands alone: GPU ranks (the probe
+    times CPU threads), emulated rank speeds (declared, not measured), a model or batch too large to
+    ship cheaply, or a custom optimizer or loss (a callable may hold what does not travel). A step
+    too long to repeat is timed once (driver/probe.py stops at its budget)."""
+    if launch.gpus_per_worker or launch.emulate_speed or callable(train.optimizer) or callable(train.loss):
+        return None
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) + _bytes(batch) + _bytes(target)
+    if size > MAX_TRIAL_BYTES:
+        return None
+    rows = int(_tensors(batch)[0].shape[0]) if _tensors(batch) else 0
+    return StepTrial(model, batch, target, train, trial_key(model, train, rows, batch))
+
+
+def step_timer(model: nn.Module, train: TrainConfig, inputs: Any, target: Any) -> Callable[[], float]:
+    """A function timing one training step of `model` (zero_grad, forward, loss, backward,
+    optimizer update) on `inputs` against `target`: the model's weights move, so give it a copy.
+    The first call warms allocators and kernels up; time the calls after it."""
+    from sparkdl.model.calling import call_model, loss_input
+    from sparkdl.model.objectives import build_optimizer, loss_function
+
+    from contextlib import nullcontext
+
+    optimizer = build_optimizer(train, [p for p in model.parameters() if p.requires_grad])
+    loss_fn = loss_function(train)
+    model.train()
+    # as the ranks train (and the driver's layer profile times) a bf16 run
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if train.precision == "bf16" else nullcontext
+
+    def one() -> float:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        with autocast():
+            loss = loss_fn(loss_input(loss_fn, call_model(model, inputs)), target)
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - started
+
+    return one
+
+
+def lock_step_s(per_rank: tuple[float, ...], equal: bool = False) -> float:
+    """The step of a lock-step run from each rank's measured step: the slowest rank's, or with
+    `equal` (the calibration's optimistic end counting the ranks as equal) the fastest's. 0 when
+    not measured."""
+    measured = [s for s in per_rank if s > 0]
+    if not measured or len(measured) != len(per_rank):
+        return 0.0
+    return min(measured) if equal else max(measured)
+
+
+def scale_to_trial(predicted_s: float, measured_s: float) -> float:
+    """The factor every layer's cost is multiplied by so that the predicted step equals the measured
+    one; 1 when there is no trial or the two are too far apart to trust (SCALE_LIMITS)."""
+    if predicted_s <= 0 or measured_s <= 0:
+        return 1.0
+    factor = measured_s / predicted_s
+    low, high = SCALE_LIMITS
+    return factor if low <= factor <= high else 1.0
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, torch.Tensor)]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
