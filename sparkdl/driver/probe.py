@@ -47,6 +47,8 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None, trial: A
     model step, timed on every rank too; `cluster=False`: only that (the cluster's figures cached)."""
     import functools
 
+    from pyspark import cloudpickle
+
     from sparkdl.config import DataConfig, LaunchConfig, TrackingConfig, TrainConfig
     from sparkdl.driver.attempts import tracked_submit
     from sparkdl.driver.job import new_run_id
@@ -56,7 +58,10 @@ def run_probe(spark: Any, workers: int, threads_per_worker: int | None, trial: A
     launch.validate()  # no DataFrame: the data section does not apply
     spec = TrainSpec(run_id=new_run_id(), data=DataConfig(), train=TrainConfig(), launch=launch,
                      tracking=TrackingConfig(progress=False), layout=None,
-                     train_fn=functools.partial(probe, trial=trial, cluster=cluster) if trial is not None else probe)
+                     # the trial travels as bytes, unpickled in the rank's own try (model_step): a model the
+                     # executors cannot unpickle leaves the probe's figures, and the run, as they were
+                     train_fn=functools.partial(probe, trial=(trial.key, cloudpickle.dumps(trial)), cluster=cluster)
+                     if trial is not None else probe)
     # No MLflow run: a calibration is not a training run; the driver channel still reports errors.
     result, _ = tracked_submit(spark, spark.range(0, workers, 1, workers), spec)
     return result
@@ -66,9 +71,10 @@ def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
     """Runs on every rank. Returns (on every rank) per-rank lists "flops", "flops_best" and "threads",
     rank-pair tables "latency", "latency_best", "bandwidth", "bandwidth_best" ([i][j], seconds and
     bytes/s), the ring parameters "collective_latency", "collective_bandwidth" and their "_best"
-    counterparts, and "executors" (each rank's executor address). With a `trial`, also each rank's
-    timed model step: "step", "step_best" (seconds; 0 where the step failed), "step_rse",
-    "step_repeats" and "step_key"; with `cluster=False`, only those and "executors"."""
+    counterparts, and "executors" (each rank's executor address). With a `trial` ((key, pickled
+    planner/step_trial.StepTrial)), also each rank's timed model step: "step", "step_best" (seconds;
+    0 where the step failed), "step_rse", "step_repeats", "step_key" and "step_error"; with
+    `cluster=False`, only those and "executors"."""
     if not cluster:
         gathered = ctx.comm.allgather_object(model_step(trial))
         return {**_step_lists(gathered, trial), "executors": list(ctx.world.executors)}
@@ -99,16 +105,20 @@ def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
     return result
 
 
-def model_step(trial: Any) -> dict[str, Any]:
-    """This rank's timed training steps of `trial` (planner/step_trial.py) with the threads it trains
-    with: after a warm-up, repeated until their median is settled (SETTLED_RSE), STEP_BUDGET_S ran
-    out or MAX_STEP_REPEATS; a step longer than the budget is timed once. A step that raises reports
-    0 (the planner keeps the driver's profile): a trial is an improvement, not a new way to fail."""
-    if trial is None:
+def model_step(packed: tuple[str, bytes] | None) -> dict[str, Any]:
+    """This rank's timed training steps of the pickled trial (planner/step_trial.py) with the threads
+    it trains with: after a warm-up, repeated until their median is settled (SETTLED_RSE),
+    STEP_BUDGET_S ran out or MAX_STEP_REPEATS; a step longer than the budget is timed once. A trial
+    that cannot be unpickled or raises reports 0 (the planner keeps the driver's profile): a trial
+    is an improvement, not a new way to fail."""
+    if packed is None:
         return {}
+    import pickle
+
     from sparkdl.planner.step_trial import MAX_STEP_REPEATS, STEP_BUDGET_S, step_timer
 
     try:
+        trial = pickle.loads(packed[1])
         one = step_timer(trial.model, trial.train, trial.inputs, trial.target)
         if one() > STEP_BUDGET_S:  # the warm-up: a long step is timed once more, not repeated
             times = [one()]
@@ -121,13 +131,13 @@ def model_step(trial: Any) -> dict[str, Any]:
             "step_repeats": len(times)}
 
 
-def _step_lists(gathered: list[dict[str, Any]], trial: Any) -> dict[str, Any]:
+def _step_lists(gathered: list[dict[str, Any]], packed: tuple[str, bytes] | None) -> dict[str, Any]:
     """The ranks' model-step figures as per-rank lists (none without a trial)."""
-    if trial is None:
+    if packed is None:
         return {}
     return {"step": [g["step"] for g in gathered], "step_best": [g["step_best"] for g in gathered],
             "step_rse": max(g["step_rse"] for g in gathered), "step_repeats": max(g["step_repeats"] for g in gathered),
-            "step_key": trial.key, "step_error": next((g["step_error"] for g in gathered if "step_error" in g), "")}
+            "step_key": packed[0], "step_error": next((g["step_error"] for g in gathered if "step_error" in g), "")}
 
 
 def message_bytes(sample_bytes: int, sample_s: float, latency_s: float = 0.0) -> int:

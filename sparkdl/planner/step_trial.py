@@ -30,7 +30,7 @@ from sparkdl.config import LaunchConfig, TrainConfig
 # A model is timed on the executors only when shipping it and its batch is cheap beside the probe
 # itself, and a step is short enough to repeat a few times within the probe's budget.
 MAX_TRIAL_BYTES = 64 << 20  # parameters + one batch of inputs and labels
-STEP_BUDGET_S = 2.0  # extra timed steps per rank stop after this long
+STEP_BUDGET_S = 1.0  # extra timed steps per rank stop after this long
 MAX_STEP_REPEATS = 15
 SCALE_LIMITS = (1 / 8, 8.0)  # a trial further off the profile than this is distrusted (fallback: the profile)
 

@@ -171,3 +171,48 @@ def test_the_planner_shares_batches_on_ranks_of_different_speeds(digits) -> None
     fitted = TorchEstimator(model=model, **options).fit(digits)
     assert fitted.options["train.batch_balance"] == "dynamic"
     assert fitted.history[0]["batch_rows_per_rank"] == [6554, 1638]  # from the declared speeds at once
+
+
+def test_the_models_step_is_timed_on_the_executors_and_anchors_the_plan(spark, digits, tmp_path, monkeypatch
+                                                                         ) -> None:  # type: ignore[no-untyped-def]
+    """The run's model, from a file only the driver can import (shipped by value for the probe as
+    for the training job), timed on each executor with the calibration; a model the executors
+    cannot rebuild leaves the calibration and the plan as the profile alone makes them."""
+    import sys
+
+    from sparkdl.driver.planning import calibrate
+    from sparkdl.planner.candidates import step_trial
+
+    (tmp_path / "driver_only_net.py").write_text(
+        "import os\nfrom torch import nn\n\n"
+        "class Net(nn.Sequential):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))\n\n"
+        "class DriverBound(Net):\n"
+        "    def __setstate__(self, state):  # rebuilt only in the process that built it\n"
+        "        if state.get('_built_in') != os.getpid():\n"
+        "            raise RuntimeError('this model only rebuilds on the driver')\n"
+        "        super().__setstate__(state)\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self._built_in = os.getpid()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import driver_only_net
+
+    settings = sparkdl.RunConfig.from_kwargs(**common()).validate()
+    trial = step_trial(driver_only_net.Net(), settings.data, settings.train, settings.launch, 64)
+    calibrate(spark, 2, refresh=True)
+    cached = calibrate(spark, 2)
+    timed = calibrate(spark, 2, trial=trial)  # the cluster's figures cached: a probe of the model alone
+    assert timed.measured_at == cached.measured_at and timed.step_key == trial.key
+    assert len(timed.step_s) == 2 and all(0 < b <= m < 5 for b, m in zip(timed.best_step_s, timed.step_s))
+    assert calibrate(spark, 2, trial=trial) == timed  # cached with it
+    plan = sparkdl.plan(driver_only_net.Net, digits, **common())
+    assert "timed on the ranks" in plan.explain()
+
+    bound = step_trial(driver_only_net.DriverBound(), settings.data, settings.train, settings.launch, 64)
+    failed = calibrate(spark, 2, refresh=True, trial=bound)
+    assert failed.step_key == bound.key and failed.step_s == (0.0, 0.0) and len(failed.flops_per_s) == 2
+    plan = sparkdl.plan(driver_only_net.DriverBound, digits, **common())
+    assert plan.strategy and "timed on the ranks" not in plan.explain()
+    del sys.modules["driver_only_net"]
