@@ -76,7 +76,16 @@ def auto_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespace) 
             "curve": [[round(wall - later[i], 2), sum(int(h["steps"]) for h in history[:i + 1]), float(r["val_loss"])]
                       for i, r in enumerate(history)],
             "step_ms": [round(1e3 * r["seconds"] / int(r["steps"]), 1) for r in history],
-            "val_loss": float(history[-1]["val_loss"])}
+            "predicted_step_ms": round(1e3 * plan.choice.predicted_step_s, 2) if plan.choice is not None else None,
+            "split": [step_split(r) for r in history], "val_loss": float(history[-1]["val_loss"])}
+
+
+def step_split(record: dict[str, Any]) -> dict[str, Any]:
+    """One epoch record's step split per rank (ms a step): compute, blocked in collectives, waiting for data."""
+    steps = max(int(record["steps"]), 1)
+    return {"compute_ms_by_rank": [round(1e3 * c / steps, 1) for c in record.get("compute_seconds_by_rank", ())],
+            "wait_ms_by_rank": [round(1e3 * w / steps, 1) for w in record.get("wait_seconds_by_rank", ())],
+            "data_ms_slowest": round(1e3 * record.get("data_seconds", 0.0) / steps, 1)}
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -93,10 +102,7 @@ def sparkdl_row(spark: Any, train: Any, evaluation: Any, args: argparse.Namespac
     per_epoch = []
     for r in history:
         steps = int(r["steps"])
-        per_epoch.append({"step_ms": round(1e3 * r["seconds"] / steps, 1),
-                          "compute_ms_by_rank": [round(1e3 * c / steps, 1) for c in r["compute_seconds_by_rank"]],
-                          "wait_ms_by_rank": [round(1e3 * w / steps, 1) for w in r["wait_seconds_by_rank"]],
-                          "data_ms_slowest": round(1e3 * r.get("data_seconds", 0.0) / steps, 1),
+        per_epoch.append({"step_ms": round(1e3 * r["seconds"] / steps, 1), **step_split(r),
                           "bytes_per_step_rank0": int(r["bytes_sent"] / steps),
                           **{k: r[k] for k in ("rebalances", "rows_moved", "batch_rows_per_rank") if k in r}})
     return {"fit_wall_s": round(time.perf_counter() - started, 1), "epochs": per_epoch,
