@@ -46,6 +46,7 @@ def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, r
         return _with_model_step(spark, info, facts, trial, threads_per_worker)
     started = time.perf_counter()
     probe = run_probe(spark, workers, threads_per_worker, trial)
+    _say_failed_step(probe)
     info = cluster_from_probe(facts, probe, time.perf_counter() - started, threads_per_worker)
     remember(info, facts)
     return info
@@ -60,7 +61,9 @@ def _with_model_step(spark: Any, info: Any, facts: Any, trial: Any, threads_per_
     from sparkdl.planner.cluster import remember, with_step
 
     try:
-        timed = with_step(info, run_probe(spark, info.workers, threads_per_worker, trial, cluster=False))
+        probe = run_probe(spark, info.workers, threads_per_worker, trial, cluster=False)
+        _say_failed_step(probe)
+        timed = with_step(info, probe)
     except Exception as exc:  # noqa: BLE001 - a trial is an improvement, not a new way to fail
         logging.getLogger("sparkdl").warning("sparkdl: timing the model's step on the executors failed (%s: %s); "
                                              "pricing it from the driver's profile", type(exc).__name__,
@@ -68,6 +71,16 @@ def _with_model_step(spark: Any, info: Any, facts: Any, trial: Any, threads_per_
         return info
     remember(timed, facts)
     return timed
+
+
+def _say_failed_step(probe: dict[str, Any]) -> None:
+    """One warning when a rank could not time the model's step (the plan then prices it from the
+    driver's profile): the user sees why explain() has no measured step."""
+    if probe.get("step_error"):
+        import logging
+
+        logging.getLogger("sparkdl").warning("sparkdl: a rank could not time the model's training step (%s); the "
+                                             "planner prices it from the driver's profile", probe["step_error"])
 
 
 def remeasure(spark: Any, cluster: Any, threads_per_worker: int | None = None, trial: Any = None) -> Any:

@@ -122,7 +122,7 @@ def test_a_rank_times_the_step_and_reports_a_failing_one_as_zero() -> None:
     trial = step_trial(mlp(), cfg.data, cfg.train, cfg.launch, 64)
     timed_step = model_step((trial.key, pickle.dumps(trial)))
     assert timed_step["step"] > 0 and timed_step["step_best"] <= timed_step["step"]
-    assert 4 <= timed_step["step_repeats"] and "step_error" not in timed_step
+    assert 3 <= timed_step["step_repeats"] and "step_error" not in timed_step
     broken = dataclasses.replace(trial, target=torch.zeros(3))  # a target the loss refuses
     failed = model_step((trial.key, pickle.dumps(broken)))
     assert failed["step"] == 0.0 and failed["step_error"]
