@@ -24,6 +24,9 @@ the best; the choices of the repeated plans.
 Summary: the share of cells whose two predictions are both within 25 % (target >= 90 %), of cells with
 auto within 10 % of the best (>= 90 %), of cells whose repeated plans agree (target: all).
 
+--merge A.json B.json ...: no bed; the matrix from parts run apart (say one model or host count a
+session), summarised again by the same rules.
+
 --quick: MLP + gpt_small, 2 hosts, 20 Mbit/s and 1 Gbit/s, quiet + hog, 2 plans a cell, data parallel
 3 epochs, the others at most 6, 2 rivals measured (~30 min on a loaded 2-core machine). The full matrix takes hours. Writes benchmarks/results/planner_accuracy_bed.json
 and prints a markdown table on stderr and the JSON summary as the last line of stdout.
@@ -219,6 +222,27 @@ def markdown(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def merge(args: argparse.Namespace) -> None:
+    """The whole matrix from parts run apart (the full one takes hours): every part's raw cells,
+    summarised again by this script's rules, with each part's commit and matrix kept beside them."""
+    raw_cells: dict[str, dict[str, Any]] = {}
+    parts = []
+    for path in args.merge:
+        part = json.loads(path.read_text())
+        parts.append({"file": str(path), "commit": part.get("commit"), "quick": part.get("quick"),
+                      "matrix": part.get("matrix"), "driver_options": part.get("driver_options"),
+                      "loadavg_start": part.get("loadavg_start"), "seconds": part.get("seconds")})
+        for cell in part.get("raw", []):
+            raw_cells[cell["cell"]] = cell
+    cells = [summarise_cell(c) for c in raw_cells.values()]
+    result = {"benchmark": "planner_accuracy_bed", "merged": parts, **summary(cells), "cells": cells,
+              "raw": list(raw_cells.values())}
+    if not args.no_write:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(cells), file=sys.stderr)
+    print(json.dumps({k: v for k, v in result.items() if k != "raw"}))
+
+
 def interrupted(*_: Any) -> None:
     raise KeyboardInterrupt
 
@@ -238,7 +262,13 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=6 * 3600, help="per host count")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "planner_accuracy_bed.json")
     parser.add_argument("--no-write", action="store_true", help="print only (a debugging run)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=(),
+                        help="no bed: the matrix from earlier runs' JSON files (each a part of it, e.g. one model or "
+                             "host count a session; a cell in several: the last file's), summarised again to --out")
     args, passed = parser.parse_known_args()  # the rest goes to the driver (--epochs, --steps-per-epoch, ...)
+    if args.merge:
+        merge(args)
+        return
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
