@@ -47,6 +47,9 @@ def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, r
     started = time.perf_counter()
     probe = run_probe(spark, workers, threads_per_worker, trial)
     _say_failed_step(probe)
+    # Spark's facts again, now that the probe's tasks ran: an executor still registering when the
+    # calibration began can be listed without its port, and the cache would be keyed on that.
+    facts = session_facts(spark, workers)
     info = cluster_from_probe(facts, probe, time.perf_counter() - started, threads_per_worker)
     remember(info, facts)
     return info

@@ -80,6 +80,7 @@ def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
         return {**_step_lists(gathered, trial), "executors": list(ctx.world.executors)}
     import torch
 
+    began = time.perf_counter()
     rates = matmul_rates()  # with the threads the worker set for this rank, as training runs
     small, sizing = torch.zeros(2), torch.zeros(SIZING_BYTES // 4)  # 8 bytes, 256 KiB
     links = _links(ctx, small, sizing)
@@ -88,12 +89,14 @@ def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
     rates = settle(rates, lambda: matmul_rates(repeats=3), MAX_COMPUTE_REPEATS, COMPUTE_BUDGET_S)
     mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
             "flops_rse": median_rse(rates), "flops_repeats": len(rates), **links, **model_step(trial)}
+    mine["task_s"] = time.perf_counter() - began
     gathered = ctx.comm.allgather_object(mine)
     world = ctx.world_size
     # Only rank i fills the entries of pair (i, j); the others hold 0 / inf there.
     result: dict[str, Any] = {key: [g[key] for g in gathered]
                               for key in ("flops", "flops_best", "threads", "flops_rse", "flops_repeats")}
     result["bandwidth_rse"] = max((g["bandwidth_rse"] for g in gathered), default=0.0)
+    result["task_s"] = max(g["task_s"] for g in gathered)  # measuring, on the slowest rank
     result["bandwidth_rounds"] = max((g["bandwidth_rounds"] for g in gathered), default=0)
     for key in ("latency", "latency_best"):
         result[key] = [[max(g[key][i][j] for g in gathered) for j in range(world)] for i in range(world)]

@@ -38,7 +38,7 @@ from sparkdl.planner.plan import Candidate, Plan, decide
 from sparkdl.planner.plan_notes import explained, plan_notes
 from sparkdl.planner.profile import ModelInput, ModelProfile, profile_sequential
 from sparkdl.planner.stages import optimizer_bytes_per_param
-from sparkdl.planner.step_trial import lock_step_s, scale_to_trial
+from sparkdl.planner.step_trial import full_step_s, lock_step_s, scale_to_trial
 from sparkdl.planner.steps_to_loss import rounds_factor, with_steps_factors
 from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds
@@ -87,6 +87,7 @@ class ModelCosts:
     num_features: int  # feature_cols runs; 0 when input_bytes says what a row weighs
     input_bytes: float = 0.0  # per row, of an input_cols run's inputs as delivered
     transformer_note: str = ""  # a transformer's counted costs beside the measured (planner/transformer_cost.py)
+    profile_s: float = 0.0  # wall seconds profiling took on the driver
 
 
 def build_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
@@ -102,6 +103,9 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
                   num_features: "ModelInput | int", threads: int = 1) -> ModelCosts:
     """Time the model's layers, its IST subnet and one full step on the driver with a rank's threads,
     on random feature rows or (input_cols runs, a ModelInput) the run's own sample rows."""
+    import time
+
+    began = time.perf_counter()
     model_input = ModelInput.of(num_features)
     rows = data.batch_size
     previous = torch.get_num_threads()
@@ -116,7 +120,7 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
         note = transformer.describe(data.batch_size, train.precision, measured_flops) if transformer else ""
         subnet = _ist_subnet_costs(model, launch.num_workers, num_features, rows, driver_flops, 1.0)
         try:
-            full_step = _full_step_s(model, train, num_features, rows)
+            full_step = full_step_s(model, train, num_features, rows)
         except Exception:  # noqa: BLE001 - a custom loss with other targets: no overhead term
             full_step = 0.0
         overhead = max(full_step - sum(layer.seconds for layer in profile.layers), 0.0)
@@ -124,7 +128,7 @@ def profile_model(model: nn.Module, data: DataConfig, train: TrainConfig, launch
         torch.set_num_threads(previous)
     width = model_input.shape[0] if model_input.sample is None and len(model_input.shape) == 1 else 0
     return ModelCosts(profile, layers, subnet, overhead, driver_flops, threads, width,
-                      0.0 if width else model_input.bytes_per_row, note)
+                      0.0 if width else model_input.bytes_per_row, note, time.perf_counter() - began)
 
 
 def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts,
@@ -181,19 +185,6 @@ def _trial_notes(data: DataConfig, costs: ModelCosts, cluster: ClusterInfo, end:
             f"{data.batch_size} (slowest rank's median of up to {cluster.step_repeats} steps, within "
             f"{cluster.step_rse:.1%}; best {best * 1e3:.2f} ms); the driver's profile alone predicted "
             f"{profiled * 1e3:.2f} ms: {used}",)
-
-
-def step_trial(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
-               num_features: "ModelInput | int") -> Any:
-    """The run's model step for the calibration probe to time on the ranks (planner/step_trial.py),
-    or None where it does not apply or its batch cannot be built (the profile then stands alone)."""
-    from sparkdl.planner.step_trial import trial_for
-
-    try:
-        inputs, target = step_batch(model, train, num_features, data.batch_size)
-    except Exception:  # noqa: BLE001 - a model the planner cannot feed is priced by its profile alone
-        return None
-    return trial_for(model, train, launch, inputs, target)
 
 
 def _overlap_notes(work: cost.Workload, net: cost.Network, train: TrainConfig, launch: LaunchConfig
@@ -271,38 +262,6 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                                        estimate.step_s, estimate.bytes_per_step, estimate.memory_bytes, feasible, why,
                                        compute_s=estimate.compute_s, comm_s=estimate.comm_s))
     return candidates
-
-
-def step_batch(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int) -> tuple[Any, Any]:
-    """One batch of `rows` rows as a step sees it, with its target: the run's sample rows and labels
-    tiled (input_cols runs), else random feature rows; a target of the loss's shape where the
-    sample has no labels."""
-    from sparkdl.model.calling import output_of
-
-    model_input = ModelInput.of(num_features)
-    x = model_input.rows(rows)
-    target = model_input.labels(rows)
-    if target is None:
-        with torch.no_grad():
-            out_shape = output_of(model, x).shape[1:]
-        target = torch.zeros(rows, dtype=torch.long) if train.loss in ("cross_entropy", "causal_lm") else \
-            torch.zeros(rows, *out_shape)
-    return x, target
-
-
-def _full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int,
-                 repeats: int = 3) -> float:
-    """One local training step on a copy (planner/step_trial.py's rule): the median of `repeats`
-    after a warm-up."""
-    import copy
-    import statistics
-
-    from sparkdl.planner.step_trial import step_timer
-
-    x, target = step_batch(model, train, num_features, rows)
-    one = step_timer(copy.deepcopy(model), train, x, target)
-    one()  # warm-up
-    return statistics.median(one() for _ in range(repeats))
 
 
 def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput | int", rows: int,

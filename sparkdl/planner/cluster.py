@@ -50,7 +50,7 @@ class ClusterInfo:
     latency_s: Matrix  # [i][j] between ranks i and j (median)
     bandwidth_Bps: Matrix
     measured_at: float
-    probe_s: float
+    probe_s: float  # the calibration job's wall time on the driver (its start included)
     rank_executors: tuple[str, ...] = ()  # executor address of each calibration rank (links are between these)
     # Effective per-hop latency and bandwidth of the backend's ring allreduce (0: not measured).
     collective_latency_s: float = 0.0
@@ -85,6 +85,7 @@ class ClusterInfo:
     best_step_s: tuple[float, ...] = ()
     step_rse: float = 0.0
     step_repeats: int = 0
+    probe_task_s: float = 0.0  # of probe_s, the measuring on the ranks (the rest: the job's start and end)
 
     @property
     def slowest_flops(self) -> float:
@@ -155,7 +156,8 @@ def cluster_from_probe(facts: ClusterFacts, probe: dict[str, Any], probe_s: floa
         flops_rse=max((float(v) for v in probe.get("flops_rse", ())), default=0.0),
         bandwidth_rse=float(probe.get("bandwidth_rse", 0.0)),
         flops_repeats=max((int(v) for v in probe.get("flops_repeats", ())), default=0),
-        bandwidth_rounds=int(probe.get("bandwidth_rounds", 0)), **_step_fields(probe))
+        bandwidth_rounds=int(probe.get("bandwidth_rounds", 0)), probe_task_s=float(probe.get("task_s", 0.0)),
+        **_step_fields(probe))
 
 
 def _step_fields(probe: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,10 @@ def plan_notes(data: DataConfig, launch: LaunchConfig, cluster: ClusterInfo, cos
                      f"standard error, up to {cluster.flops_repeats} repeats a rank), link bandwidth within "
                      f"{100 * cluster.bandwidth_rse:.1f}% (up to {cluster.bandwidth_rounds} round trips a pair); "
                      "repeated until within 5% or the probe's budget ran out")
+    if cluster.probe_s > 0 and cluster.probe_task_s > 0:
+        notes.append(f"calibration time: the probe job took {cluster.probe_s:.1f} s on the driver, "
+                     f"{cluster.probe_task_s:.1f} s of it measuring on the ranks (the rest: starting the job and its "
+                     f"Python workers); the model's profile on the driver {costs.profile_s:.1f} s")
     if cluster.probes > 1:
         notes.append(f"calibration: best of {cluster.probes} probes (the first one's ends disagreed)")
     if costs.transformer_note:

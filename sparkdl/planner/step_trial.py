@@ -12,7 +12,7 @@ every layer's cost so that data parallel's compute equals that measured step (pl
 `_workload`). The profile still decides how the cost splits among layers (pipeline cuts); the trial
 decides how much it is.
 
-`step_timer` is also the driver profile's full-step rule (planner/candidates.py `_full_step_s`):
+`step_timer` is also the driver profile's full-step rule (`full_step_s`, planner/candidates.py's profile):
 one definition of "a training step" for both.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sparkdl.config import LaunchConfig, TrainConfig
+from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
+from sparkdl.planner.profile import ModelInput
 
 # A model is timed on the executors only when shipping it and its batch is cheap beside the probe
 # itself, and a step is short enough to repeat a few times within the probe's budget.
@@ -97,6 +98,47 @@ def step_timer(model: nn.Module, train: TrainConfig, inputs: Any, target: Any) -
         return time.perf_counter() - started
 
     return one
+
+
+def step_trial(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
+               num_features: "ModelInput | int") -> StepTrial | None:
+    """The run's model step for the calibration probe to time on the ranks, or None where it does
+    not apply or its batch cannot be built (the profile then stands alone)."""
+    try:
+        inputs, target = step_batch(model, train, num_features, data.batch_size)
+    except Exception:  # noqa: BLE001 - a model the planner cannot feed is priced by its profile alone
+        return None
+    return trial_for(model, train, launch, inputs, target)
+
+
+def step_batch(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int) -> tuple[Any, Any]:
+    """One batch of `rows` rows as a step sees it, with its target: the run's sample rows and labels
+    tiled (input_cols runs), else random feature rows; a target of the loss's shape where the
+    sample has no labels."""
+    from sparkdl.model.calling import output_of
+
+    model_input = ModelInput.of(num_features)
+    x = model_input.rows(rows)
+    target = model_input.labels(rows)
+    if target is None:
+        with torch.no_grad():
+            out_shape = output_of(model, x).shape[1:]
+        target = torch.zeros(rows, dtype=torch.long) if train.loss in ("cross_entropy", "causal_lm") else \
+            torch.zeros(rows, *out_shape)
+    return x, target
+
+
+def full_step_s(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int,
+                 repeats: int = 3) -> float:
+    """One local training step on a copy (`step_timer`, the trial's rule) on the driver: the median
+    of `repeats` after a warm-up (the profile's per-step cost beyond its layers)."""
+    import copy
+    import statistics
+
+    x, target = step_batch(model, train, num_features, rows)
+    one = step_timer(copy.deepcopy(model), train, x, target)
+    one()  # warm-up
+    return statistics.median(one() for _ in range(repeats))
 
 
 def lock_step_s(per_rank: tuple[float, ...], equal: bool = False) -> float:

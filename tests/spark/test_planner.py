@@ -181,7 +181,7 @@ def test_the_models_step_is_timed_on_the_executors_and_anchors_the_plan(spark, d
     import sys
 
     from sparkdl.driver.planning import calibrate
-    from sparkdl.planner.candidates import step_trial
+    from sparkdl.planner.step_trial import step_trial
 
     (tmp_path / "driver_only_net.py").write_text(
         "import os\nfrom torch import nn\n\n"
@@ -208,7 +208,7 @@ def test_the_models_step_is_timed_on_the_executors_and_anchors_the_plan(spark, d
     assert len(timed.step_s) == 2 and all(0 < b <= m < 5 for b, m in zip(timed.best_step_s, timed.step_s))
     assert calibrate(spark, 2, trial=trial) == timed  # cached with it
     plan = sparkdl.plan(driver_only_net.Net, digits, **common())
-    assert "timed on the ranks" in plan.explain()
+    assert "timed on the ranks" in plan.explain() and "s of it measuring on the ranks" in plan.explain()
 
     bound = step_trial(driver_only_net.DriverBound(), settings.data, settings.train, settings.launch, 64)
     failed = calibrate(spark, 2, refresh=True, trial=bound)

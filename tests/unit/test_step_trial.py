@@ -15,11 +15,11 @@ from torch import nn
 
 from sparkdl.config import RunConfig
 from sparkdl.driver.probe import model_step
-from sparkdl.planner.candidates import price_plan, step_trial
+from sparkdl.planner.candidates import price_plan
 from sparkdl.planner.cluster import ClusterInfo, for_model, merge, with_step
 from sparkdl.planner.ends import calibration_ends
 from sparkdl.planner.step_trial import (MAX_TRIAL_BYTES, SCALE_LIMITS, lock_step_s, scale_to_trial, step_timer,
-                                        trial_key)
+                                        step_trial, trial_key)
 from tests.unit.test_planner_robust import OPS, calibration, mlp, model_costs
 
 
@@ -133,3 +133,11 @@ def test_a_rank_times_the_step_and_reports_a_failing_one_as_zero() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     step_timer(model, cfg.train, trial.inputs, trial.target)()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_explain_says_where_the_planning_time_went() -> None:
+    cluster = dataclasses.replace(calibration((2e10, 2e10), 1e-4, 1e10), probe_s=4.2, probe_task_s=2.5)
+    note = next(n for n in priced(cluster).notes if n.startswith("calibration time"))
+    assert "the probe job took 4.2 s on the driver, 2.5 s of it measuring on the ranks" in note
+    assert "the model's profile on the driver" in note
+    assert not any(n.startswith("calibration time") for n in priced(calibration((2e10, 2e10), 1e-4, 1e10)).notes)
