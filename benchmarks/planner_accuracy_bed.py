@@ -24,6 +24,11 @@ the best; the choices of the repeated plans.
 Summary: the share of cells whose two predictions are both within 25 % (target >= 90 %), of cells with
 auto within 10 % of the best (>= 90 %), of cells whose repeated plans agree (target: all).
 
+--long: the cells judged over 16-epoch runs (--plan-epochs 16: 256 data-parallel steps a cell, what
+the planner is told, so its short-run rule does not decide short cells), each model's steps to the
+loss trained once at its fastest link and every cell timing its steps in --epochs epochs (a
+candidate's steps to a loss do not depend on the link or load; planner_accuracy_bed_driver.py).
+
 --merge A.json B.json ...: no bed; the matrix from parts run apart (say one model or host count a
 session), summarised again by the same rules.
 
@@ -55,6 +60,9 @@ DRIVER = HERE / "planner_accuracy_bed_driver.py"
 HOG = "while True: pass"
 QUICK = {"models": "mlp,gpt_small", "hosts": "2", "links": "20,1000", "loads": "quiet,hog", "repeats": 2}
 QUICK_DRIVER = {"--epochs": "3", "--cap-epochs": "2", "--verify": "2"}  # the driver's options under --quick
+# --long: the quick matrix judged over 16-epoch runs (256 data-parallel steps), each model's steps to
+# the loss trained once (at 1 Gbit/s) and every cell timing its steps in --epochs (the driver's docstring)
+LONG_DRIVER = {"--plan-epochs": "16"}
 
 
 class HogController(Controller):
@@ -134,7 +142,8 @@ def time_to_loss(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
         elif "error" in run:
             out[c["label"]] = {"s": None, "estimated": False, "error": run["error"]}
         else:
-            steps = next((int(n) for n, loss in run["curve"] if loss <= target), None)
+            steps = run["steps_to_target"] if "steps_to_target" in run else \
+                next((int(n) for n, loss in run["curve"] if loss <= target), None)  # runs of older JSON
             out[c["label"]] = {"s": None if steps is None else steps * run["step"]["measured_s"], "estimated": False,
                                "steps": steps, "trained_steps": run["steps"]}
     return out
@@ -253,6 +262,9 @@ def main() -> None:
                                             "--steps-per-epoch, --cap-epochs, --verify, --loss-tolerance, --mlp-batch, "
                                             "--gpt-batch, --eval-rows.")
     parser.add_argument("--quick", action="store_true", help="; ".join(f"{k}={v}" for k, v in QUICK.items()))
+    parser.add_argument("--long", action="store_true",
+                        help="runs judged over --plan-epochs 16 (unless given): the planner's short-run rule "
+                             "sees a 256-step run; steps to the loss trained once a model, step times per cell")
     parser.add_argument("--models", default="mlp,gpt_small,gpt_large")
     parser.add_argument("--hosts", default="2,4")
     parser.add_argument("--links", default="20,100,1000", help="Mbit/s")
@@ -273,6 +285,9 @@ def main() -> None:
         for key, value in QUICK.items():
             setattr(args, key, value)
         for option, value in QUICK_DRIVER.items():
+            passed = passed if option in passed else [option, value, *passed]
+    if args.long:
+        for option, value in LONG_DRIVER.items():
             passed = passed if option in passed else [option, value, *passed]
     why = multihost.why_not()
     if why:
@@ -296,7 +311,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         sys.stderr.write(log.read_text(errors="replace")[-6000:] if log.exists() else "")
     cells = [summarise_cell(c) for c in raw_cells]
-    result = {"benchmark": "planner_accuracy_bed", "quick": args.quick, "commit": commit,
+    result = {"benchmark": "planner_accuracy_bed", "quick": args.quick, "long": args.long, "commit": commit,
               "bed": "worker hosts of 1 Spark core, 1 rank and --host-cpus CPU capacity each (network namespaces, tc tbf links) + master + driver "
                      "hosts, on one shared 2-core machine",
               "matrix": {k: getattr(args, k) for k in ("models", "hosts", "links", "loads", "repeats", "host_cpus")},

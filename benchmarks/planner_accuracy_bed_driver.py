@@ -14,6 +14,15 @@ One cell = (model, link, load) on this bed's worker hosts:
    steps x the planner's steps factor x its predicted step) beats the choice's measured one by more
    than 10 %, trained the same way with its options: a verdict against auto rests on measurements.
 Both fits run with replan="off": the step time measured is the planned candidate's.
+
+With --plan-epochs P > --epochs, the runs judged are P epochs long (what the planner is told, so its
+short-run rule sees a run of that length) while each cell still trains only --epochs for its step
+times: a candidate's steps to the loss do not depend on the link or the load (the same rows, seed
+and updates), only its step time does. So each model's references are trained once, at the first
+(fastest: links run fastest first) cell that needs them - data parallel for P epochs (its final val
+loss is the target for every cell of the model), and each choice or rival up to --cap-epochs x P
+epochs to that target - and every other cell measures the step time alone. Such runs are marked
+"steps_from": "an earlier cell".
 """
 from __future__ import annotations
 
@@ -163,8 +172,9 @@ def first_at(curve: list[list[float]], target: float) -> int | None:
 
 
 def to_loss_s(run: dict[str, Any], target: float) -> float | None:
-    """A measured run's seconds to `target`: the steps it needed x its measured step (None: never)."""
-    steps = first_at(run["curve"], target)
+    """A measured run's seconds to `target`: the steps it needed (this run's, or its model's
+    reference) x its measured step (None: never)."""
+    steps = run["steps_to_target"] if "steps_to_target" in run else first_at(run["curve"], target)
     return None if steps is None else steps * run["step"]["measured_s"]
 
 
@@ -184,52 +194,81 @@ def doubtful(candidates: list[dict[str, Any]], runs: dict[str, Any], chosen: str
 
 
 def measure_run(model: Callable[[], Any], frames: tuple[Any, Any], options: dict[str, Any], args: argparse.Namespace,
-                target: float, candidate: dict[str, Any], plan: Any) -> dict[str, Any]:
-    """`candidate` trained to `target` (at most --cap-epochs x --epochs epochs): with exactly `plan`
-    (the choice), else with the candidate's options (a rival, planned by its name as a user would)."""
+                target: float, candidate: dict[str, Any], plan: Any, reference: dict[str, Any]) -> dict[str, Any]:
+    """`candidate` with exactly `plan` (the choice), else with the candidate's options (a rival, planned
+    by its name as a user would): trained to `target` (at most --cap-epochs x the judged epochs) where
+    the model's references lack its steps to the target, else for --epochs to time its step."""
     run_options = options if plan is not None else {**options, **candidate["options"]}
+    known = candidate["label"] in reference["steps"]
+    epochs = args.epochs if known else args.cap_epochs * judged_epochs(args)
     try:
-        ran = fit(model, *frames, run_options, args.epochs * args.cap_epochs, target=target, plan=plan)
+        ran = fit(model, *frames, run_options, epochs, target=None if known else target, plan=plan)
     except Exception as exc:  # noqa: BLE001 - reported in the cell
         return {"error": f"{type(exc).__name__}: {exc}", "rival": plan is None}
     ran["step"] = step_time(ran.pop("history"), approximate=not candidate["exact"])
+    if not known:
+        reference["steps"][candidate["label"]] = first_at(ran["curve"], target)
+    ran["steps_to_target"] = reference["steps"][candidate["label"]]
+    ran["steps_from"] = "an earlier cell" if known else "this cell"
     return {**ran, "rival": plan is None}
 
 
-def measure_cell(name: str, frames: tuple[Any, Any], args: argparse.Namespace, cell: str) -> dict[str, Any]:
+def judged_epochs(args: argparse.Namespace) -> int:
+    """The epochs of the run the planner is told of and the verdicts judge (--plan-epochs, else --epochs)."""
+    return max(args.plan_epochs, args.epochs)
+
+
+def dp_reference(model: Callable[[], Any], frames: tuple[Any, Any], options: dict[str, Any],
+                 args: argparse.Namespace, short: dict[str, Any], reference: dict[str, Any]) -> None:
+    """The model's target (data parallel's final val loss over the judged epochs, within
+    --loss-tolerance: exact runs of the same rows land on one of two data orders ~1 % apart) and
+    data parallel's steps to it: from `short` when the judged run is that one, else one long fit."""
+    if reference.get("target") is not None:
+        return
+    long = short if judged_epochs(args) == args.epochs else \
+        fit(model, *frames, {**options, "strategy": "data_parallel"}, judged_epochs(args))
+    reference["target"] = long["curve"][-1][1] * (1 + args.loss_tolerance)
+    reference["dp_final_val_loss"] = long["curve"][-1][1]
+    reference["steps"]["data_parallel"] = first_at(long["curve"], reference["target"])
+    reference["dp_curve"] = long["curve"]
+
+
+def measure_cell(name: str, frames: tuple[Any, Any], args: argparse.Namespace, cell: str,
+                 reference: dict[str, Any]) -> dict[str, Any]:
     """Plans (--repeats), data parallel, the choice, and up to --verify rivals whose estimates would
     beat the choice (so a verdict against auto rests on measured runs)."""
     model, options = factory(name), options_for(name, args)
     train, evaluation = frames
     plans = []
     for r in range(args.repeats):
-        plans.append(plan_once(model, train, options, args.epochs,
+        plans.append(plan_once(model, train, options, judged_epochs(args),
                                args.shared / "calibration" / f"{cell}-{r}".replace("/", "-")))
         say(f"{cell}: plan {r + 1} chose {plans[-1]['chosen']} in {plans[-1]['plan_s']} s")
     first = plans[0]
     dp = fit(model, train, evaluation, {**options, "strategy": "data_parallel"}, args.epochs)
     dp["step"] = step_time(dp.pop("history"), approximate=False)
-    say(f"{cell}: data_parallel {dp['steps']} steps, {dp['train_s']} s, curve {dp['curve']}")
-    # Exact runs of the same rows land on one of two data orders (which rank reads which partition),
-    # their final val losses ~1 % apart: "data parallel's loss" is reached within --loss-tolerance.
-    target = dp["curve"][-1][1] * (1 + args.loss_tolerance)
+    dp_reference(model, frames, options, args, dp, reference)
+    target, dp_steps = reference["target"], reference["steps"]["data_parallel"]
+    dp["steps_to_target"], dp["steps_from"] = dp_steps, "the model's reference run"
+    say(f"{cell}: data_parallel {dp['steps']} steps, {dp['train_s']} s, curve {dp['curve']}; target {target:.5f} "
+        f"at {dp_steps} steps")
     by_label = {c["label"]: c for c in first["candidates"]}
     runs: dict[str, Any] = {"data_parallel": dp}
     if first["chosen"] not in runs:
         runs[first["chosen"]] = measure_run(model, frames, options, args, target, by_label[first["chosen"]],
-                                            first["resolved"])
+                                            first["resolved"], reference)
         say(f"{cell}: chosen {first['chosen']} {json.dumps(runs[first['chosen']])[:300]}")
     for _ in range(args.verify):
         if "error" in runs[first["chosen"]]:
             break
-        rival = doubtful(first["candidates"], runs, first["chosen"], target, dp["steps"])
+        rival = doubtful(first["candidates"], runs, first["chosen"], target, dp_steps)
         if rival is None:
             break
-        runs[rival["label"]] = measure_run(model, frames, options, args, target, rival, None)
+        runs[rival["label"]] = measure_run(model, frames, options, args, target, rival, None, reference)
         say(f"{cell}: rival {rival['label']} {json.dumps(runs[rival['label']])[:300]}")
-    return {"cell": cell, "model": name, "target_val_loss": round(target, 5), "dp_final_val_loss": dp["curve"][-1][1],
-            "dp_steps": dp["steps"], "runs": runs,
-            "plans": [{k: v for k, v in p.items() if k != "resolved"} for p in plans]}
+    return {"cell": cell, "model": name, "target_val_loss": round(target, 5),
+            "dp_final_val_loss": reference["dp_final_val_loss"], "dp_steps": dp_steps, "judged_epochs":
+            judged_epochs(args), "runs": runs, "plans": [{k: v for k, v in p.items() if k != "resolved"} for p in plans]}
 
 
 def main() -> None:
@@ -244,6 +283,8 @@ def main() -> None:
     parser.add_argument("--loads", default=",".join(LOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4, help="data parallel's epochs (the first is warm-up)")
+    parser.add_argument("--plan-epochs", type=int, default=0,
+                        help="the judged run's epochs, when more than --epochs (references trained once a model)")
     parser.add_argument("--steps-per-epoch", type=int, default=16)
     parser.add_argument("--cap-epochs", type=int, default=3, help="the choice trains at most this x --epochs")
     parser.add_argument("--mlp-batch", type=int, default=32)
@@ -273,14 +314,15 @@ def main() -> None:
             batch = args.mlp_batch if MODELS[name][0] == "mlp" else args.gpt_batch
             rows = args.steps_per_epoch * args.workers * batch
             frames = (mlp_frames if MODELS[name][0] == "mlp" else gpt_frames)(spark, rows, args.eval_rows, args.workers)
-            for mbit in [float(m) for m in args.links.split(",") if m]:
+            reference: dict[str, Any] = {"steps": {}}  # this model's steps to its target (see the docstring)
+            for mbit in sorted((float(m) for m in args.links.split(",") if m), reverse=True):
                 bed_driver.ask({"do": "network", "mbit": mbit})
                 for load in [x for x in args.loads.split(",") if x]:
                     hogs = bed_driver.ask({"do": "hog", "on": load == "hog"})
                     cell = f"{name}/{args.workers}h/{mbit:g}mbit/{load}"
                     started = time.monotonic()
                     try:
-                        row = measure_cell(name, frames, args, cell)
+                        row = measure_cell(name, frames, args, cell, reference)
                     except Exception as exc:  # noqa: BLE001 - reported; the next cell still runs
                         row = {"cell": cell, "model": name, "error": f"{type(exc).__name__}: {exc}",
                                "trace": traceback.format_exc()[-2500:]}
