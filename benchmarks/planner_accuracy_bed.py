@@ -13,7 +13,8 @@ namespace and CPU cgroup, stopped by PID). The cells run in benchmarks/planner_a
 on the driver host; see it for what one cell measures.
 
 "Data parallel's loss" is its final val loss within 2 % (--loss-tolerance): exact runs of the same rows
-land on one of two data orders whose final losses differ by ~1 %.
+land on one of two data orders whose final losses differ by ~1 %. Under --long it is data parallel's
+best val loss over the judged run (the MLP's turns up again over 16 epochs of a cell's rows).
 Per cell: the chosen candidate's and data parallel's predicted step time against the measured one
 (|error|); each feasible candidate's time to data parallel's final val loss = steps x step time,
 measured for data parallel and the choice (steps from their val loss curves, step times from their
