@@ -64,32 +64,50 @@ def factory(name: str) -> Callable[[], Any]:
     return lambda: language_model.gpt(shape[0], shape[1], HEADS, SEQ_LEN)
 
 
-def mlp_frames(spark: Any, train_rows: int, eval_rows: int, workers: int) -> tuple[Any, Any]:
+def mlp_frames(spark: Any, train_rows: int, eval_rows: int, workers: int, long_rows: int = 0) -> tuple[Any, ...]:
     """Rows labelled by a fixed random teacher (a tanh layer, no label noise): the loss keeps falling
-    over the few hundred steps a cell trains instead of the val loss turning up on repeated rows."""
+    over the few hundred steps a cell trains instead of the val loss turning up on repeated rows.
+    With `long_rows`, also a training frame of that many rows whose first `train_rows` are the short
+    one's (the same teacher and held-out rows)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
+    total = max(train_rows, long_rows)
     x = rng.normal(size=(train_rows + eval_rows, FEATURES)).astype("float32")
-    teacher = np.tanh(x @ rng.normal(size=(FEATURES, 32))) @ rng.normal(size=(32, CLASSES))
-    y = np.argmax(teacher, axis=1)
+    teacher = (rng.normal(size=(FEATURES, 32)), rng.normal(size=(32, CLASSES)))  # drawn as before --long
+    if total > train_rows:
+        extra = np.random.default_rng(1).normal(size=(total - train_rows, FEATURES)).astype("float32")
+        x = np.concatenate([x[:train_rows], extra, x[train_rows:]])
+    y = np.argmax(np.tanh(x @ teacher[0]) @ teacher[1], axis=1)
     rows = [(*map(float, r), int(t)) for r, t in zip(x, y)]
     columns = FEATURE_COLS + ["label"]
-    train = spark.createDataFrame(rows[:train_rows], columns).repartition(workers).cache()
-    evaluation = spark.createDataFrame(rows[train_rows:], columns).cache()
-    return train, evaluation
+    evaluation = spark.createDataFrame(rows[total:], columns).cache()
+    frames = [spark.createDataFrame(rows[:n], columns).repartition(workers).cache()
+              for n in ([train_rows, long_rows] if long_rows else [train_rows])]
+    return (frames[0], evaluation, *frames[1:])
 
 
-def gpt_frames(spark: Any, train_rows: int, eval_rows: int, workers: int) -> tuple[Any, Any]:
+def gpt_frames(spark: Any, train_rows: int, eval_rows: int, workers: int, long_rows: int = 0) -> tuple[Any, ...]:
+    """Byte windows of the standard library's source, shuffled; with `long_rows`, also a training
+    frame of that many (distinct) windows whose first `train_rows` are the short one's."""
     import numpy as np
     from sparkdl.datasets.images_text import _tokens_dataframe, text_token_arrays
 
+    total = max(train_rows, long_rows)
     tokens, targets = text_token_arrays(SEQ_LEN, train_rows + eval_rows)
     order = np.random.default_rng(0).permutation(len(tokens))
     tokens, targets = tokens[order], targets[order]
-    train = _tokens_dataframe(spark, tokens[:train_rows], targets[:train_rows]).repartition(workers).cache()
-    evaluation = _tokens_dataframe(spark, tokens[train_rows:], targets[train_rows:]).cache()
-    return train, evaluation
+    held = tokens[train_rows:], targets[train_rows:]
+    if total > train_rows:  # windows after the first ones: none of them held out or repeated
+        more_tokens, more_targets = text_token_arrays(SEQ_LEN, total + eval_rows)
+        more = np.random.default_rng(1).permutation(np.arange(train_rows + eval_rows, len(more_tokens)))
+        more = more[:total - train_rows]
+        tokens = np.concatenate([tokens[:train_rows], more_tokens[more]])
+        targets = np.concatenate([targets[:train_rows], more_targets[more]])
+    evaluation = _tokens_dataframe(spark, *held).cache()
+    frames = [_tokens_dataframe(spark, tokens[:n], targets[:n]).repartition(workers).cache()
+              for n in ([train_rows, long_rows] if long_rows else [train_rows])]
+    return (frames[0], evaluation, *frames[1:])
 
 
 def options_for(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -202,7 +220,8 @@ def measure_run(model: Callable[[], Any], frames: tuple[Any, Any], options: dict
     known = candidate["label"] in reference["steps"]
     epochs = args.epochs if known else args.cap_epochs * judged_epochs(args)
     try:
-        ran = fit(model, *frames, run_options, epochs, target=None if known else target, plan=plan)
+        ran = fit(model, *(frames[:2] if known else judged(frames)), run_options, epochs,
+                  target=None if known else target, plan=plan)
     except Exception as exc:  # noqa: BLE001 - reported in the cell
         return {"error": f"{type(exc).__name__}: {exc}", "rival": plan is None}
     ran["step"] = step_time(ran.pop("history"), approximate=not candidate["exact"])
@@ -214,8 +233,20 @@ def measure_run(model: Callable[[], Any], frames: tuple[Any, Any], options: dict
 
 
 def judged_epochs(args: argparse.Namespace) -> int:
-    """The epochs of the run the planner is told of and the verdicts judge (--plan-epochs, else --epochs)."""
-    return max(args.plan_epochs, args.epochs)
+    """The epochs of the run the planner is told of and the verdicts judge: --epochs over the cell's
+    rows, or under --plan-epochs --long-passes over rows that many times fewer passes need (so a
+    256-step run repeats each row 4 times, not 16: the approximate strategies drift on rows seen
+    16 times before they catch up)."""
+    return args.long_passes if long_run(args) else args.epochs
+
+
+def long_run(args: argparse.Namespace) -> bool:
+    return args.plan_epochs > args.epochs
+
+
+def judged(frames: tuple[Any, ...]) -> tuple[Any, Any]:
+    """(training rows, held-out rows) of the judged run: the long frame where there is one."""
+    return (frames[2], frames[1]) if len(frames) > 2 else (frames[0], frames[1])
 
 
 def dp_reference(model: Callable[[], Any], frames: tuple[Any, Any], options: dict[str, Any],
@@ -225,8 +256,8 @@ def dp_reference(model: Callable[[], Any], frames: tuple[Any, Any], options: dic
     data parallel's steps to it: from `short` when the judged run is that one, else one long fit."""
     if reference.get("target") is not None:
         return
-    long = short if judged_epochs(args) == args.epochs else \
-        fit(model, *frames, {**options, "strategy": "data_parallel"}, judged_epochs(args))
+    long = fit(model, *judged(frames), {**options, "strategy": "data_parallel"}, judged_epochs(args)) \
+        if long_run(args) else short
     # Its best val loss over the judged run (its final one while the loss keeps falling): over many
     # epochs of a cell's few rows the MLP's val loss turns up again (16 epochs: 1.71 at 48 steps, 2.46
     # at 256), and a target above the first epoch's loss would be reached by everything at once.
@@ -243,10 +274,10 @@ def measure_cell(name: str, frames: tuple[Any, Any], args: argparse.Namespace, c
     """Plans (--repeats), data parallel, the choice, and up to --verify rivals whose estimates would
     beat the choice (so a verdict against auto rests on measured runs)."""
     model, options = factory(name), options_for(name, args)
-    train, evaluation = frames
+    train, evaluation = frames[:2]
     plans = []
     for r in range(args.repeats):
-        plans.append(plan_once(model, train, options, judged_epochs(args),
+        plans.append(plan_once(model, judged(frames)[0], options, judged_epochs(args),
                                args.shared / "calibration" / f"{cell}-{r}".replace("/", "-")))
         say(f"{cell}: plan {r + 1} chose {plans[-1]['chosen']} in {plans[-1]['plan_s']} s")
     first = plans[0]
@@ -289,7 +320,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4, help="data parallel's epochs (the first is warm-up)")
     parser.add_argument("--plan-epochs", type=int, default=0,
-                        help="the judged run's epochs, when more than --epochs (references trained once a model)")
+                        help="the judged run's length in epochs of the cell's rows, when more than --epochs "
+                             "(references trained once a model, on rows --plan-epochs / --long-passes times as many)")
+    parser.add_argument("--long-passes", type=int, default=4,
+                        help="passes over its rows a --plan-epochs run makes (validation after each)")
     parser.add_argument("--steps-per-epoch", type=int, default=16)
     parser.add_argument("--cap-epochs", type=int, default=3, help="the choice trains at most this x --epochs")
     parser.add_argument("--mlp-batch", type=int, default=32)
@@ -318,7 +352,9 @@ def main() -> None:
         for name in [m for m in args.models.split(",") if m]:
             batch = args.mlp_batch if MODELS[name][0] == "mlp" else args.gpt_batch
             rows = args.steps_per_epoch * args.workers * batch
-            frames = (mlp_frames if MODELS[name][0] == "mlp" else gpt_frames)(spark, rows, args.eval_rows, args.workers)
+            long_rows = rows * args.plan_epochs // args.long_passes if long_run(args) else 0
+            frames = (mlp_frames if MODELS[name][0] == "mlp" else gpt_frames)(spark, rows, args.eval_rows, args.workers,
+                                                                             long_rows)
             reference: dict[str, Any] = {"steps": {}}  # this model's steps to its target (see the docstring)
             for mbit in sorted((float(m) for m in args.links.split(",") if m), reverse=True):
                 bed_driver.ask({"do": "network", "mbit": mbit})
