@@ -35,14 +35,15 @@ def calibrate(spark: Any, workers: int, threads_per_worker: int | None = None, r
 
     facts = session_facts(spark, workers)
     info = None if refresh else cached(facts)
-    if info is not None and info.threads_option == (threads_per_worker or 0) \
-            and (trial is None or info.step_key == trial.key):
+    if info is not None and info.threads_option != (threads_per_worker or 0):
+        info = None  # measured under other threads: measured again
+    if info is not None and (trial is None or info.step_key == trial.key):
         return info
     if trial is not None:
         from sparkdl.driver.shipping import ship_by_value
 
         ship_by_value(trial.model, spark=spark)  # a model class the executors cannot import travels by value
-    if info is not None and info.threads_option == (threads_per_worker or 0):
+    if info is not None:
         return _with_model_step(spark, info, facts, trial, threads_per_worker)
     started = time.perf_counter()
     probe = run_probe(spark, workers, threads_per_worker, trial)

@@ -170,13 +170,10 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
 
 def _trial_notes(data: DataConfig, costs: ModelCosts, cluster: ClusterInfo, end: CalibrationEnd) -> tuple[str, ...]:
     """explain()'s line on the model step timed on the ranks against the driver's profile."""
-    slowest = min(end.speeds)
-    ratio = costs.driver_flops / slowest
-    profiled = cost.layers_compute_s(tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio)
-                                           for layer in costs.layers), data.batch_size, slowest) \
-        + costs.step_overhead_s * ratio
     if end.step_s <= 0:
         return ()
+    layers, _, overhead = _at_rank_speed(costs, end)
+    profiled = cost.layers_compute_s(layers, data.batch_size, min(end.speeds)) + overhead
     factor = scale_to_trial(profiled, end.step_s)
     used = f"every layer's cost scaled by {factor:.2f} to match it" if factor != 1.0 else \
         "too far from the profile to trust: the profile's costs stand"
@@ -214,17 +211,25 @@ def grad_overlap(train: TrainConfig, launch: LaunchConfig) -> float:
     return 1.0 if train.overlap_grads and launch.backend == "torch" and not launch.emulate_network else 0.0
 
 
+def _at_rank_speed(costs: ModelCosts, end: CalibrationEnd
+                   ) -> tuple[tuple[cost.LayerCost, ...], tuple[cost.LayerCost, ...] | None, float]:
+    """The driver's profile at this end's slowest rank (lock-step): its layers, IST's subnet layers
+    and the per-step cost, fixed costs scaled by driver FLOP/s / rank FLOP/s (a slower rank runs them
+    slower alike)."""
+    ratio = costs.driver_flops / min(end.speeds)
+    layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
+    subnet = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.subnet) \
+        if costs.subnet else None
+    return layers, subnet, costs.step_overhead_s * ratio
+
+
 def _workload(data: DataConfig, train: TrainConfig, launch: LaunchConfig, costs: ModelCosts, end: CalibrationEnd
               ) -> tuple[cost.Workload, tuple[cost.LayerCost, ...] | None]:
     """One rank's step as this end prices it, at the slowest rank's speed (lock-step), and IST's
     subnet layers alike; every cost scaled to the model step timed on the ranks where there is one
     (planner/step_trial.py: the profile splits the step among layers, the trial says how long it is)."""
     slowest = min(end.speeds)
-    ratio = costs.driver_flops / slowest  # fixed costs run slower on a slower rank, alike
-    layers = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.layers)
-    subnet = tuple(dataclasses.replace(layer, overhead_s=layer.overhead_s * ratio) for layer in costs.subnet) \
-        if costs.subnet else None
-    overhead = costs.step_overhead_s * ratio
+    layers, subnet, overhead = _at_rank_speed(costs, end)
     factor = scale_to_trial(cost.layers_compute_s(layers, data.batch_size, slowest) + overhead, end.step_s)
     if factor != 1.0:
         layers, subnet, overhead = _scaled(layers, factor), _scaled(subnet, factor) if subnet else None, \
