@@ -135,7 +135,19 @@ def step_time(history: list[dict[str, Any]], approximate: bool) -> dict[str, Any
     mean = sum(float(r["seconds"]) for r in timed) / max(sum(int(r["steps"]) for r in timed), 1)
     median = statistics.median(per_epoch)
     return {"median_s": round(median, 6), "mean_s": round(mean, 6), "measured_s": round(mean if approximate else median, 6),
-            "timed_epochs": len(timed)}
+            "timed_epochs": len(timed), "split_ms": [step_split(r) for r in timed]}
+
+
+def step_split(record: dict[str, Any]) -> dict[str, float]:
+    """Where an epoch's step went (ms a step, slowest rank): computing, blocked in collectives,
+    waiting for data, and the rest of the epoch's wall (the loop, the epoch's ends)."""
+    steps = max(int(record["steps"]), 1)
+    compute = max(record.get("compute_seconds_by_rank", ()) or (0.0,))
+    wait = max(record.get("wait_seconds_by_rank", ()) or (0.0,))
+    data = float(record.get("data_seconds", 0.0))
+    return {"step": round(1e3 * float(record["seconds"]) / steps, 2), "compute": round(1e3 * compute / steps, 2),
+            "wait": round(1e3 * wait / steps, 2), "data": round(1e3 * data / steps, 2),
+            "rest": round(1e3 * (float(record["seconds"]) - compute - wait - data) / steps, 2)}
 
 
 def fit(model: Callable[[], Any], train: Any, evaluation: Any, options: dict[str, Any], epochs: int,

@@ -84,12 +84,13 @@ def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchC
 
     from sparkdl.comm import backend_class
     from sparkdl.errors import ModelError, ResourceError, SparkdlError
-    from sparkdl.planner.candidates import price_plan, profile_model
+    from sparkdl.planner.candidates import ist_trial_layout, price_plan, profile_model
     from sparkdl.planner.cluster import for_model
     from sparkdl.planner.plan import NoFeasibleLayout
     from sparkdl.planner.step_trial import step_trial
 
-    trial = step_trial(module, data, train, launch, num_features)
+    trial = step_trial(module, data, train, launch, num_features,
+                       ist_trial_layout(module, data, launch, num_features))
     cluster = for_model(calibrate(spark, launch.num_workers, launch.threads_per_worker, trial=trial),
                         trial.key if trial is not None else "")
     ops = backend_class(launch.backend).ops

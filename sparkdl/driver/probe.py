@@ -73,10 +73,11 @@ def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
     bytes/s), the ring parameters "collective_latency", "collective_bandwidth" and their "_best"
     counterparts, and "executors" (each rank's executor address). With a `trial` ((key, pickled
     planner/step_trial.StepTrial)), also each rank's timed model step: "step", "step_best" (seconds;
-    0 where the step failed), "step_rse", "step_repeats", "step_key" and "step_error"; with
+    0 where the step failed), "step_rse", "step_repeats", "step_key" and "step_error", and where the
+    trial carries IST's layout "ist_step" and "ist_sync" (driver/probe_ist.py, slowest rank's); with
     `cluster=False`, only those and "executors"."""
     if not cluster:
-        gathered = ctx.comm.allgather_object(model_step(trial))
+        gathered = ctx.comm.allgather_object(_timed_model(ctx, trial))
         return {**_step_lists(gathered, trial), "executors": list(ctx.world.executors)}
     import torch
 
@@ -88,7 +89,7 @@ def probe(ctx: Any, trial: Any = None, cluster: bool = True) -> dict[str, Any]:
     rates += matmul_rates()  # again after the messages: a burst of load shows as spread, not as speed
     rates = settle(rates, lambda: matmul_rates(repeats=3), MAX_COMPUTE_REPEATS, COMPUTE_BUDGET_S)
     mine = {"flops": statistics.median(rates), "flops_best": max(rates), "threads": torch.get_num_threads(),
-            "flops_rse": median_rse(rates), "flops_repeats": len(rates), **links, **model_step(trial)}
+            "flops_rse": median_rse(rates), "flops_repeats": len(rates), **links, **_timed_model(ctx, trial)}
     mine["task_s"] = time.perf_counter() - began
     gathered = ctx.comm.allgather_object(mine)
     world = ctx.world_size
@@ -134,13 +135,27 @@ def model_step(packed: tuple[str, bytes] | None) -> dict[str, Any]:
             "step_repeats": len(times)}
 
 
+def _timed_model(ctx: Any, packed: tuple[str, bytes] | None) -> dict[str, Any]:
+    """This rank's model step (`model_step`) and, where the trial carries IST's layout, its IST round
+    (driver/probe_ist.py: every rank takes part)."""
+    from sparkdl.driver.probe_ist import ist_round
+
+    step = model_step(packed)
+    return {**step, **ist_round(ctx, packed, float(step.get("step", 0.0)))} if packed is not None else step
+
+
 def _step_lists(gathered: list[dict[str, Any]], packed: tuple[str, bytes] | None) -> dict[str, Any]:
-    """The ranks' model-step figures as per-rank lists (none without a trial)."""
+    """The ranks' model-step figures as per-rank lists (none without a trial); an IST round's as the
+    slowest rank's (its sync holds every rank to it)."""
     if packed is None:
         return {}
-    return {"step": [g["step"] for g in gathered], "step_best": [g["step_best"] for g in gathered],
-            "step_rse": max(g["step_rse"] for g in gathered), "step_repeats": max(g["step_repeats"] for g in gathered),
-            "step_key": packed[0], "step_error": next((g["step_error"] for g in gathered if "step_error" in g), "")}
+    lists = {"step": [g["step"] for g in gathered], "step_best": [g["step_best"] for g in gathered],
+             "step_rse": max(g["step_rse"] for g in gathered), "step_repeats": max(g["step_repeats"] for g in gathered),
+             "step_key": packed[0], "step_error": next((g["step_error"] for g in gathered if "step_error" in g), "")}
+    if all("ist_step" in g for g in gathered):
+        lists.update(ist_step=max(g["ist_step"] for g in gathered), ist_sync=max(g["ist_sync"] for g in gathered),
+                     ist_every=gathered[0]["ist_every"])
+    return lists
 
 
 def message_bytes(sample_bytes: int, sample_s: float, latency_s: float = 0.0) -> int:

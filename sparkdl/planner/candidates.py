@@ -169,7 +169,7 @@ def price_plan(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
 
 
 def _trial_notes(data: DataConfig, costs: ModelCosts, cluster: ClusterInfo, end: CalibrationEnd) -> tuple[str, ...]:
-    """explain()'s line on the model step timed on the ranks against the driver's profile."""
+    """explain()'s lines on the model step (and IST round) timed on the ranks against the driver's profile."""
     if end.step_s <= 0:
         return ()
     layers, _, overhead = _at_rank_speed(costs, end)
@@ -181,7 +181,10 @@ def _trial_notes(data: DataConfig, costs: ModelCosts, cluster: ClusterInfo, end:
     return (f"compute: the model's training step timed on the ranks: {end.step_s * 1e3:.2f} ms at batch "
             f"{data.batch_size} (slowest rank's median of up to {cluster.step_repeats} steps, within "
             f"{cluster.step_rse:.1%}; best {best * 1e3:.2f} ms); the driver's profile alone predicted "
-            f"{profiled * 1e3:.2f} ms: {used}",)
+            f"{profiled * 1e3:.2f} ms: {used}",) + ((
+        f"IST: one round of {cluster.ist_every} steps timed on the ranks prices it: "
+        f"{end.ist_round[0] * 1e3:.2f} ms a subnet step, {end.ist_round[1] * 1e3:.1f} ms the sync",)
+        if end.ist_round[0] > 0 else ())
 
 
 def _overlap_notes(work: cost.Workload, net: cost.Network, train: TrainConfig, launch: LaunchConfig
@@ -256,7 +259,8 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
     refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
         "IST trains without per-row weights (weight_col)" if data.weight_col else ""
     candidates = _candidates(model, data, train, launch, work, end.net, budget, backend_ops, costs.profile, subnet,
-                             ist_refused=refused, islands=end.islands, diloco_every=diloco_every)
+                             ist_refused=refused, islands=end.islands, diloco_every=diloco_every,
+                             ist_round=end.ist_round)
     if unequal:
         # DT-FM: rows re-split by speed; every rank then takes about the mean rank's time per step.
         estimate = balanced(work, end.net, end.speeds, work.input_bytes_per_row, grad_overlap(train, launch))
@@ -285,6 +289,22 @@ def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput 
     return layer_costs(subnet, num_features, rows, driver_flops, ratio)[1]
 
 
+def ist_trial_layout(model: nn.Module, data: DataConfig, launch: LaunchConfig, num_features: "ModelInput | int"
+                     ) -> Any:
+    """IST's layout for this run when IST is a candidate it may choose (an MLP on one float feature
+    vector, no row weights, wide enough for the ranks): the calibration then times one IST round on
+    the ranks (planner/step_trial.py). None otherwise."""
+    from sparkdl.strategies.ist import ist_layout, narrow_layers
+
+    if launch.num_workers < 2 or data.weight_col or ModelInput.of(num_features).sample is not None:
+        return None
+    try:
+        layout = ist_layout(model, launch.num_workers, IST_R, "scale", 0)
+    except Exception:  # noqa: BLE001 - not an IST model: its candidate says why
+        return None
+    return None if narrow_layers(layout) else layout
+
+
 def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
     if budget is not None and memory > budget:
         return False, f"needs {memory / 2**20:.1f} MiB per rank, over the budget"
@@ -294,8 +314,10 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, work: cost.Workload,
                 net: cost.Network, budget: float | None, backend_ops: frozenset[str], profile: ModelProfile,
                 subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None,
-                diloco_every: tuple[int, int] = (H_MIN, H_MIN)) -> list[Candidate]:
+                diloco_every: tuple[int, int] = (H_MIN, H_MIN), ist_round: tuple[float, float] = (0.0, 0.0)
+                ) -> list[Candidate]:
     """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible);
+    `ist_round`: an IST round timed on the ranks (CalibrationEnd.ist_round), which prices IST;
     `islands`: the islands the measured links form (an islands candidate is priced on them);
     `diloco_every`: H of plain and of streamed DiLoCo, chosen on the measured calibration."""
     from sparkdl.strategies.diloco import layer_groups
@@ -347,12 +369,13 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
             add("hybrid", options, cost.hybrid(work, net, cuts, micro, train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
     if workers >= 2:
-        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *_ist_estimate(model, work, net, subnet, ist_refused))
+        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *_ist_estimate(model, work, net, subnet, ist_refused,
+                                                                                 ist_round))
     return out
 
 
 def _ist_estimate(model: nn.Module, work: cost.Workload, net: cost.Network, subnet: tuple[cost.LayerCost, ...] | None,
-                  refused: str) -> tuple[cost.Estimate, bool, str]:
+                  refused: str, measured: tuple[float, float] = (0.0, 0.0)) -> tuple[cost.Estimate, bool, str]:
     """IST's estimate, whether it may run and why not: refused for the run (`refused`), or for a model
     too narrow per worker (IST/GIST papers: accuracy drops; the step time would not show it)."""
     from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
@@ -367,4 +390,4 @@ def _ist_estimate(model: nn.Module, work: cost.Workload, net: cost.Network, subn
             else (True, "")
     except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
         eligible, why = False, str(exc).splitlines()[0][:120]
-    return (cost.ist(work, net, IST_R, subnet) if eligible else unpriced), eligible, why
+    return (cost.ist(work, net, IST_R, subnet, measured) if eligible else unpriced), eligible, why

@@ -85,6 +85,11 @@ class ClusterInfo:
     best_step_s: tuple[float, ...] = ()
     step_rse: float = 0.0
     step_repeats: int = 0
+    # One IST round of that model timed on the ranks (driver/probe_ist.py), slowest rank's: the step
+    # between syncs and what the syncing step took beyond it, seconds; 0 when none was timed.
+    ist_step_s: float = 0.0
+    ist_sync_s: float = 0.0
+    ist_every: int = 0  # the round's steps (its sync_every)
     probe_task_s: float = 0.0  # of probe_s, the measuring on the ranks (the rest: the job's start and end)
 
     @property
@@ -166,7 +171,9 @@ def _step_fields(probe: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {"step_key": str(probe["step_key"]), "step_s": tuple(float(v) for v in probe.get("step", ())),
             "best_step_s": tuple(float(v) for v in probe.get("step_best", ())),
-            "step_rse": float(probe.get("step_rse", 0.0)), "step_repeats": int(probe.get("step_repeats", 0))}
+            "step_rse": float(probe.get("step_rse", 0.0)), "step_repeats": int(probe.get("step_repeats", 0)),
+            "ist_step_s": float(probe.get("ist_step", 0.0)), "ist_sync_s": float(probe.get("ist_sync", 0.0)),
+            "ist_every": int(probe.get("ist_every", 0))}
 
 
 def for_model(info: ClusterInfo, key: str) -> ClusterInfo:
@@ -174,7 +181,8 @@ def for_model(info: ClusterInfo, key: str) -> ClusterInfo:
     none, leaves the planner on the driver's profile)."""
     if key and info.step_key == key:
         return info
-    return replace(info, step_key="", step_s=(), best_step_s=(), step_rse=0.0, step_repeats=0)
+    return replace(info, step_key="", step_s=(), best_step_s=(), step_rse=0.0, step_repeats=0, ist_step_s=0.0,
+                   ist_sync_s=0.0, ist_every=0)
 
 
 def with_step(info: ClusterInfo, probe: dict[str, Any]) -> ClusterInfo:
@@ -225,12 +233,20 @@ def merge(first: ClusterInfo, second: ClusterInfo) -> ClusterInfo:
 
 
 def _merged_steps(first: ClusterInfo, second: ClusterInfo) -> dict[str, Any]:
-    """The faster of two timings of one model's step, rank by rank; the newer model's otherwise."""
+    """The faster of two timings of one model's step, rank by rank (and of its IST round); the newer
+    model's otherwise."""
     if first.step_key != second.step_key or len(first.step_s) != len(second.step_s) or not second.step_s:
         return {}
-    return {"step_s": tuple(min(a, b) if a > 0 and b > 0 else max(a, b) for a, b in zip(first.step_s, second.step_s)),
-            "best_step_s": tuple(min(a, b) if a > 0 and b > 0 else max(a, b)
-                                 for a, b in zip(first.best_step_s, second.best_step_s))}
+
+    def faster(a: float, b: float) -> float:
+        return min(a, b) if a > 0 and b > 0 else max(a, b)
+
+    rounds = [(r.ist_step_s * r.ist_every + r.ist_sync_s, r.ist_step_s, r.ist_sync_s, r.ist_every)
+              for r in (first, second) if r.ist_step_s > 0]
+    _, ist_step, ist_sync, every = min(rounds) if rounds else (0.0, 0.0, 0.0, 0)
+    return {"step_s": tuple(faster(a, b) for a, b in zip(first.step_s, second.step_s)),
+            "best_step_s": tuple(faster(a, b) for a, b in zip(first.best_step_s, second.best_step_s)),
+            "ist_step_s": ist_step, "ist_sync_s": ist_sync, "ist_every": every}
 
 
 def _rank_order(first: Sequence[str], second: Sequence[str]) -> list[int] | None:

@@ -291,12 +291,20 @@ def ist_subnet_params(work: Workload) -> float:
     return total
 
 
-def ist(work: Workload, net: Network, every: int, subnet: Sequence[LayerCost] | None = None) -> Estimate:
+def ist(work: Workload, net: Network, every: int, subnet: Sequence[LayerCost] | None = None,
+        measured: tuple[float, float] = (0.0, 0.0)) -> Estimate:
     """T = C_sub(B/W) + T_sync / R; T_sync: one allgather of the subnets (W-1 messages of p_sub).
     `subnet`: the measured layers of one rank's subnet; without it, the full model's cost scaled by
-    the subnet's share of the Linear parameters."""
+    the subnet's share of the Linear parameters. `measured`: a round timed on the ranks (its step
+    between syncs, its sync, seconds), which stands for both where there is one."""
     sub = ist_subnet_params(work)
     share = sub / max(work.params, 1)
+    memory = work.params * work.param_bytes + sub * work.optimizer_bytes_per_param \
+        + work.rows * sum(l.saved_bytes for l in work.layers) / work.world
+    sent = (work.world - 1) * sub * work.param_bytes / every
+    if measured[0] > 0:
+        compute, sync = measured
+        return Estimate(compute + sync / every, compute, sync / every, sent, memory)
     if subnet:
         compute = layers_compute_s(subnet, work.rows, work.flops_per_s) + work.step_overhead_s * share
     else:
@@ -305,7 +313,4 @@ def ist(work: Workload, net: Network, every: int, subnet: Sequence[LayerCost] | 
             * sub / linear_params
     latency, bandwidth = net.ring  # one allgather of the subnets
     sync = (work.world - 1) * (latency + sub * work.param_bytes / bandwidth) if work.world > 1 else 0.0
-    memory = work.params * work.param_bytes + sub * work.optimizer_bytes_per_param \
-        + work.rows * sum(l.saved_bytes for l in work.layers) / work.world
-    return Estimate(compute + sync / every, compute, sync / every,
-                    (work.world - 1) * sub * work.param_bytes / every, memory)
+    return Estimate(compute + sync / every, compute, sync / every, sent, memory)

@@ -27,6 +27,7 @@ class CalibrationEnd:
     net: cost.Network
     islands: IslandLinks | None = None  # islands found in the measured links, with this end's figures
     step_s: float = 0.0  # the run's model step timed on the ranks, lock-step (planner/step_trial.py); 0: none
+    ist_round: tuple[float, float] = (0.0, 0.0)  # an IST round timed on the ranks: step between syncs, sync
 
 
 def island_groups(cluster: ClusterInfo, declared: int | tuple[tuple[str, ...], ...], launch: LaunchConfig,
@@ -75,8 +76,10 @@ def _end(name: str, cluster: ClusterInfo, launch: LaunchConfig, islands: tuple[t
                        collective_bandwidth_Bps=cluster.collective_bandwidth_Bps)
     links = island_links(islands, [host_of(e) for e in cluster.rank_executors], cluster.latency_s,
                          cluster.bandwidth_Bps) if islands and len(cluster.rank_executors) == cluster.workers else None
+    timed = not launch.emulate_speed  # declared speeds: what the ranks timed is not what they emulate
     return CalibrationEnd(name, tuple(rank_speeds(cluster, launch)), latency, bandwidth, net, links,
-                          0.0 if launch.emulate_speed else lock_step_s(cluster.step_s))
+                          lock_step_s(cluster.step_s) if timed else 0.0,
+                          (cluster.ist_step_s, cluster.ist_sync_s) if timed else (0.0, 0.0))
 
 
 def rank_speeds(cluster: ClusterInfo, launch: LaunchConfig) -> list[float]:

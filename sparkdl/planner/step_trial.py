@@ -46,20 +46,23 @@ class StepTrial:
     target: Any
     train: TrainConfig
     key: str
+    # IST's layout for this run's ranks when IST may train it: the ranks then also time one IST round
+    # (driver/probe_ist.py), whose sync a model step cannot show
+    ist_layout: Any = None
 
 
-def trial_key(model: nn.Module, train: TrainConfig, rows: int, inputs: Any) -> str:
+def trial_key(model: nn.Module, train: TrainConfig, rows: int, inputs: Any, ist_world: int = 0) -> str:
     """The model's parameter shapes and trainability, the batch's shapes, loss, optimizer and
-    precision: two trials with one key time the same work."""
+    precision (and the ranks of an IST round, `ist_world`): two trials with one key time the same work."""
     params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
     shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(inputs)]
     text = repr((type(model).__qualname__, params, shapes, rows, str(train.loss), str(train.optimizer),
-                 train.precision))
+                 train.precision) + ((("ist", ist_world),) if ist_world else ()))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def trial_for(model: nn.Module, train: TrainConfig, launch: LaunchConfig, batch: Any, target: Any
-              ) -> StepTrial | None:
+def trial_for(model: nn.Module, train: TrainConfig, launch: LaunchConfig, batch: Any, target: Any,
+              ist_layout: Any = None) -> StepTrial | None:
     """The trial of this run, or None where the driver's profile stands alone: GPU ranks (the probe
     times CPU threads), emulated rank speeds (declared, not measured), a model or batch too large to
     ship cheaply, or a custom optimizer or loss (a callable may hold what does not travel). A step
@@ -70,7 +73,8 @@ def trial_for(model: nn.Module, train: TrainConfig, launch: LaunchConfig, batch:
     if size > MAX_TRIAL_BYTES:
         return None
     rows = int(_tensors(batch)[0].shape[0]) if _tensors(batch) else 0
-    return StepTrial(model, batch, target, train, trial_key(model, train, rows, batch))
+    ist_world = ist_layout.world if ist_layout is not None else 0
+    return StepTrial(model, batch, target, train, trial_key(model, train, rows, batch, ist_world), ist_layout)
 
 
 def step_timer(model: nn.Module, train: TrainConfig, inputs: Any, target: Any) -> Callable[[], float]:
@@ -101,14 +105,15 @@ def step_timer(model: nn.Module, train: TrainConfig, inputs: Any, target: Any) -
 
 
 def step_trial(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig,
-               num_features: "ModelInput | int") -> StepTrial | None:
+               num_features: "ModelInput | int", ist_layout: Any = None) -> StepTrial | None:
     """The run's model step for the calibration probe to time on the ranks, or None where it does
-    not apply or its batch cannot be built (the profile then stands alone)."""
+    not apply or its batch cannot be built (the profile then stands alone). `ist_layout`: IST's
+    layout when IST is a candidate of the run (one IST round is then timed too)."""
     try:
         inputs, target = step_batch(model, train, num_features, data.batch_size)
     except Exception:  # noqa: BLE001 - a model the planner cannot feed is priced by its profile alone
         return None
-    return trial_for(model, train, launch, inputs, target)
+    return trial_for(model, train, launch, inputs, target, ist_layout)
 
 
 def step_batch(model: nn.Module, train: TrainConfig, num_features: "ModelInput | int", rows: int) -> tuple[Any, Any]:

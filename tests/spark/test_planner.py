@@ -187,7 +187,7 @@ def test_the_models_step_is_timed_on_the_executors_and_anchors_the_plan(spark, d
         "import os\nfrom torch import nn\n\n"
         "class Net(nn.Sequential):\n"
         "    def __init__(self):\n"
-        "        super().__init__(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))\n\n"
+        "        super().__init__(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))\n\n"
         "class DriverBound(Net):\n"
         "    def __setstate__(self, state):  # rebuilt only in the process that built it\n"
         "        if state.get('_built_in') != os.getpid():\n"
@@ -209,6 +209,8 @@ def test_the_models_step_is_timed_on_the_executors_and_anchors_the_plan(spark, d
     assert calibrate(spark, 2, trial=trial) == timed  # cached with it
     plan = sparkdl.plan(driver_only_net.Net, digits, **common())
     assert "timed on the ranks" in plan.explain() and "s of it measuring on the ranks" in plan.explain()
+    # an MLP IST may train (512 hidden units: 256 a rank): one IST round ran on the executors too, and prices IST
+    assert "IST: one round of 30 steps timed on the ranks prices it" in plan.explain()
 
     bound = step_trial(driver_only_net.DriverBound(), settings.data, settings.train, settings.launch, 64)
     failed = calibrate(spark, 2, refresh=True, trial=bound)
