@@ -115,6 +115,24 @@ def test_among_exact_strategies_a_close_call_goes_to_data_parallel() -> None:
     assert decision.index == 0 and "the calibration's ends disagree" in decision.reason
 
 
+def test_among_approximate_strategies_a_close_call_goes_to_the_fewest_extra_steps() -> None:
+    # the bed's 20 Mbit/s MLP: DiLoCo (k 1.71) and IST (k 2.0) 6 % apart in time to loss, in either order
+    dp = candidate("data_parallel", 8.0, 520.0)
+    for ist_ms in (12.5, 13.4):
+        diloco, ist = candidate("diloco", 8.7, 6.1, k=1.71, sync="diloco"), candidate("ist", 4.0, ist_ms - 4.0, k=2.0)
+        for order in ([dp, diloco, ist], [dp, ist, diloco]):
+            index, _ = choose(order)
+            assert order[index] is diloco
+    # beyond the close call the shorter time to loss wins, whatever its k
+    diloco, ist = candidate("diloco", 8.7, 6.1, k=1.71, sync="diloco"), candidate("ist", 4.0, 5.0, k=2.0)
+    assert diloco.to_loss_s > 1.15 * ist.to_loss_s
+    index, _ = choose([dp, diloco, ist])
+    assert index == 2
+    # repeated plans of the run choose alike through decide's two calibration ends too
+    assert decide([dp, diloco, candidate("ist", 4.0, 8.5, k=2.0)],
+                  [dp, candidate("diloco", 8.0, 6.0, k=1.71, sync="diloco"), candidate("ist", 3.8, 8.0, k=2.0)]).index == 1
+
+
 def jittered(rng: random.Random, comm_ms: tuple[float, float], k: float) -> tuple[list[Candidate], list[Candidate]]:
     """One calibration of the same run on the same hosts: the allreduce somewhere in the measured
     range [best, median], the best repeat a little below the median; compute with 5% noise."""
