@@ -2,9 +2,10 @@
 
 IST's step is a subnet's step, and every `sync_every` steps the subnets go back into the full model
 (an allgather of every rank's blocks, the shared bias averaged) and the next round's subnets are cut
-and get fresh optimizers. On the bed that sync cost 250-290 ms at 20 Mbit/s where its allgather
-alone priced 148 ms, and a subnet step ran at nearly the full model's step, not at its share of the
-FLOPs: the planner's IST price from the driver's profile was half the measured step. So where IST is
+and get fresh optimizers. On the bed a round's sync took 225-290 ms at 20 Mbit/s where the profile
+priced its allgather at 148 ms (which is what the allgather alone takes there: the rest is the
+write-back, the new subnets and optimizers on a 0.5-core host), and the subnet's step ran 20-40 %
+slower than its profile: IST's predicted step was half the measured one. So where IST is
 a candidate (planner/candidates.ist_trial_layout), the ranks run one real round of it with the run's
 own layout: `sync_every - 1` steps timed alone, a check that every rank got through them (a rank that
 failed never leaves the others in a collective), then the step that syncs.
@@ -24,8 +25,8 @@ def ist_round(ctx: Any, packed: tuple[str, bytes] | None, step_s: float) -> dict
     """This rank's figures of one IST round of the pickled trial (planner/step_trial.StepTrial
     with an `ist_layout`): "ist_step" (the median step between syncs), "ist_sync" (what the
     syncing step took beyond it), seconds, and "ist_every" (the round's steps); {} where no round
-    was timed. Every rank calls it: all
-    of them time the round, or none. `step_s`: this rank's timed model step (0: it failed)."""
+    was timed. Every rank calls it: all of them time the round, or none. `step_s`: this rank's
+    timed model step (0: it failed)."""
     trial = _unpickled(packed)
     layout = getattr(trial, "ist_layout", None)
     fits = layout is not None and 0 < step_s and step_s * layout.sync_every <= ROUND_BUDGET_S
