@@ -4,7 +4,7 @@ IST's step is a subnet's step, and every `sync_every` steps the subnets go back 
 (an allgather of every rank's blocks, the shared bias averaged) and the next round's subnets are cut
 and get fresh optimizers. On the bed a round's sync took 225-290 ms at 20 Mbit/s where the profile
 priced its allgather at 148 ms (which is what the allgather alone takes there: the rest is the
-write-back, the new subnets and optimizers on a 0.5-core host), and the subnet's step ran 20-40 %
+sync's other work on 0.5-core hosts and the ranks reaching it apart), and the subnet's step ran 20-40 %
 slower than its profile: IST's predicted step was half the measured one. So where IST is
 a candidate (planner/candidates.ist_trial_layout), the ranks run one real round of it with the run's
 own layout: `sync_every - 1` steps timed alone, a check that every rank got through them (a rank that
