@@ -98,7 +98,7 @@ class ModelInput:
         order, what a pipeline's first stage rebuilds an empty batch from; () for one tensor."""
         if self.sample is None or isinstance(self.sample, torch.Tensor):
             return ()
-        tensors = _tensors(self.sample)
+        tensors = tensors_of(self.sample)
         names = list(self.sample) if isinstance(self.sample, dict) else [""] * len(tensors)
         return tuple((name, tuple(int(n) for n in t.shape[1:]), str(t.dtype).replace("torch.", ""))
                      for name, t in zip(names, tensors))
@@ -115,15 +115,18 @@ class ModelInput:
     def bytes_per_row(self) -> float:
         if self.sample is None:
             return 4.0 * math.prod(self.shape)
-        tensors = _tensors(self.sample)
+        tensors = tensors_of(self.sample)
         rows = max(1, int(tensors[0].shape[0]))
         return float(sum(t.numel() * t.element_size() for t in tensors)) / rows
 
 
-def _tensors(inputs: Any) -> list[torch.Tensor]:
-    if isinstance(inputs, torch.Tensor):
-        return [inputs]
-    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a model input (one tensor, or a dict, tuple or list of them): the sample's, a
+    trial batch's (planner/step_trial.py); anything else in a container is left out."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [v for v in items if isinstance(v, torch.Tensor)]
 
 
 def _tiled(inputs: Any, count: int) -> Any:
@@ -198,7 +201,7 @@ def _signature(layer: nn.Module, x: Any) -> tuple:
     """What a layer's cost depends on: its class, its parameters' names, shapes and dtypes, and the
     shapes of what it is fed. Layers with the same signature do the same work."""
     params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in layer.named_parameters())
-    inputs = tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(x))
+    inputs = tuple((tuple(t.shape), str(t.dtype)) for t in tensors_of(x))
     return type(layer).__qualname__, params, inputs
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import DataConfig, LaunchConfig, TrainConfig
-from sparkdl.planner.profile import ModelInput
+from sparkdl.planner.profile import ModelInput, tensors_of
 
 # A model is timed on the executors only when shipping it and its batch is cheap beside the probe
 # itself, and a step is short enough to repeat a few times within the probe's budget.
@@ -55,7 +55,7 @@ def trial_key(model: nn.Module, train: TrainConfig, rows: int, inputs: Any, ist_
     """The model's parameter shapes and trainability, the batch's shapes, loss, optimizer and
     precision (and the ranks of an IST round, `ist_world`): two trials with one key time the same work."""
     params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
-    shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(inputs)]
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors_of(inputs)]
     text = repr((type(model).__qualname__, params, shapes, rows, str(train.loss), str(train.optimizer),
                  train.precision) + ((("ist", ist_world),) if ist_world else ()))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
@@ -72,7 +72,7 @@ def trial_for(model: nn.Module, train: TrainConfig, launch: LaunchConfig, batch:
     size = sum(p.numel() * p.element_size() for p in model.parameters()) + _bytes(batch) + _bytes(target)
     if size > MAX_TRIAL_BYTES:
         return None
-    rows = int(_tensors(batch)[0].shape[0]) if _tensors(batch) else 0
+    rows = int(tensors_of(batch)[0].shape[0]) if tensors_of(batch) else 0
     ist_world = ist_layout.world if ist_layout is not None else 0
     return StepTrial(model, batch, target, train, trial_key(model, train, rows, batch, ist_world), ist_layout)
 
@@ -166,15 +166,5 @@ def scale_to_trial(predicted_s: float, measured_s: float) -> float:
     return factor if low <= factor <= high else 1.0
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, torch.Tensor)]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
-
-
 def _bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
