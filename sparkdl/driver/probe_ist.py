@@ -30,10 +30,11 @@ def ist_round(ctx: Any, packed: tuple[str, bytes] | None, step_s: float) -> dict
     trial = _unpickled(packed)
     layout = getattr(trial, "ist_layout", None)
     fits = layout is not None and 0 < step_s and step_s * layout.sync_every <= ROUND_BUDGET_S
-    if not all(ctx.comm.allgather_object(bool(fits))):
+    model = _copied(trial.model) if fits else None  # what may fail on one rank, before any collective
+    if not all(ctx.comm.allgather_object(model is not None)):
         return {}
     try:
-        strategy, steps = _set_up(ctx.comm, trial), []
+        strategy, steps = _set_up(ctx.comm, trial, model), []
         for _ in range(layout.sync_every - 1):
             began = time.perf_counter()
             strategy.train_step(trial.inputs, trial.target)
@@ -50,16 +51,22 @@ def ist_round(ctx: Any, packed: tuple[str, bytes] | None, step_s: float) -> dict
     return {"ist_step": step, "ist_sync": max(syncing - step, 0.0), "ist_every": layout.sync_every}
 
 
-def _set_up(comm: Any, trial: Any) -> Any:
-    """IST on a copy of the trial's model with the run's optimizer and loss (as executor/loop.py sets
-    a strategy up); the setup broadcasts rank 0's weights, so every rank enters it."""
+def _set_up(comm: Any, trial: Any, model: Any) -> Any:
+    """IST on `model` (a copy of the trial's) with the run's optimizer and loss, as executor/loop.py
+    sets a strategy up; the setup broadcasts rank 0's weights, so every rank enters it."""
     from sparkdl.model.objectives import build_optimizer, loss_function
     from sparkdl.strategies.ist import Ist
 
     strategy = Ist(comm, trial.ist_layout, trial.train)
-    strategy.setup(copy.deepcopy(trial.model), lambda params: build_optimizer(trial.train, params),
-                   loss_function(trial.train))
+    strategy.setup(model, lambda params: build_optimizer(trial.train, params), loss_function(trial.train))
     return strategy
+
+
+def _copied(model: Any) -> Any:
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - a model that does not copy is not timed
+        return None
 
 
 def _unpickled(packed: tuple[str, bytes] | None) -> Any:

@@ -5,6 +5,7 @@ ms, and a subnet step ran at nearly the full model's. The probe now runs one rea
 the run's layout on real gloo ranks; the planner prices IST with it and explain() says so."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pickle
 import sys
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from torch import nn
 
 from sparkdl.driver.probe_ist import ROUND_BUDGET_S, ist_round
 from sparkdl.planner.candidates import IST_R, ist_trial_layout
@@ -45,6 +47,22 @@ def _round(comm: Any, step_s: float, broken_on_rank: int | None) -> dict[str, fl
                      step_s)
 
 
+class NoCopyOnRank1(nn.Sequential):
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise RuntimeError("this model does not copy on rank 1")
+        return nn.Sequential(*(copy.deepcopy(m, memo) for m in self))
+
+
+def _round_of_a_model_rank_1_cannot_copy(comm: Any) -> dict[str, float]:
+    cfg = config()
+    model = NoCopyOnRank1(*mlp())
+    trial = step_trial(model, cfg.data, cfg.train, cfg.launch, 64, ist_layout(model, 2, ROUND, "scale", 0))
+    return ist_round(SimpleNamespace(comm=comm), (trial.key, pickle.dumps(trial)), 0.01)
+
+
 def _round_without_layout(comm: Any) -> dict[str, float]:
     cfg = config()
     trial = step_trial(mlp(), cfg.data, cfg.train, cfg.launch, 64)
@@ -64,6 +82,8 @@ def test_every_rank_times_one_round_of_ist_and_all_or_none_do() -> None:
     assert run_world(2, _round_without_layout) == [{}, {}]
     # a round that raises on one rank between syncs: neither enters the sync
     assert run_world(2, _round, 0.01, 1) == [{}, {}]
+    # a model one rank cannot copy: decided before any collective, so nobody waits in one
+    assert run_world(2, _round_of_a_model_rank_1_cannot_copy) == [{}, {}]
 
 
 def rounded(cluster: ClusterInfo, step: float, sync: float) -> ClusterInfo:
@@ -118,6 +138,4 @@ def test_the_trial_carries_ists_layout_only_where_ist_may_train_the_run() -> Non
     weighted = config(weight_col="w")
     assert ist_trial_layout(mlp(), weighted.data, weighted.launch, 64) is None
     assert ist_trial_layout(mlp(), cfg.data, dataclasses.replace(cfg.launch, num_workers=1), 64) is None
-    from torch import nn
-
     assert ist_trial_layout(nn.Sequential(nn.Conv1d(1, 2, 3)), cfg.data, cfg.launch, 64) is None
