@@ -84,7 +84,8 @@ def make_plan(module: Any, data: DataConfig, train: TrainConfig, launch: LaunchC
 
     from sparkdl.comm import backend_class
     from sparkdl.errors import ModelError, ResourceError, SparkdlError
-    from sparkdl.planner.candidates import ist_trial_layout, price_plan, profile_model
+    from sparkdl.planner.candidates import price_plan, profile_model
+    from sparkdl.planner.ist_pricing import ist_trial_layout
     from sparkdl.planner.cluster import for_model
     from sparkdl.planner.plan import NoFeasibleLayout
     from sparkdl.planner.step_trial import step_trial

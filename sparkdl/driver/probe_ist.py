@@ -6,7 +6,7 @@ and get fresh optimizers. On the bed a round's sync took 225-290 ms at 20 Mbit/s
 priced its allgather at 148 ms (which is what the allgather alone takes there: the rest is the
 sync's other work on 0.5-core hosts and the ranks reaching it apart), and the subnet's step ran 20-40 %
 slower than its profile: IST's predicted step was half the measured one. So where IST is
-a candidate (planner/candidates.ist_trial_layout), the ranks run one real round of it with the run's
+a candidate (planner/ist_pricing.ist_trial_layout), the ranks run one real round of it with the run's
 own layout: `sync_every - 1` steps timed alone, a check that every rank got through them (a rank that
 failed never leaves the others in a collective), then the step that syncs.
 """

@@ -41,9 +41,9 @@ from sparkdl.planner.stages import optimizer_bytes_per_param
 from sparkdl.planner.step_trial import full_step_s, lock_step_s, scale_to_trial
 from sparkdl.planner.steps_to_loss import rounds_factor, with_steps_factors
 from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
+from sparkdl.planner.ist_pricing import IST_R, ist_estimate
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds
 
-IST_R = 30
 
 
 def layer_costs(model: nn.Module, num_features: "ModelInput | int", rows: int, driver_flops: float,
@@ -289,22 +289,6 @@ def _ist_subnet_costs(model: nn.Module, workers: int, num_features: "ModelInput 
     return layer_costs(subnet, num_features, rows, driver_flops, ratio)[1]
 
 
-def ist_trial_layout(model: nn.Module, data: DataConfig, launch: LaunchConfig, num_features: "ModelInput | int"
-                     ) -> Any:
-    """IST's layout for this run when IST is a candidate it may choose (an MLP on one float feature
-    vector, no row weights, wide enough for the ranks): the calibration then times one IST round on
-    the ranks (planner/step_trial.py). None otherwise."""
-    from sparkdl.strategies.ist import ist_layout, narrow_layers
-
-    if launch.num_workers < 2 or data.weight_col or ModelInput.of(num_features).sample is not None:
-        return None
-    try:
-        layout = ist_layout(model, launch.num_workers, IST_R, "scale", 0)
-    except Exception:  # noqa: BLE001 - not an IST model: its candidate says why
-        return None
-    return None if narrow_layers(layout) else layout
-
-
 def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
     if budget is not None and memory > budget:
         return False, f"needs {memory / 2**20:.1f} MiB per rank, over the budget"
@@ -369,25 +353,6 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
             add("hybrid", options, cost.hybrid(work, net, cuts, micro, train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
     if workers >= 2:
-        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *_ist_estimate(model, work, net, subnet, ist_refused,
-                                                                                 ist_round))
+        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *ist_estimate(model, work, net, subnet, ist_refused,
+                                                                                ist_round))
     return out
-
-
-def _ist_estimate(model: nn.Module, work: cost.Workload, net: cost.Network, subnet: tuple[cost.LayerCost, ...] | None,
-                  refused: str, measured: tuple[float, float] = (0.0, 0.0)) -> tuple[cost.Estimate, bool, str]:
-    """IST's estimate, whether it may run and why not: refused for the run (`refused`), or for a model
-    too narrow per worker (IST/GIST papers: accuracy drops; the step time would not show it)."""
-    from sparkdl.strategies.ist import MIN_NEURONS_PER_RANK, ist_layout, narrow_layers
-
-    unpriced = cost.Estimate(math.inf, 0, 0, math.inf, math.inf)
-    if refused:
-        return unpriced, False, refused
-    workers = work.world
-    try:
-        narrow = narrow_layers(ist_layout(model, workers, IST_R, "scale", 0))
-        eligible, why = (False, f"{narrow[0]} < {MIN_NEURONS_PER_RANK} x {workers}: accuracy risk") if narrow \
-            else (True, "")
-    except Exception as exc:  # noqa: BLE001 - the eligibility message is the reason shown
-        eligible, why = False, str(exc).splitlines()[0][:120]
-    return (cost.ist(work, net, IST_R, subnet, measured) if eligible else unpriced), eligible, why

@@ -17,7 +17,7 @@ import pytest
 from torch import nn
 
 from sparkdl.driver.probe_ist import ROUND_BUDGET_S, ist_round
-from sparkdl.planner.candidates import IST_R, ist_trial_layout
+from sparkdl.planner.ist_pricing import IST_R, ist_trial_layout
 from sparkdl.planner.cluster import ClusterInfo, _from_entry, for_model, merge, with_step
 from sparkdl.planner.ends import calibration_ends
 from sparkdl.planner.step_trial import step_trial
