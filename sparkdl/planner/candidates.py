@@ -41,7 +41,7 @@ from sparkdl.planner.stages import optimizer_bytes_per_param
 from sparkdl.planner.step_trial import full_step_s, lock_step_s, scale_to_trial
 from sparkdl.planner.steps_to_loss import rounds_factor, with_steps_factors
 from sparkdl.planner.transformer_cost import planned_layers, priced_as_transformer, transformer_facts
-from sparkdl.planner.ist_pricing import IST_R, ist_estimate
+from sparkdl.planner.ist_pricing import IST_R, ist_estimate, ist_refusal
 from sparkdl.planner.uneven import H_MIN, balanced, diloco_rounds
 
 
@@ -256,11 +256,9 @@ def _price_end(model: nn.Module, data: DataConfig, train: TrainConfig, launch: L
                unequal: bool, diloco_every: tuple[int, int]) -> list[Candidate]:
     """Every candidate priced with this end's speeds and network."""
     work, subnet = _workload(data, train, launch, costs, end)
-    refused = "IST trains MLPs on one float feature vector, not input_cols tensors" if costs.input_bytes > 0 else \
-        "IST trains without per-row weights (weight_col)" if data.weight_col else ""
-    candidates = _candidates(model, data, train, launch, work, end.net, budget, backend_ops, costs.profile, subnet,
-                             ist_refused=refused, islands=end.islands, diloco_every=diloco_every,
-                             ist_round=end.ist_round)
+    ist = ist_estimate(model, work, end.net, subnet, ist_refusal(data, costs.input_bytes > 0), end.ist_round)
+    candidates = _candidates(model, data, train, launch, work, end.net, budget, backend_ops, costs.profile, ist,
+                             islands=end.islands, diloco_every=diloco_every)
     if unequal:
         # DT-FM: rows re-split by speed; every rank then takes about the mean rank's time per step.
         estimate = balanced(work, end.net, end.speeds, work.input_bytes_per_row, grad_overlap(train, launch))
@@ -297,11 +295,9 @@ def _fits(memory: float, budget: float | None) -> tuple[bool, str]:
 
 def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: LaunchConfig, work: cost.Workload,
                 net: cost.Network, budget: float | None, backend_ops: frozenset[str], profile: ModelProfile,
-                subnet: tuple[cost.LayerCost, ...] | None, ist_refused: str = "", islands: IslandLinks | None = None,
-                diloco_every: tuple[int, int] = (H_MIN, H_MIN), ist_round: tuple[float, float] = (0.0, 0.0)
-                ) -> list[Candidate]:
-    """`ist_refused`: why IST cannot train this run at all (it is then listed as infeasible);
-    `ist_round`: an IST round timed on the ranks (CalibrationEnd.ist_round), which prices IST;
+                ist: tuple[cost.Estimate, bool, str], islands: IslandLinks | None = None,
+                diloco_every: tuple[int, int] = (H_MIN, H_MIN)) -> list[Candidate]:
+    """`ist`: IST's estimate, whether it may train the run and why not (planner/ist_pricing.py);
     `islands`: the islands the measured links form (an islands candidate is priced on them);
     `diloco_every`: H of plain and of streamed DiLoCo, chosen on the measured calibration."""
     from sparkdl.strategies.diloco import layer_groups
@@ -353,6 +349,5 @@ def _candidates(model: nn.Module, data: DataConfig, train: TrainConfig, launch: 
             add("hybrid", options, cost.hybrid(work, net, cuts, micro, train.schedule == "1f1b"),
                 has_p2p, "" if has_p2p else "the backend has no point-to-point messages")
     if workers >= 2:
-        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *ist_estimate(model, work, net, subnet, ist_refused,
-                                                                                ist_round))
+        add("ist", {"strategy": "ist", "ist_sync_every": IST_R}, *ist)
     return out

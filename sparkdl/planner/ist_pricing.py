@@ -15,6 +15,13 @@ from sparkdl.planner.profile import ModelInput
 IST_R = 30  # the sync period IST is priced and timed at
 
 
+def ist_refusal(data: DataConfig, tensor_input: bool) -> str:
+    """Why IST cannot train this run at all, whatever the model ("" when it may)."""
+    if tensor_input:
+        return "IST trains MLPs on one float feature vector, not input_cols tensors"
+    return "IST trains without per-row weights (weight_col)" if data.weight_col else ""
+
+
 def ist_trial_layout(model: nn.Module, data: DataConfig, launch: LaunchConfig, num_features: "ModelInput | int"
                      ) -> Any:
     """IST's layout for this run when IST is a candidate it may choose (an MLP on one float feature
@@ -22,7 +29,7 @@ def ist_trial_layout(model: nn.Module, data: DataConfig, launch: LaunchConfig, n
     the ranks (planner/step_trial.py). None otherwise."""
     from sparkdl.strategies.ist import ist_layout, narrow_layers
 
-    if launch.num_workers < 2 or data.weight_col or ModelInput.of(num_features).sample is not None:
+    if launch.num_workers < 2 or ist_refusal(data, ModelInput.of(num_features).sample is not None):
         return None
     try:
         layout = ist_layout(model, launch.num_workers, IST_R, "scale", 0)
