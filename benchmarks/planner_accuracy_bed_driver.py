@@ -146,25 +146,23 @@ def final_write_back_s(timed: list[dict[str, Any]]) -> float:
     """The last epoch's wall beyond its steps, less what the other epochs' walls held beyond theirs."""
     if len(timed) < 2:
         return 0.0
-
-    def beyond_steps(record: dict[str, Any]) -> float:
-        compute = max(record.get("compute_seconds_by_rank", ()) or (0.0,))
-        wait = max(record.get("wait_seconds_by_rank", ()) or (0.0,))
-        return float(record["seconds"]) - compute - wait - float(record.get("data_seconds", 0.0))
-
-    return max(beyond_steps(timed[-1]) - statistics.median(beyond_steps(r) for r in timed[:-1]), 0.0)
+    return max(epoch_parts_s(timed[-1])["rest"] - statistics.median(epoch_parts_s(r)["rest"] for r in timed[:-1]), 0.0)
 
 
-def step_split(record: dict[str, Any]) -> dict[str, float]:
-    """Where an epoch's step went (ms a step, slowest rank): computing, blocked in collectives,
-    waiting for data, and the rest of the epoch's wall (the loop, the epoch's ends)."""
-    steps = max(int(record["steps"]), 1)
+def epoch_parts_s(record: dict[str, Any]) -> dict[str, float]:
+    """An epoch's wall in seconds (slowest rank's parts): computing, blocked in collectives, waiting
+    for data, and the rest (the loop, the epoch's ends)."""
     compute = max(record.get("compute_seconds_by_rank", ()) or (0.0,))
     wait = max(record.get("wait_seconds_by_rank", ()) or (0.0,))
     data = float(record.get("data_seconds", 0.0))
-    return {"step": round(1e3 * float(record["seconds"]) / steps, 2), "compute": round(1e3 * compute / steps, 2),
-            "wait": round(1e3 * wait / steps, 2), "data": round(1e3 * data / steps, 2),
-            "rest": round(1e3 * (float(record["seconds"]) - compute - wait - data) / steps, 2)}
+    seconds = float(record["seconds"])
+    return {"step": seconds, "compute": compute, "wait": wait, "data": data, "rest": seconds - compute - wait - data}
+
+
+def step_split(record: dict[str, Any]) -> dict[str, float]:
+    """Where an epoch's step went (ms a step): epoch_parts_s over its steps."""
+    steps = max(int(record["steps"]), 1)
+    return {name: round(1e3 * value / steps, 2) for name, value in epoch_parts_s(record).items()}
 
 
 def fit(model: Callable[[], Any], train: Any, evaluation: Any, options: dict[str, Any], epochs: int,
